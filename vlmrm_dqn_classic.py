@@ -1,0 +1,647 @@
+"""VLM-RM: DQN on CartPole-v1 / MountainCar-v0 with a CLIP model as the reward (no hand-written reward).
+
+Every frame the environment renders is scored by a pretrained CLIP model against a goal sentence,
+optionally regularised towards a baseline sentence with strength alpha (goal-baseline projection).
+One file, read top to bottom: flags, CLIP reward, environments, Q-network, replay buffer, training loop.
+
+    python vlmrm_dqn_classic.py --env-id CartPole-v1 --goal "pole vertically upright on top of the cart" \
+        --baseline "pole and cart" --alpha 0.5
+"""
+
+import logging
+import math
+import os
+import random
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # pygame draws off-screen: no display needed
+os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.optim as optim
+import tyro
+from torch.utils.tensorboard import SummaryWriter
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = True
+    """if toggled, CUDA (when available) runs the Q-network and the reward model"""
+    capture_video: bool = False
+    """if toggled, save MP4s of env 0's episodes to `videos/<run_name>/`"""
+    video_interval: int = 50
+    """record every n-th episode of env 0"""
+    save_model: bool = False
+    """if toggled, save the Q-network to `runs/<run_name>/model.pt` and evaluate it"""
+    evaluate: Optional[str] = None
+    """path to a saved `model.pt`: roll it out greedily instead of training"""
+    eval_episodes: int = 10
+    """number of episodes of an evaluation"""
+
+    # Environment
+    env_id: Literal["CartPole-v1", "MountainCar-v0"] = "CartPole-v1"
+    """the environment"""
+    episode_length: int = 200
+    """fixed episode length: no early termination, so survival alone earns nothing"""
+    realistic: bool = False
+    """MountainCar only: draw a landscape (sky, hills, flag, car) instead of Gymnasium's line art"""
+
+    # Reward
+    reward: Literal["clip", "gt"] = "clip"
+    """learn from the CLIP reward, or from the ground truth (CartPole: upright; MountainCar: at the flag)"""
+    goal: Optional[tuple[str, ...]] = None
+    """goal prompt(s); default: a description of the task's goal state"""
+    baseline: Optional[tuple[str, ...]] = None
+    """baseline prompt(s) for the goal-baseline projection; default: a description of the scene"""
+    alpha: float = 0.0
+    """regularisation strength in [0, 1]: 0 = plain cosine similarity, 1 = only the goal-baseline direction"""
+    clip_model: str = "ViT-bigG-14"
+    """open_clip architecture name, or the path of an open_clip model config (.json)"""
+    clip_pretrained: str = "laion2b_s39b_b160k"
+    """open_clip pretrained tag ("none" = random weights, for tests only)"""
+    clip_checkpoint: Optional[str] = None
+    """local weights file for `--clip-model` (overrides `--clip-pretrained`)"""
+    clip_cache_dir: Optional[str] = None
+    """where downloaded CLIP weights are cached (default: the Hugging Face cache)"""
+    reward_batch_size: int = 64
+    """frames scored per CLIP forward pass"""
+
+    # DQN (CleanRL's dqn.py defaults, except where the comment says otherwise)
+    total_timesteps: int = 500000
+    """total environment steps (summed over envs)"""
+    learning_rate: float = 2.5e-4
+    """the learning rate of the optimizer"""
+    num_envs: int = 1
+    """the number of parallel environments"""
+    buffer_size: int = 10000
+    """the replay memory buffer size"""
+    gamma: float = 0.99
+    """the discount factor gamma"""
+    tau: float = 1.0
+    """the target network update rate"""
+    target_network_frequency: int = 500
+    """the timesteps it takes to update the target network"""
+    batch_size: int = 128
+    """the batch size of sample from the replay memory"""
+    start_e: float = 1.0
+    """the starting epsilon for exploration"""
+    end_e: float = 0.05
+    """the ending epsilon for exploration"""
+    exploration_fraction: float = 0.5
+    """the fraction of `total_timesteps` it takes from start_e to end_e"""
+    learning_starts: int = 10000
+    """timestep to start learning"""
+    train_frequency: int = 10
+    """the frequency of training"""
+
+
+DEFAULT_PROMPTS = {  # (goal, baseline) from the paper
+    "CartPole-v1": ("pole vertically upright on top of the cart", "pole and cart"),
+    "MountainCar-v0": ("a car at the peak of the mountain, next to the yellow flag", "a car in the mountain"),
+}
+
+
+class UserError(Exception):
+    """Bad input or a missing resource: reported as one sentence and exit code 2, never a traceback."""
+
+
+def check_args(args: Args) -> None:
+    """Reject bad flags before anything expensive (model download, env spawn) happens."""
+    if not 0.0 <= args.alpha <= 1.0:
+        raise UserError(f"--alpha must be in [0, 1], got {args.alpha}.")
+    if not args.goal or any(not g.strip() for g in args.goal):
+        raise UserError('--goal needs at least one non-empty prompt, e.g. --goal "pole vertically upright on top of the cart".')
+    if args.alpha > 0 and (not args.baseline or any(not b.strip() for b in args.baseline)):
+        raise UserError("--baseline needs at least one non-empty prompt when --alpha > 0.")
+    if args.alpha > 0 and sorted(set(args.goal)) == sorted(set(args.baseline)):
+        raise UserError(f"--goal and --baseline are the same prompts, so the goal-baseline direction is zero; change one or use --alpha 0 (got --alpha {args.alpha}).")
+    for name in ["total_timesteps", "num_envs", "buffer_size", "batch_size", "train_frequency",
+                 "target_network_frequency", "episode_length", "reward_batch_size", "eval_episodes", "video_interval"]:
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}.")
+    if args.evaluate is not None and not os.path.isfile(args.evaluate):
+        raise UserError(f"--evaluate {args.evaluate}: no such file; pass the model.pt written by --save-model.")
+    if args.reward == "clip" or args.evaluate is not None:
+        check_clip_args(args)
+
+
+def check_clip_args(args: Args) -> None:
+    import open_clip
+
+    if args.clip_model.endswith(".json"):
+        if not os.path.isfile(args.clip_model):
+            raise UserError(f"--clip-model {args.clip_model}: no such model config file.")
+        return
+    if args.clip_model not in open_clip.list_models():
+        raise UserError(f"--clip-model {args.clip_model} is not an open_clip architecture; run `python -c \"import open_clip; print(open_clip.list_models())\"` to see them (e.g. ViT-bigG-14, ViT-L-14, RN50).")
+    if args.clip_checkpoint is not None:
+        if not os.path.isfile(args.clip_checkpoint):
+            raise UserError(f"--clip-checkpoint {args.clip_checkpoint}: no such file; pass the path of a downloaded open_clip weights file.")
+        return
+    tags = open_clip.list_pretrained_tags_by_model(args.clip_model)
+    if args.clip_pretrained != "none" and args.clip_pretrained not in tags:
+        raise UserError(f"--clip-pretrained {args.clip_pretrained} is not a pretrained tag of {args.clip_model}; its tags are: {', '.join(tags) or 'none'}.")
+
+
+# ----------------------------------------------------------------------------------------------
+# CLIP reward
+# ----------------------------------------------------------------------------------------------
+def vlm_reward(image_embeddings: torch.Tensor, goal_embeddings: torch.Tensor,
+               baseline_embeddings: torch.Tensor, alpha: float) -> torch.Tensor:
+    """R(s) = 1 - 0.5 * ||(s - g) P||^2 with P = alpha * d d^T / ||d||^2 + (1 - alpha) I, d = g - b.
+
+    Takes raw (N, D) image and (G, D) / (B, D) prompt embeddings; returns (N,) rewards in float32.
+    """
+    s = F.normalize(image_embeddings.float(), dim=-1)
+    g = F.normalize(goal_embeddings.float(), dim=-1).mean(0)  # the mean is deliberately not re-normalised
+    b = F.normalize(baseline_embeddings.float(), dim=-1).mean(0)
+    u = s - g
+    if alpha == 0:
+        return 1 - 0.5 * u.pow(2).sum(-1)
+    d = g - b
+    d_norm = d.norm()
+    if d_norm == 0:
+        raise ValueError("goal and baseline embeddings are equal: the projection direction is undefined for alpha > 0")
+    direction = d / d_norm
+    # u P = alpha * (u . d^) d^ + (1 - alpha) u: O(N D), no D x D matrix
+    projected = alpha * (u @ direction)[:, None] * direction + (1 - alpha) * u
+    return 1 - 0.5 * projected.pow(2).sum(-1)
+
+
+def load_clip(args: Args, device: torch.device) -> tuple[nn.Module, object]:
+    """The open_clip model and tokenizer named by the flags, with one-sentence errors."""
+    import open_clip
+
+    model_name = args.clip_model
+    if model_name.endswith(".json"):  # a custom architecture, e.g. the tiny test model in tests/
+        open_clip.add_model_config(model_name)
+        model_name = Path(model_name).stem
+    pretrained = args.clip_checkpoint or (None if args.clip_pretrained == "none" else args.clip_pretrained)
+    logging.disable(logging.ERROR)  # open_clip logs its own multi-line errors; we say it in one sentence
+    try:
+        model = open_clip.create_model(model_name, pretrained=pretrained, device=device, cache_dir=args.clip_cache_dir)
+    except Exception as e:  # noqa: BLE001 - every failure here has the same fixes
+        if args.clip_checkpoint is not None:
+            raise UserError(f"could not load --clip-checkpoint {args.clip_checkpoint} into {model_name} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); check that the file holds open_clip weights for that architecture.") from None
+        raise UserError(f"could not download or find the {model_name}/{pretrained} CLIP weights ({str(e).splitlines()[0][:200]}); check the network connection, point --clip-cache-dir at a folder that already holds them, or pass a local weights file with --clip-checkpoint.") from None
+    finally:
+        logging.disable(logging.NOTSET)
+    if pretrained is None:
+        print(f"note: {model_name} has random weights (--clip-pretrained none): its rewards are meaningless outside tests")
+    return model.eval(), open_clip.get_tokenizer(model_name)
+
+
+class CLIPReward(nn.Module):
+    """Scores uint8 frames (N, H, W, 3) with `vlm_reward`; prompt embeddings are computed once."""
+
+    def __init__(self, model: nn.Module, tokenizer, goal: tuple[str, ...], baseline: tuple[str, ...],
+                 alpha: float, batch_size: int, device: torch.device):
+        super().__init__()
+        import open_clip
+
+        self.model, self.alpha, self.batch_size, self.device = model, alpha, batch_size, device
+        preprocess_cfg = open_clip.get_model_preprocess_cfg(model)
+        self.image_size = tuple(preprocess_cfg["size"]) if not isinstance(preprocess_cfg["size"], int) else (preprocess_cfg["size"],) * 2
+        self.register_buffer("mean", torch.tensor(preprocess_cfg["mean"], device=device).view(1, 3, 1, 1))
+        self.register_buffer("std", torch.tensor(preprocess_cfg["std"], device=device).view(1, 3, 1, 1))
+        with torch.no_grad():
+            self.register_buffer("goal_embeddings", model.encode_text(tokenizer(list(goal)).to(device)).float())
+            self.register_buffer("baseline_embeddings", model.encode_text(tokenizer(list(baseline or goal)).to(device)).float())
+
+    @torch.no_grad()
+    def embed_images(self, frames: torch.Tensor) -> torch.Tensor:
+        """uint8 (N, H, W, 3) -> raw image embeddings (N, D); frames travel to the device as uint8 (4x less)."""
+        x = frames.to(self.device, non_blocking=True).permute(0, 3, 1, 2).float().div_(255)
+        # squash to the model's square input, like the reference; antialias matches PIL's bicubic downscale
+        x = F.interpolate(x, size=self.image_size, mode="bicubic", align_corners=False, antialias=True).clamp_(0, 1)
+        x = (x - self.mean) / self.std
+        with torch.autocast(device_type=self.device.type, dtype=torch.float16, enabled=self.device.type == "cuda"):
+            return self.model.encode_image(x)
+
+    @torch.no_grad()
+    def forward(self, frames: np.ndarray) -> np.ndarray:
+        frames = torch.from_numpy(np.ascontiguousarray(frames))
+        rewards = [vlm_reward(self.embed_images(chunk), self.goal_embeddings, self.baseline_embeddings, self.alpha)
+                   for chunk in frames.split(self.batch_size)]
+        return torch.cat(rewards).cpu().numpy()
+
+
+def warn_if_slow_on_cpu(reward_model: CLIPReward, args: Args) -> None:
+    """A real-size CLIP on CPU takes seconds per frame: measure it once and say what to do instead."""
+    if reward_model.device.type != "cpu":
+        return
+    frame = np.zeros((1, 400, 600, 3), dtype=np.uint8)
+    start = time.perf_counter()
+    reward_model(frame)
+    seconds = time.perf_counter() - start
+    if seconds > 0.05:
+        hours = seconds * args.total_timesteps / 3600
+        print(f"warning: scoring one frame with {args.clip_model} on CPU takes {seconds:.2f} s, so this run would spend "
+              f"about {hours:.1f} h in the reward model; use a GPU, or a smaller model such as --clip-model RN50 --clip-pretrained openai")
+
+
+# ----------------------------------------------------------------------------------------------
+# Environments: fixed-length episodes; the env's own reward is the ground truth (logged, not learned from)
+# ----------------------------------------------------------------------------------------------
+class FixedLengthCartPole(gym.Wrapper):
+    """CartPole that never terminates: the pole angle wraps to [-pi, pi) and the cart stops at the track ends.
+
+    Reward = 1 when the step is upright (|theta| < 12 deg and |x| < 2.4), else 0.
+    """
+
+    def step(self, action):
+        _, _, _, truncated, info = self.env.step(action)
+        cartpole = self.env.unwrapped
+        x, x_dot, theta, theta_dot = cartpole.state
+        theta = (theta + math.pi) % (2 * math.pi) - math.pi
+        if abs(x) > cartpole.x_threshold:  # the track ends are walls: stop there instead of leaving the screen
+            x, x_dot = math.copysign(cartpole.x_threshold, x), 0.0
+        cartpole.state = np.array([x, x_dot, theta, theta_dot], dtype=np.float64)
+        cartpole.steps_beyond_terminated = None  # we keep stepping on purpose: silence gym's warning
+        upright = abs(theta) < cartpole.theta_threshold_radians and abs(x) < cartpole.x_threshold
+        info["success"] = upright
+        return np.array(cartpole.state, dtype=np.float32), float(upright), False, truncated, info
+
+
+class FixedLengthMountainCar(gym.Wrapper):
+    """MountainCar that never terminates. Reward = 1 while at the flag (x >= 0.45), else 0.
+
+    `info["success"]` says whether the flag was reached at any point of the current episode.
+    """
+
+    def reset(self, **kwargs):
+        self.reached_goal = False
+        return self.env.reset(**kwargs)
+
+    def step(self, action):
+        obs, _, _, truncated, info = self.env.step(action)
+        at_goal = bool(obs[0] >= self.env.unwrapped.goal_position)
+        self.reached_goal |= at_goal
+        info["success"] = self.reached_goal
+        return obs, float(at_goal), False, truncated, info
+
+
+class RealisticMountainCar(gym.Wrapper):
+    """Draws MountainCar as a landscape (sky, hills, road, yellow flag, a car tilted to the slope).
+
+    CLIP scores photos-like scenes far better than line art. Same world-to-pixel mapping as Gymnasium's
+    renderer; the static background is drawn once, only the car is drawn per frame.
+    """
+
+    width, height = 600, 400
+
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        import pygame
+
+        car = env.unwrapped
+        self.min_x, self.max_x = car.min_position, car.max_position
+        self.scale = self.width / (self.max_x - self.min_x)
+        rng = np.random.default_rng(0)  # fixed texture noise: every frame of every run looks the same
+        # sky: vertical gradient from deep blue to a pale horizon
+        t = np.linspace(0, 1, self.height)[:, None, None]
+        pixels = (1 - t) * np.array([70, 130, 210]) + t * np.array([200, 225, 245])
+        pixels = np.broadcast_to(pixels, (self.height, self.width, 3)).copy()
+        cols = np.arange(self.width)
+        # distant mountains: a hazy blue-grey ridge
+        ridge = 170 + 35 * np.sin(cols / 57.0) + 20 * np.sin(cols / 23.0 + 1.3) + 8 * np.sin(cols / 7.0)
+        far = np.arange(self.height)[:, None] > ridge[None, :]
+        pixels[far] = [120, 140, 165]
+        # the hill: grass below the track curve, with a darker earth layer and speckle noise
+        surface = self.height - self._pixel_height(self.min_x + cols / self.scale)
+        depth = np.arange(self.height)[:, None] - surface[None, :]
+        grass = (depth > 0)[..., None] * np.array([70, 140, 55])
+        earth = (depth > 28)[..., None] * (np.array([110, 85, 55]) - np.array([70, 140, 55]))
+        ground = depth > 0
+        noise = rng.normal(0, 12, (self.height, self.width, 1))
+        pixels[ground] = (grass + earth + noise)[ground]
+        road = (depth > -4) & (depth <= 4)  # a grey road along the curve the car drives on
+        pixels[road] = [95, 95, 100]
+        background = pygame.surfarray.make_surface(np.clip(pixels, 0, 255).astype(np.uint8).transpose(1, 0, 2))
+        # the yellow flag at the goal position
+        flag_x = int((car.goal_position - self.min_x) * self.scale)
+        flag_y = self.height - int(self._pixel_height(car.goal_position)) - 4
+        pygame.draw.line(background, (60, 60, 60), (flag_x, flag_y), (flag_x, flag_y - 60), 3)
+        pygame.draw.polygon(background, (250, 210, 20), [(flag_x + 2, flag_y - 60), (flag_x + 32, flag_y - 50), (flag_x + 2, flag_y - 40)])
+        self.background = background
+        # the car sprite, drawn once and rotated per frame: red body, cabin with windows, two wheels
+        sprite = pygame.Surface((56, 34), pygame.SRCALPHA)
+        pygame.draw.rect(sprite, (200, 30, 35), (0, 12, 56, 14), border_radius=5)
+        pygame.draw.rect(sprite, (175, 25, 30), (12, 2, 30, 14), border_radius=4)
+        pygame.draw.rect(sprite, (170, 210, 235), (16, 5, 10, 8))
+        pygame.draw.rect(sprite, (170, 210, 235), (29, 5, 10, 8))
+        for wheel_x in (12, 44):
+            pygame.draw.circle(sprite, (25, 25, 25), (wheel_x, 27), 7)
+            pygame.draw.circle(sprite, (160, 160, 160), (wheel_x, 27), 3)
+        self.sprite = sprite
+        self.canvas = pygame.Surface((self.width, self.height))
+
+    def _pixel_height(self, x):
+        return (0.45 * np.sin(3 * np.asarray(x)) + 0.55) * self.scale
+
+    def render(self) -> np.ndarray:
+        import pygame
+
+        x = float(self.env.unwrapped.state[0])
+        slope = math.degrees(math.atan(0.45 * 3 * math.cos(3 * x)))  # same scale on both axes
+        car = pygame.transform.rotozoom(self.sprite, slope, 1.0)
+        # stand the car on the road: centre of the sprite 10 px above the surface, along the normal
+        normal = math.radians(slope)
+        cx = (x - self.min_x) * self.scale - 10 * math.sin(normal)
+        cy = self.height - self._pixel_height(x) - 10 * math.cos(normal)
+        self.canvas.blit(self.background, (0, 0))
+        self.canvas.blit(car, car.get_rect(center=(cx, cy)))
+        return np.array(pygame.surfarray.pixels3d(self.canvas)).transpose(1, 0, 2)
+
+
+def make_env(env_id: str, seed: int, idx: int, episode_length: int, realistic: bool):
+    def thunk():
+        env = gym.make(env_id, render_mode="rgb_array", max_episode_steps=episode_length)
+        if env_id == "CartPole-v1":
+            env = FixedLengthCartPole(env)
+        else:
+            env = FixedLengthMountainCar(env)
+            if realistic:
+                env = RealisticMountainCar(env)
+        env.action_space.seed(seed + idx)
+        return env
+
+    return thunk
+
+
+# ----------------------------------------------------------------------------------------------
+# DQN
+# ----------------------------------------------------------------------------------------------
+class QNetwork(nn.Module):
+    def __init__(self, envs: gym.vector.VectorEnv):
+        super().__init__()
+        self.network = nn.Sequential(
+            nn.Linear(np.array(envs.single_observation_space.shape).prod(), 120),
+            nn.ReLU(),
+            nn.Linear(120, 84),
+            nn.ReLU(),
+            nn.Linear(84, envs.single_action_space.n),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.network(x)
+
+
+def linear_schedule(start_e: float, end_e: float, duration: int, t: int) -> float:
+    slope = (end_e - start_e) / duration
+    return max(slope * t + start_e, end_e)
+
+
+class ReplayBuffer:
+    """Plain ring buffer of (obs, action, reward, next_obs, terminated) on the host."""
+
+    def __init__(self, size: int, obs_shape: tuple, device: torch.device):
+        self.size, self.device, self.pos, self.full = size, device, 0, False
+        self.obs = np.zeros((size, *obs_shape), dtype=np.float32)
+        self.next_obs = np.zeros((size, *obs_shape), dtype=np.float32)
+        self.actions = np.zeros((size,), dtype=np.int64)
+        self.rewards = np.zeros((size,), dtype=np.float32)
+        self.terminations = np.zeros((size,), dtype=np.float32)
+
+    def add(self, obs: np.ndarray, next_obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminations: np.ndarray) -> None:
+        for i in range(len(obs)):
+            self.obs[self.pos], self.next_obs[self.pos] = obs[i], next_obs[i]
+            self.actions[self.pos], self.rewards[self.pos], self.terminations[self.pos] = actions[i], rewards[i], terminations[i]
+            self.pos = (self.pos + 1) % self.size
+            self.full = self.full or self.pos == 0
+
+    def __len__(self) -> int:
+        return self.size if self.full else self.pos
+
+    def sample(self, batch_size: int) -> tuple[torch.Tensor, ...]:
+        idx = np.random.randint(0, len(self), size=batch_size)
+        return tuple(torch.from_numpy(a[idx]).to(self.device) for a in
+                     (self.obs, self.actions, self.rewards, self.next_obs, self.terminations))
+
+
+def save_video(frames: list[np.ndarray], path: str, fps: int = 50) -> None:
+    import imageio
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    imageio.mimwrite(path, frames, fps=fps, macro_block_size=8)
+
+
+def evaluate(model_path: str, args: Args, run_name: str, device: torch.device,
+             reward_model: Optional[CLIPReward] = None) -> list[float]:
+    """Greedy rollouts of a saved Q-network; logs ground-truth (and CLIP, when given) returns."""
+    envs = gym.vector.SyncVectorEnv([make_env(args.env_id, args.seed + 10_000, 0, args.episode_length, args.realistic)])
+    q_network = QNetwork(envs).to(device)
+    q_network.load_state_dict(torch.load(model_path, map_location=device)["q_network"])
+    q_network.eval()
+    render = reward_model is not None or args.capture_video
+    gt_returns = []
+    for episode in range(args.eval_episodes):
+        obs, _ = envs.reset(seed=args.seed + 10_000 + episode)
+        frames, gt_return, clip_return = [], 0.0, 0.0
+        if args.capture_video:
+            frames.append(envs.call("render")[0])
+        for _ in range(args.episode_length):
+            with torch.no_grad():
+                actions = q_network(torch.from_numpy(obs).to(device)).argmax(dim=1).cpu().numpy()
+            obs, gt_rewards, _, _, _ = envs.step(actions)
+            gt_return += float(gt_rewards[0])
+            if render:
+                frame = envs.call("render")[0]
+                frames.append(frame)
+                if reward_model is not None:
+                    clip_return += float(reward_model(frame[None])[0])
+        gt_returns.append(gt_return)
+        print(f"eval episode {episode}: gt_return={gt_return:.1f}" + (f" clip_return={clip_return:.2f}" if reward_model else ""))
+        if args.capture_video:
+            save_video(frames, f"videos/{run_name}/eval-episode-{episode}.mp4")
+    envs.close()
+    return gt_returns
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+def main(args: Args) -> None:
+    default_goal, default_baseline = DEFAULT_PROMPTS[args.env_id]
+    args.goal = args.goal if args.goal is not None else (default_goal,)
+    args.baseline = args.baseline if args.baseline is not None else (default_baseline,)
+    check_args(args)
+    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+
+    reward_model = None
+    if args.reward == "clip" or args.evaluate is not None:
+        model, tokenizer = load_clip(args, device)
+        reward_model = CLIPReward(model, tokenizer, args.goal, args.baseline, args.alpha, args.reward_batch_size, device)
+        if args.evaluate is None:
+            warn_if_slow_on_cpu(reward_model, args)
+    if args.evaluate is not None:
+        evaluate(args.evaluate, args, run_name, device, reward_model)
+        return
+
+    writer = SummaryWriter(f"runs/{run_name}")
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n%s" % "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
+    print(f"run: runs/{run_name} on {device}, reward: {args.reward}" + (f", goal={args.goal}, baseline={args.baseline}, alpha={args.alpha}" if args.reward == "clip" else ""))
+
+    envs = gym.vector.SyncVectorEnv([make_env(args.env_id, args.seed, i, args.episode_length, args.realistic) for i in range(args.num_envs)])
+    q_network = QNetwork(envs).to(device)
+    optimizer = optim.Adam(q_network.parameters(), lr=args.learning_rate)
+    target_network = QNetwork(envs).to(device)
+    target_network.load_state_dict(q_network.state_dict())
+    rb = ReplayBuffer(args.buffer_size, envs.single_observation_space.shape, device)
+
+    # Transitions wait here until their frames are scored in one batch; they reach the replay buffer
+    # before the next gradient step, so training never samples a transition without its reward.
+    pending: dict[str, list] = {k: [] for k in ("obs", "next_obs", "actions", "terminations", "dones", "gt", "frames", "env")}
+    episode = {k: np.zeros(args.num_envs) for k in ("return", "gt_return", "clip_return", "length", "success")}
+    render = args.reward == "clip" or args.capture_video
+    timing = {"env": 0.0, "render": 0.0, "reward_model": 0.0, "learning": 0.0}
+    video_frames: list[np.ndarray] = []  # env 0's current episode, when --capture-video
+    video_episode = 0
+
+    start_time = time.time()
+    obs, _ = envs.reset(seed=args.seed)
+    if args.capture_video:
+        video_frames.append(envs.call("render")[0])
+    # Gymnasium's vector envs reset a finished env on the *next* step: that step's output is a reset, not a transition
+    autoreset = np.zeros(args.num_envs, dtype=bool)
+    num_iterations = args.total_timesteps // args.num_envs
+    for iteration in range(num_iterations):
+        global_step = iteration * args.num_envs
+        epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, global_step)
+        if random.random() < epsilon:
+            actions = np.array([envs.single_action_space.sample() for _ in range(args.num_envs)])
+        else:
+            with torch.no_grad():
+                q_values = q_network(torch.from_numpy(obs).to(device))
+            actions = q_values.argmax(dim=1).cpu().numpy()
+
+        t0 = time.perf_counter()
+        next_obs, gt_rewards, terminations, truncations, infos = envs.step(actions)
+        t1 = time.perf_counter()
+        frames = np.stack(envs.call("render")) if render else None  # the frame *after* the step scores it
+        timing["env"] += t1 - t0
+        timing["render"] += time.perf_counter() - t1
+
+        valid = ~autoreset
+        pending["obs"].append(obs[valid])
+        pending["next_obs"].append(next_obs[valid])
+        pending["actions"].append(actions[valid])
+        pending["terminations"].append(terminations[valid])
+        pending["dones"].append((terminations | truncations)[valid])
+        success = infos.get("success", np.zeros(args.num_envs, dtype=bool))  # absent when every env just reset
+        pending["gt"].append(np.stack([gt_rewards[valid], success[valid]], axis=1))
+        pending["env"].append(np.flatnonzero(valid))
+        if render:
+            pending["frames"].append(frames[valid])
+            if args.capture_video:
+                if autoreset[0]:  # env 0 finished an episode on the previous step; frames[0] starts the next
+                    if video_episode % args.video_interval == 0:
+                        save_video(video_frames, f"videos/{run_name}/episode-{video_episode}.mp4")
+                    video_episode, video_frames = video_episode + 1, []
+                video_frames.append(frames[0])
+        obs = next_obs
+        autoreset = terminations | truncations
+
+        train_now = global_step >= args.learning_starts and iteration % args.train_frequency == 0
+        num_pending = sum(len(e) for e in pending["env"])
+        if num_pending and (train_now or num_pending >= args.reward_batch_size or args.reward == "gt" or iteration == num_iterations - 1):
+            t0 = time.perf_counter()
+            gt = np.concatenate(pending["gt"])
+            clip_rewards = reward_model(np.concatenate(pending["frames"])) if args.reward == "clip" else np.zeros(len(gt))
+            timing["reward_model"] += time.perf_counter() - t0
+            rewards = clip_rewards if args.reward == "clip" else gt[:, 0]
+            dones = np.concatenate(pending["dones"])
+            rb.add(np.concatenate(pending["obs"]), np.concatenate(pending["next_obs"]), np.concatenate(pending["actions"]),
+                   rewards, np.concatenate(pending["terminations"]))
+            # episode bookkeeping, in step order
+            for k, env_i in enumerate(np.concatenate(pending["env"])):
+                episode["return"][env_i] += rewards[k]
+                episode["gt_return"][env_i] += gt[k, 0]
+                episode["clip_return"][env_i] += clip_rewards[k]
+                episode["length"][env_i] += 1
+                episode["success"][env_i] = gt[k, 1]
+                if dones[k]:
+                    step = global_step  # logged at the step the episode's rewards became known
+                    length = episode["length"][env_i]
+                    # CartPole: share of upright steps; MountainCar: 1 if the flag was reached
+                    success = episode["gt_return"][env_i] / length if args.env_id == "CartPole-v1" else episode["success"][env_i]
+                    print(f"global_step={step}, episodic_return={episode['return'][env_i]:.2f}, gt_return={episode['gt_return'][env_i]:.0f}")
+                    writer.add_scalar("charts/episodic_return", episode["return"][env_i], step)
+                    writer.add_scalar("charts/episodic_length", length, step)
+                    writer.add_scalar("charts/gt_return", episode["gt_return"][env_i], step)
+                    writer.add_scalar("charts/gt_success", success, step)
+                    if args.reward == "clip":
+                        writer.add_scalar("charts/clip_return", episode["clip_return"][env_i], step)
+                        writer.add_scalar("charts/clip_reward_mean", episode["clip_return"][env_i] / length, step)
+                    for v in episode.values():
+                        v[env_i] = 0
+            pending = {k: [] for k in pending}
+
+        if train_now:
+            t0 = time.perf_counter()
+            b_obs, b_actions, b_rewards, b_next_obs, b_terminations = rb.sample(args.batch_size)
+            with torch.no_grad():
+                target_max, _ = target_network(b_next_obs).max(dim=1)
+                # time limits are truncations: we bootstrap through them (the reference treated them as terminal)
+                td_target = b_rewards + args.gamma * target_max * (1 - b_terminations)
+            old_val = q_network(b_obs).gather(1, b_actions[:, None]).squeeze(1)
+            loss = F.mse_loss(td_target, old_val)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if iteration % (100 * args.train_frequency) == 0:
+                writer.add_scalar("losses/td_loss", loss.item(), global_step)
+                writer.add_scalar("losses/q_values", old_val.mean().item(), global_step)
+                sps = int(global_step / (time.time() - start_time))
+                writer.add_scalar("charts/SPS", sps, global_step)
+                writer.add_scalar("charts/epsilon", epsilon, global_step)
+                for k, v in timing.items():
+                    writer.add_scalar(f"time/{k}_s", v, global_step)
+            if iteration % args.target_network_frequency == 0:
+                for target_param, q_param in zip(target_network.parameters(), q_network.parameters()):
+                    target_param.data.copy_(args.tau * q_param.data + (1.0 - args.tau) * target_param.data)
+            timing["learning"] += time.perf_counter() - t0
+
+    elapsed = time.time() - start_time
+    print(f"done: {args.total_timesteps} steps in {elapsed:.0f} s ({int(args.total_timesteps / elapsed)} SPS); time in "
+          + ", ".join(f"{k} {v:.1f} s" for k, v in timing.items()))
+    if args.save_model:
+        model_path = f"runs/{run_name}/model.pt"
+        torch.save({"q_network": q_network.state_dict(), "args": asdict(args)}, model_path + ".tmp")
+        os.replace(model_path + ".tmp", model_path)  # never leave a half-written model in place
+        print(f"model saved to {model_path}")
+        gt_returns = evaluate(model_path, args, run_name, device, reward_model)
+        for i, r in enumerate(gt_returns):
+            writer.add_scalar("eval/gt_return", r, i)
+    envs.close()
+    writer.close()
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore", message=".*No pretrained weights.*")
+    try:
+        main(tyro.cli(Args))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
