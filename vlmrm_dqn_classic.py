@@ -278,6 +278,9 @@ class FixedLengthCartPole(gym.Wrapper):
         return np.array(cartpole.state, dtype=np.float32), float(upright), False, truncated, info
 
 
+MOUNTAINCAR_GOAL = 0.45  # the paper's flag position (Gymnasium's MountainCar-v0 uses 0.5)
+
+
 class FixedLengthMountainCar(gym.Wrapper):
     """MountainCar that never terminates. Reward = 1 while at the flag (x >= 0.45), else 0.
 
@@ -290,7 +293,7 @@ class FixedLengthMountainCar(gym.Wrapper):
 
     def step(self, action):
         obs, _, _, truncated, info = self.env.step(action)
-        at_goal = bool(obs[0] >= self.env.unwrapped.goal_position)
+        at_goal = bool(obs[0] >= MOUNTAINCAR_GOAL)
         self.reached_goal |= at_goal
         info["success"] = self.reached_goal
         return obs, float(at_goal), False, truncated, info
@@ -334,8 +337,8 @@ class RealisticMountainCar(gym.Wrapper):
         pixels[road] = [95, 95, 100]
         background = pygame.surfarray.make_surface(np.clip(pixels, 0, 255).astype(np.uint8).transpose(1, 0, 2))
         # the yellow flag at the goal position
-        flag_x = int((car.goal_position - self.min_x) * self.scale)
-        flag_y = self.height - int(self._pixel_height(car.goal_position)) - 4
+        flag_x = int((MOUNTAINCAR_GOAL - self.min_x) * self.scale)
+        flag_y = self.height - int(self._pixel_height(MOUNTAINCAR_GOAL)) - 4
         pygame.draw.line(background, (60, 60, 60), (flag_x, flag_y), (flag_x, flag_y - 60), 3)
         pygame.draw.polygon(background, (250, 210, 20), [(flag_x + 2, flag_y - 60), (flag_x + 32, flag_y - 50), (flag_x + 2, flag_y - 40)])
         self.background = background

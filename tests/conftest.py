@@ -1,0 +1,49 @@
+"""Shared helpers: the tiny random CLIP config, running a script as a user would, reading TensorBoard."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_CLIP = str(ROOT / "tests" / "vlmrm-tiny-test.json")
+TINY_CLIP_FLAGS = ["--clip-model", TINY_CLIP, "--clip-pretrained", "none"]
+
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("MUJOCO_GL", "egl")
+os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+
+
+def run_script(script: str, *args: str, cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run `python <script> <args>` from `cwd`, the way a user types it."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """All scalars of a TensorBoard run folder: tag -> [(step, value), ...]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def assert_clean_error(result: subprocess.CompletedProcess, *words: str) -> None:
+    """Bad input: non-zero exit, one sentence on stderr starting with 'error:', no traceback."""
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for word in words:
+        assert word.lower() in lines[0].lower(), (word, lines[0])
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch) -> Path:
+    """Run in a temporary folder so runs/ and videos/ do not land in the repo."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path

@@ -1,0 +1,189 @@
+"""vlmrm_dqn_classic.py: environments, reward-frame alignment, learning, CLI smoke run and bad input."""
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gymnasium.envs.classic_control.cartpole import CartPoleEnv
+
+import vlmrm_dqn_classic as classic
+from conftest import TINY_CLIP, TINY_CLIP_FLAGS, assert_clean_error, read_scalars, run_script
+
+SCRIPT = "vlmrm_dqn_classic.py"
+
+
+# ---------------------------------------------------------------------------- environments
+def test_cartpole_never_terminates_wraps_angle_and_clips_position():
+    env = classic.make_env("CartPole-v1", seed=0, idx=0, episode_length=200, realistic=False)()
+    obs, _ = env.reset(seed=0)
+    rng = np.random.default_rng(0)
+    angles, positions = [], []
+    for t in range(1, 201):
+        obs, reward, terminated, truncated, info = env.step(int(rng.integers(2)) if t % 50 else 1)
+        assert not terminated
+        assert truncated == (t == 200)  # fixed length: the time limit is the only end
+        x, theta = float(obs[0]), float(obs[2])
+        assert -math.pi <= theta < math.pi and abs(x) <= 2.4 + 1e-6
+        assert reward == float(abs(theta) < 12 * math.pi / 180 and abs(x) < 2.4) == float(info["success"])
+        angles.append(theta)
+        positions.append(x)
+    assert max(abs(a) for a in angles) > math.pi / 2  # random actions do topple the pole: it kept going
+
+
+def test_cartpole_cart_stops_at_the_wall():
+    env = classic.make_env("CartPole-v1", seed=0, idx=0, episode_length=200, realistic=False)()
+    env.reset(seed=0)
+    env.unwrapped.state = np.array([2.39, 3.0, 0.0, 0.0])
+    obs, reward, *_ = env.step(1)
+    assert obs[0] == pytest.approx(2.4) and obs[1] == 0.0 and reward == 0.0
+
+
+def test_mountaincar_success_persists_within_episode_and_resets():
+    env = classic.make_env("MountainCar-v0", seed=0, idx=0, episode_length=200, realistic=False)()
+    env.reset(seed=0)
+    env.unwrapped.state = np.array([0.44, 0.05])
+    obs, reward, terminated, _, info = env.step(2)
+    assert obs[0] >= 0.45 and reward == 1.0 and info["success"] and not terminated
+    env.unwrapped.state = np.array([-0.5, 0.0])
+    _, reward, _, _, info = env.step(1)
+    assert reward == 0.0 and info["success"]  # reached once this episode
+    env.reset(seed=1)
+    _, _, _, _, info = env.step(1)
+    assert not info["success"]
+
+
+def test_realistic_mountaincar_is_a_landscape_that_shows_the_car_position():
+    plain = classic.make_env("MountainCar-v0", 0, 0, 200, realistic=False)()
+    real = classic.make_env("MountainCar-v0", 0, 0, 200, realistic=True)()
+    frames = []
+    for env in (plain, real):
+        env.reset(seed=0)
+        env.unwrapped.state = np.array([-0.5, 0.0])
+        frames.append(env.render())
+    assert frames[1].shape == frames[0].shape == (400, 600, 3) and frames[1].dtype == np.uint8
+    sky = frames[1][:30].reshape(-1, 3).mean(0)
+    assert sky[2] > sky[0] + 40  # blue sky, not the white page of the line art
+    assert frames[0][:30].mean() > 250
+    real.unwrapped.state = np.array([0.45, 0.0])
+    at_flag = real.render()
+    changed = np.any(at_flag != frames[1], axis=2)
+    cols = np.flatnonzero(changed.any(0))
+    # only the car moved: pixels changed around x=-0.5 (col 233) and x=0.45 (col 550), nowhere else
+    assert changed.sum() > 500 and np.all((np.abs(cols - 233) < 45) | (np.abs(cols - 550) < 45))
+
+
+# ---------------------------------------------------------------------------- reward-frame alignment
+def stamped_render(self: CartPoleEnv) -> np.ndarray:
+    """Instrumented renderer: the frame carries the float32 pole angle of the state it shows."""
+    frame = np.zeros((8, 8, 3), dtype=np.uint8)
+    frame[0, :4, 0] = np.frombuffer(np.float32(self.state[2]).tobytes(), dtype=np.uint8)
+    return frame
+
+
+def decoding_forward(self, frames: np.ndarray) -> np.ndarray:
+    """Instrumented reward model: the reward of a frame is the pole angle stamped in it."""
+    return np.ascontiguousarray(frames[:, 0, :4, 0]).view(np.float32)[:, 0].copy()
+
+
+def test_reward_belongs_to_the_frame_after_the_step_across_autoresets(in_tmp, monkeypatch):
+    monkeypatch.setattr(CartPoleEnv, "render", stamped_render)
+    monkeypatch.setattr(classic.CLIPReward, "forward", decoding_forward)
+    monkeypatch.setattr(classic, "warn_if_slow_on_cpu", lambda *a: None)
+    added = []
+    original_add = classic.ReplayBuffer.add
+
+    def spy_add(self, obs, next_obs, actions, rewards, terminations):
+        added.append((obs.copy(), next_obs.copy(), np.asarray(rewards).copy()))
+        original_add(self, obs, next_obs, actions, rewards, terminations)
+
+    monkeypatch.setattr(classic.ReplayBuffer, "add", spy_add)
+    args = classic.Args(clip_model=TINY_CLIP, clip_pretrained="none", num_envs=2, episode_length=50,
+                        total_timesteps=600, learning_starts=100, train_frequency=4, reward_batch_size=7,
+                        buffer_size=1000, batch_size=16)
+    classic.main(args)
+
+    obs = np.concatenate([a[0] for a in added])
+    next_obs = np.concatenate([a[1] for a in added])
+    rewards = np.concatenate([a[2] for a in added])
+    # 300 vector steps per env; each finished episode (50 steps) is followed by one reset step that is
+    # not a transition: per env 5 resets -> 295 transitions
+    assert len(rewards) == 2 * 295
+    np.testing.assert_array_equal(rewards, next_obs[:, 2])  # scored frame == state after the step
+    # consecutive transitions of one env chain up: next_obs of one is obs of the next, except at episode ends
+    chained = np.all(next_obs[:-2] == obs[2:], axis=1)
+    assert chained.sum() >= len(rewards) - 2 - 2 * 6 and not chained.all()
+    assert len(added) > 1 and max(len(a[2]) for a in added) <= 8  # scored in batches of about 7
+
+
+# ---------------------------------------------------------------------------- learning
+@pytest.mark.parametrize("seed", [1, 2])
+def test_dqn_learns_fixed_length_cartpole_from_ground_truth(in_tmp, seed):
+    args = classic.Args(reward="gt", seed=seed, total_timesteps=60_000, learning_starts=1000, exploration_fraction=0.3)
+    classic.main(args)
+    (run_dir,) = (in_tmp / "runs").iterdir()
+    success = [v for _, v in read_scalars(run_dir)["charts/gt_success"]]
+    assert np.mean(success[:5]) < 0.5  # the random policy drops the pole
+    assert np.mean(success[-10:]) >= 0.9, success[-10:]  # >= 90% upright steps per episode
+
+
+# ---------------------------------------------------------------------------- CLI
+def test_clip_rewarded_smoke_run_trains_saves_evaluates_and_records(tmp_path):
+    result = run_script(SCRIPT, *TINY_CLIP_FLAGS, "--env-id", "MountainCar-v0", "--realistic", "--alpha", "0.5",
+                        "--total-timesteps", "1200", "--learning-starts", "400", "--train-frequency", "4",
+                        "--capture-video", "--video-interval", "2", "--save-model", "--eval-episodes", "1",
+                        cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    scalars = read_scalars(run_dir)
+    for tag in ["charts/episodic_return", "charts/gt_return", "charts/gt_success", "charts/clip_reward_mean",
+                "losses/td_loss", "losses/q_values", "charts/SPS", "time/render_s", "time/reward_model_s"]:
+        values = [v for _, v in scalars[tag]]
+        assert values and np.all(np.isfinite(values)), tag
+    # 1200 env steps = 5 episodes of 200 steps + 5 reset steps + 195 steps of an unfinished episode
+    assert len(scalars["charts/episodic_return"]) == 5
+    videos = sorted(p.name for p in (tmp_path / "videos" / run_dir.name).iterdir())
+    assert videos == ["episode-0.mp4", "episode-2.mp4", "episode-4.mp4", "eval-episode-0.mp4"]
+    assert all((tmp_path / "videos" / run_dir.name / v).stat().st_size > 1000 for v in videos)
+    model = run_dir / "model.pt"
+    assert "q_network" in torch.load(model)
+    evaluation = run_script(SCRIPT, *TINY_CLIP_FLAGS, "--env-id", "MountainCar-v0", "--realistic",
+                            "--evaluate", str(model), "--eval-episodes", "2", cwd=tmp_path)
+    assert evaluation.returncode == 0, evaluation.stderr[-3000:]
+    assert evaluation.stdout.count("eval episode") == 2 and "clip_return=" in evaluation.stdout
+
+
+BAD_INPUT = {
+    "alpha above 1": (["--alpha", "1.5"], ["--alpha"]),
+    "alpha below 0": (["--alpha", "-0.1"], ["--alpha"]),
+    "goal equals baseline": (["--goal", "a cart", "--baseline", "a cart", "--alpha", "0.5"], ["--goal", "--baseline"]),
+    "empty goal": (["--goal", ""], ["--goal"]),
+    "unknown model": (["--clip-model", "ViT-Nope-99"], ["ViT-Nope-99", "list_models"]),
+    "unknown pretrained tag": (["--clip-model", "RN50", "--clip-pretrained", "nope"], ["nope", "openai"]),
+    "missing checkpoint": (["--clip-model", "RN50", "--clip-checkpoint", "missing.pt"], ["missing.pt"]),
+    "missing model config": (["--clip-model", "nowhere/tiny.json"], ["nowhere/tiny.json"]),
+    "non-positive steps": (["--total-timesteps", "0"], ["--total-timesteps"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUT, ids=list(BAD_INPUT))
+def test_bad_input_is_one_clear_sentence(tmp_path, case):
+    flags, words = BAD_INPUT[case]
+    result = run_script(SCRIPT, *flags, cwd=tmp_path)
+    assert_clean_error(result, *words)
+    assert not (tmp_path / "runs").exists()  # refused before any work
+
+
+def test_weights_that_cannot_be_downloaded(tmp_path):
+    # HF_HUB_OFFLINE makes the hub fail at once, the same way it does without a network
+    result = run_script(SCRIPT, "--clip-model", "RN50", "--clip-pretrained", "openai", "--clip-cache-dir", str(tmp_path / "cache"),
+                        cwd=tmp_path, env={"HF_HUB_OFFLINE": "1"})
+    assert_clean_error(result, "RN50", "network", "--clip-cache-dir", "--clip-checkpoint")
+
+
+def test_corrupt_checkpoint(tmp_path):
+    bad = tmp_path / "weights.pt"
+    bad.write_bytes(b"not a checkpoint")
+    result = run_script(SCRIPT, "--clip-model", TINY_CLIP, "--clip-checkpoint", str(bad), cwd=tmp_path)
+    assert_clean_error(result, "weights.pt")
