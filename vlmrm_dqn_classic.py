@@ -241,11 +241,16 @@ class CLIPReward(nn.Module):
         return torch.cat(rewards).cpu().numpy()
 
 
-def warn_if_slow_on_cpu(reward_model: CLIPReward, args: Args) -> None:
+def make_reward_model(args: Args, device: torch.device) -> CLIPReward:
+    model, tokenizer = load_clip(args, device)
+    return CLIPReward(model, tokenizer, args.goal, args.baseline, args.alpha, args.reward_batch_size, device)
+
+
+def warn_if_slow_on_cpu(reward_model: CLIPReward, args: Args, frame_shape: tuple[int, int, int]) -> None:
     """A real-size CLIP on CPU takes seconds per frame: measure it once and say what to do instead."""
     if reward_model.device.type != "cpu":
         return
-    frame = np.zeros((1, 400, 600, 3), dtype=np.uint8)
+    frame = np.zeros((1, *frame_shape), dtype=np.uint8)
     start = time.perf_counter()
     reward_model(frame)
     seconds = time.perf_counter() - start
@@ -422,11 +427,11 @@ class ReplayBuffer:
         self.terminations = np.zeros((size,), dtype=np.float32)
 
     def add(self, obs: np.ndarray, next_obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminations: np.ndarray) -> None:
-        for i in range(len(obs)):
-            self.obs[self.pos], self.next_obs[self.pos] = obs[i], next_obs[i]
-            self.actions[self.pos], self.rewards[self.pos], self.terminations[self.pos] = actions[i], rewards[i], terminations[i]
-            self.pos = (self.pos + 1) % self.size
-            self.full = self.full or self.pos == 0
+        idx = (self.pos + np.arange(len(obs))) % self.size  # one vectorised write, wrapping around the end
+        self.obs[idx], self.next_obs[idx], self.actions[idx] = obs, next_obs, actions
+        self.rewards[idx], self.terminations[idx] = rewards, terminations
+        self.full = self.full or self.pos + len(obs) >= self.size
+        self.pos = (self.pos + len(obs)) % self.size
 
     def __len__(self) -> int:
         return self.size if self.full else self.pos
@@ -492,21 +497,18 @@ def main(args: Args) -> None:
     torch.backends.cudnn.deterministic = args.torch_deterministic
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
 
-    reward_model = None
-    if args.reward == "clip" or args.evaluate is not None:
-        model, tokenizer = load_clip(args, device)
-        reward_model = CLIPReward(model, tokenizer, args.goal, args.baseline, args.alpha, args.reward_batch_size, device)
-        if args.evaluate is None:
-            warn_if_slow_on_cpu(reward_model, args)
     if args.evaluate is not None:
-        evaluate(args.evaluate, args, run_name, device, reward_model)
+        evaluate(args.evaluate, args, run_name, device, make_reward_model(args, device))
         return
 
+    envs = gym.vector.SyncVectorEnv([make_env(args.env_id, args.seed, i, args.episode_length, args.realistic) for i in range(args.num_envs)])
+    reward_model = make_reward_model(args, device) if args.reward == "clip" else None
+    if reward_model is not None:
+        warn_if_slow_on_cpu(reward_model, args, (400, 600, 3))  # the pygame frames are 600x400
     writer = SummaryWriter(f"runs/{run_name}")
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n%s" % "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
     print(f"run: runs/{run_name} on {device}, reward: {args.reward}" + (f", goal={args.goal}, baseline={args.baseline}, alpha={args.alpha}" if args.reward == "clip" else ""))
 
-    envs = gym.vector.SyncVectorEnv([make_env(args.env_id, args.seed, i, args.episode_length, args.realistic) for i in range(args.num_envs)])
     q_network = QNetwork(envs).to(device)
     optimizer = optim.Adam(q_network.parameters(), lr=args.learning_rate)
     target_network = QNetwork(envs).to(device)
