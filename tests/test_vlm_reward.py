@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-SCRIPTS = ["vlmrm_dqn_classic"]
+SCRIPTS = ["vlmrm_dqn_classic", "vlmrm_sac_humanoid"]
 D = 16
 
 

@@ -1,0 +1,181 @@
+"""The textured Humanoid-v5 of vlmrm_sac_humanoid.py: identical physics, a realistic look, the paper's fixed camera."""
+
+import os
+
+import gymnasium as gym
+import mujoco
+import numpy as np
+import pytest
+
+from vlmrm_sac_humanoid import HUMANOID_CAMERA, make_env, textured_humanoid_xml
+
+STOCK_XML = os.path.join(os.path.dirname(gym.envs.mujoco.__file__), "assets", "humanoid.xml")
+# MjModel fields that only describe the look (textures, materials, colours, lights, names).
+VISUAL_PREFIXES = ("tex_", "mat_", "light_", "name_", "names")
+VISUAL_FIELDS = {"geom_rgba", "geom_matid", "signature", "nbuffer", "nnames", "nnames_map", "npaths",
+                 "ntex", "ntexdata", "nmat"}
+
+
+def _humanoid(size: int = 96, quality: str = "fast", textured: bool = True, length: int = 1000) -> gym.Env:
+    return make_env("Humanoid-v5", seed=0, idx=0, episode_length=length, render_size=size,
+                    render_quality=quality, textured=textured)()
+
+
+def _move_root(env: gym.Env, dx: float = 0.0, dy: float = 0.0) -> None:
+    base = env.unwrapped
+    qpos, qvel = base.data.qpos.copy(), base.data.qvel.copy()
+    qpos[0] += dx
+    qpos[1] += dy
+    base.set_state(qpos, qvel)
+
+
+def test_model_physics_fields_identical():
+    stock = mujoco.MjModel.from_xml_path(STOCK_XML)
+    textured = mujoco.MjModel.from_xml_path(textured_humanoid_xml())
+    checked = 0
+    for name in dir(stock):
+        if name.startswith("_") or name.startswith(VISUAL_PREFIXES) or name in VISUAL_FIELDS:
+            continue
+        a, b = getattr(stock, name), getattr(textured, name)
+        if isinstance(a, np.ndarray):
+            assert a.shape == b.shape and np.array_equal(a, b), name
+            checked += 1
+        elif isinstance(a, (int, float)):
+            assert a == b, name
+    for name in dir(stock.opt):
+        if not name.startswith("_"):
+            a = getattr(stock.opt, name)
+            if isinstance(a, (int, float, np.ndarray)):
+                assert np.array_equal(a, getattr(textured.opt, name)), f"opt.{name}"
+    assert checked > 100  # the comparison really covered the model
+    # ...while the look did change.
+    assert not np.array_equal(stock.mat_rgba, textured.mat_rgba)
+    assert textured.ntex >= 2
+
+
+def test_physics_identical_to_stock_humanoid():
+    stock = gym.make("Humanoid-v5", terminate_when_unhealthy=False)
+    textured = _humanoid()
+    obs_s, info_s = stock.reset(seed=0)
+    obs_t, info_t = textured.reset(seed=0)
+    assert np.array_equal(obs_s, obs_t)
+    actions = np.random.default_rng(0).uniform(-0.4, 0.4, size=(300, 17)).astype(np.float32)
+    for action in actions:
+        obs_s, rew_s, term_s, trunc_s, info_s = stock.step(action)
+        obs_t, rew_t, term_t, trunc_t, info_t = textured.step(action)
+        assert np.array_equal(obs_s, obs_t)
+        assert rew_s == rew_t and term_s == term_t == False and trunc_s == trunc_t  # noqa: E712
+        assert info_s.keys() == info_t.keys()
+        for key in info_s:
+            assert np.array_equal(info_s[key], info_t[key]), key
+    assert np.array_equal(stock.unwrapped.data.qpos, textured.unwrapped.data.qpos)
+    assert np.array_equal(stock.unwrapped.data.qvel, textured.unwrapped.data.qvel)
+    assert textured.unwrapped.data.qpos[2] < 1.0  # it fell, yet was never terminated
+    stock.close()
+    textured.close()
+
+
+def test_textured_look_is_sky_and_stone_not_stock():
+    frames = {}
+    for textured in (True, False):
+        env = _humanoid(size=128, textured=textured)
+        env.reset(seed=0)
+        frames[textured] = env.render().astype(float)
+        env.close()
+    for frame in frames.values():
+        assert frame.shape == (128, 128, 3)
+    top = {k: f[:16].reshape(-1, 3).mean(0) for k, f in frames.items()}  # sky above the head
+    # Floor rows near the bottom, left and right of the humanoid and its shadow.
+    bottom = {k: np.concatenate([f[-20:, :40], f[-20:, -40:]], 1).reshape(-1, 3) for k, f in frames.items()}
+    # Sky: clearly blue and bright; stock is a dark slate gradient.
+    assert top[True][2] > 150 and top[True][2] - top[True][0] > 40
+    assert top[False][2] < 110
+    # Floor: stock is a black/white checker (many near-black pixels); stone is light grey-beige.
+    lum = {k: b.mean(1) for k, b in bottom.items()}
+    assert (lum[False] < 40).mean() > 0.25
+    assert (lum[True] < 40).mean() < 0.02 and 90 < lum[True].mean() < 230
+    assert np.abs(bottom[True][:, 0] - bottom[True][:, 2]).mean() < 30  # greyish, no green tint
+
+
+def test_camera_is_fixed_in_the_world():
+    env = _humanoid(size=96)
+    env.reset(seed=0)
+    assert env.unwrapped.mujoco_renderer.viewer is None  # created lazily by the first render()
+    start = env.render().astype(float)
+    viewer = env.unwrapped.mujoco_renderer.viewer
+    assert viewer.cam.type == mujoco.mjtCamera.mjCAMERA_FREE
+    assert viewer.cam.distance == HUMANOID_CAMERA["distance"]
+    assert viewer.cam.azimuth == HUMANOID_CAMERA["azimuth"]
+
+    # Empty scene: humanoid moved far behind the camera. Its difference to a frame is the humanoid.
+    _move_root(env, dx=50.0)
+    empty = env.render().astype(float)
+    _move_root(env, dx=-50.0)
+
+    def column_of_humanoid(frame: np.ndarray) -> float:
+        mask = np.abs(frame - empty).max(-1) > 40
+        assert mask.sum() > 50
+        return float(np.nonzero(mask)[1].mean())
+
+    col0 = column_of_humanoid(start)
+    _move_root(env, dy=1.0)  # one metre sideways
+    moved = env.render().astype(float)
+    assert abs(column_of_humanoid(moved) - col0) > 10
+    # The floor and sky far from the body did not move with it (a tracking camera would shift them).
+    corners = (slice(0, 12), slice(-12, None)), (slice(-12, None), slice(0, 12))
+    for rows, cols in corners:
+        assert np.abs(moved[rows, cols] - start[rows, cols]).max() < 3
+
+    # After a random rollout (falls, drifts), the background is still where it was.
+    _move_root(env, dy=-1.0)
+    for _ in range(80):
+        env.step(env.action_space.sample())
+    later = env.render().astype(float)
+    for rows, cols in corners:
+        assert np.abs(later[rows, cols] - start[rows, cols]).max() < 3
+    env.close()
+
+
+@pytest.mark.parametrize("size", [64, 112])
+def test_render_quality_fast_and_high(size):
+    frames = {}
+    for quality in ("fast", "high"):
+        env = _humanoid(size=size, quality=quality)
+        env.reset(seed=0)
+        frames[quality] = env.render()
+        scene = env.unwrapped.mujoco_renderer.viewer.scn
+        shadows = scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW]
+        assert shadows == (quality == "high")
+        assert env.render().shape == (size, size, 3)  # later calls too
+        env.close()
+    for frame in frames.values():
+        assert frame.shape == (size, size, 3) and frame.dtype == np.uint8
+    assert np.abs(frames["fast"].astype(float) - frames["high"].astype(float)).mean() > 1.0
+
+
+def test_fixed_episode_length_and_other_envs():
+    env = _humanoid(size=64, length=7)
+    env.reset(seed=1)
+    for t in range(7):
+        _, _, terminated, truncated, _ = env.step(env.action_space.sample())
+        assert not terminated and truncated == (t == 6)
+    env.close()
+
+    hopper = make_env("Hopper-v5", seed=0, idx=0, episode_length=5, render_size=48,
+                      render_quality="fast", textured=True)()
+    hopper.reset(seed=0)
+    assert hopper.render().shape == (48, 48, 3)
+    truncated = False
+    for _ in range(5):
+        _, _, terminated, truncated, _ = hopper.step(np.zeros(hopper.action_space.shape, np.float32))
+        assert not terminated
+    assert truncated
+    hopper.close()
+
+
+def test_action_space_is_seeded():
+    a = _humanoid(size=32)
+    b = _humanoid(size=32)
+    assert np.array_equal(a.action_space.sample(), b.action_space.sample())
+    a.close()
+    b.close()

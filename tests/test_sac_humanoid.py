@@ -1,0 +1,118 @@
+"""vlmrm_sac_humanoid.py: reward-frame alignment over subprocess envs, SAC learning, CLI smoke run, bad input."""
+
+import numpy as np
+import pytest
+import torch
+
+import vlmrm_sac_humanoid as sac
+from conftest import TINY_CLIP, TINY_CLIP_FLAGS, assert_clean_error, read_scalars, run_script
+
+SCRIPT = "vlmrm_sac_humanoid.py"
+
+
+def stamped_render(self) -> np.ndarray:
+    """Instrumented renderer (runs in the env subprocess): the frame carries the torso height it shows."""
+    frame = np.zeros((32, 32, 3), dtype=np.uint8)
+    frame[0, :4, 0] = np.frombuffer(np.float32(self.env.unwrapped.data.qpos[2]).tobytes(), dtype=np.uint8)
+    return frame
+
+
+def decoding_forward(self, frames: np.ndarray) -> np.ndarray:
+    """Instrumented reward model: the reward of a frame is the torso height stamped in it."""
+    return np.ascontiguousarray(frames[:, 0, :4, 0]).view(np.float32)[:, 0].copy()
+
+
+def test_reward_belongs_to_the_frame_after_the_step_across_subprocess_autoresets(in_tmp, monkeypatch):
+    # the env subprocesses are forked after this patch, so they render stamped frames
+    monkeypatch.setattr(sac.RenderQuality, "render", stamped_render)
+    monkeypatch.setattr(sac.CLIPReward, "forward", decoding_forward)
+    monkeypatch.setattr(sac, "warn_if_slow_on_cpu", lambda *a: None)
+    added = []
+    original_add = sac.ReplayBuffer.add
+
+    def spy_add(self, obs, next_obs, actions, rewards, terminations):
+        added.append((obs.copy(), next_obs.copy(), np.asarray(rewards).copy()))
+        original_add(self, obs, next_obs, actions, rewards, terminations)
+
+    monkeypatch.setattr(sac.ReplayBuffer, "add", spy_add)
+    args = sac.Args(clip_model=TINY_CLIP, clip_pretrained="none", num_envs=3, episode_length=20, render_size=32,
+                    total_timesteps=300, learning_starts=60, train_frequency=10, gradient_steps=2, batch_size=32,
+                    reward_batch_size=16, buffer_size=1000)
+    sac.main(args)
+
+    next_obs = np.concatenate([a[1] for a in added])
+    rewards = np.concatenate([a[2] for a in added])
+    # 100 vector steps per env; each 20-step episode is followed by one reset step that is not a
+    # transition: per env 4 resets -> 96 transitions
+    assert len(rewards) == 3 * 96
+    # obs[0] of Humanoid-v5 is the torso height: the scored frame shows the state after the step
+    np.testing.assert_array_equal(rewards, next_obs[:, 0].astype(np.float32))  # the stamp is float32
+    assert len(np.unique(rewards)) > 200  # real, varied states, not one repeated frame
+
+
+def test_sac_learns_inverted_pendulum_from_ground_truth(in_tmp):
+    args = sac.Args(env_id="InvertedPendulum-v5", reward="gt", seed=1, num_envs=4, total_timesteps=10_000,
+                    learning_starts=1000, train_frequency=25, gradient_steps=25, batch_size=256, gamma=0.99)
+    sac.main(args)
+    (run_dir,) = (in_tmp / "runs").iterdir()
+    returns = [v for _, v in read_scalars(run_dir)["charts/gt_return"]]
+    assert np.mean(returns[:8]) < 30  # random actions drop the pole within a few steps
+    assert np.mean(returns[-12:]) >= 90, returns[-12:]  # of 100: balanced through most of each episode
+
+
+def test_clip_rewarded_smoke_run_trains_checkpoints_records_and_rolls_out(tmp_path):
+    result = run_script(SCRIPT, *TINY_CLIP_FLAGS, "--num-envs", "2", "--render-size", "64", "--total-timesteps", "600",
+                        "--learning-starts", "200", "--train-frequency", "20", "--gradient-steps", "5", "--batch-size", "64",
+                        "--capture-video", "--video-frequency", "300", "--save-model", "--checkpoint-frequency", "300",
+                        "--alpha", "0.5", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    scalars = read_scalars(run_dir)
+    for tag in ["charts/episodic_return", "charts/clip_return", "charts/clip_reward_mean", "charts/gt_return",
+                "gt/reward_forward", "gt/reward_survive", "gt/reward_ctrl", "losses/qf1_loss", "losses/qf_loss",
+                "losses/actor_loss", "losses/ent_coef", "charts/SPS", "time/render_s", "time/reward_model_s",
+                "eval/clip_return", "eval/gt_return"]:
+        values = [v for _, v in scalars[tag]]
+        assert values and np.all(np.isfinite(values)), tag
+    # episodes of 100 steps in 2 envs: 600 steps = 2 x (2 episodes + 2 reset steps + 98 steps)
+    assert len(scalars["charts/episodic_return"]) == 4
+    videos = sorted(p.name for p in (tmp_path / "videos" / run_dir.name).iterdir())
+    assert videos == ["step-300.mp4", "step-600.mp4"]
+    checkpoint = torch.load(run_dir / "checkpoint.pt")
+    assert checkpoint["global_step"] == 600 and {"actor", "qf1", "qf2", "log_ent_coef"} <= checkpoint.keys()
+
+    rollout = run_script(SCRIPT, *TINY_CLIP_FLAGS, "--render-size", "64", "--evaluate", str(run_dir / "checkpoint.pt"),
+                         "--eval-episodes", "1", cwd=tmp_path)
+    assert rollout.returncode == 0, rollout.stderr[-3000:]
+    assert "clip_return=" in rollout.stdout
+    (eval_dir,) = [p for p in (tmp_path / "videos").iterdir() if p.name != run_dir.name]
+    assert (eval_dir / "eval-episode-0.mp4").stat().st_size > 1000
+    assert len(list((eval_dir / "eval-episode-0").glob("frame-*.png"))) == 101  # reset frame + 100 steps
+
+
+BAD_INPUT = {
+    "alpha above 1": (["--alpha", "2"], ["--alpha"]),
+    "goal equals baseline": (["--goal", "a robot", "--baseline", "a robot", "--alpha", "1"], ["--goal", "--baseline"]),
+    "empty goal": (["--goal", " "], ["--goal"]),
+    "unknown env": (["--env-id", "Humanoid-v99"], ["Humanoid-v99"]),
+    "not a MuJoCo env": (["--env-id", "CartPole-v1"], ["MuJoCo"]),
+    "unknown model": (["--clip-model", "ViT-Nope-99"], ["ViT-Nope-99"]),
+    "unknown pretrained tag": (["--clip-pretrained", "nope"], ["nope", "laion2b_s39b_b160k"]),
+    "missing checkpoint": (["--clip-checkpoint", "missing.pt"], ["missing.pt"]),
+    "missing policy": (["--evaluate", "missing-policy.pt"], ["missing-policy.pt"]),
+    "zero gradient steps": (["--gradient-steps", "0"], ["--gradient-steps"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUT, ids=list(BAD_INPUT))
+def test_bad_input_is_one_clear_sentence(tmp_path, case):
+    flags, words = BAD_INPUT[case]
+    result = run_script(SCRIPT, *flags, cwd=tmp_path)
+    assert_clean_error(result, *words)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_weights_that_cannot_be_downloaded(tmp_path):
+    result = run_script(SCRIPT, "--clip-model", "RN50", "--clip-pretrained", "openai", "--clip-cache-dir", str(tmp_path / "c"),
+                        "--num-envs", "1", cwd=tmp_path, env={"HF_HUB_OFFLINE": "1"})
+    assert_clean_error(result, "RN50", "network", "--clip-checkpoint")
