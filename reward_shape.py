@@ -1,0 +1,559 @@
+"""VLM-RM reward shape: the CLIP reward along one state axis, per alpha and per CLIP model (paper Fig. 2).
+
+Sets the environment's state directly along one axis (CartPole: pole angle in [-pi/2, pi/2] with the cart
+centred; MountainCar: car position in [-1.2, 0.6]), renders every state exactly as vlmrm_dqn_classic.py
+does, embeds all frames once per CLIP model and scores them with `vlm_reward` for every alpha. A good
+reward model peaks at the goal state and falls off away from it.
+
+    python reward_shape.py --env-id CartPole-v1 --goal "pole vertically upright on top of the cart" --baseline "pole and cart"
+    python reward_shape.py --env-id MountainCar-v0 --realistic \
+        --goal "a car at the peak of the mountain, next to the yellow flag" --baseline "a car in the mountain"
+    # model-size comparison: one --clip-pretrained tag per --clip-models entry (or one tag for all)
+    python reward_shape.py --clip-models RN50 ViT-L-14 ViT-bigG-14 --clip-pretrained openai openai laion2b_s39b_b160k
+    # offline smoke test with the tiny random model (meaningless rewards)
+    python reward_shape.py --clip-models tests/vlmrm-tiny-test.json --clip-pretrained none --save-frames
+
+Writes runs/<run_name>/: reward_shape.csv (model, alpha, state, raw and min-max normalised reward),
+summary.csv (the printed table), reward_shape_<model>.png (one curve per alpha), frames/ (--save-frames).
+"""
+
+import csv
+import logging
+import math
+import os
+import re
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # pygame draws off-screen: no display needed
+os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
+
+import gymnasium as gym
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (fixes the weights of a --clip-pretrained none model)"""
+    cuda: bool = True
+    """if toggled, CUDA (when available) runs the reward model"""
+
+    # Environment and sweep
+    env_id: str = "CartPole-v1"
+    """CartPole-v1 (sweeps the pole angle, cart centred) or MountainCar-v0 (sweeps the car position)"""
+    realistic: bool = False
+    """MountainCar only: draw a landscape (sky, hills, flag, car) instead of Gymnasium's line art"""
+    num_points: int = 101
+    """states on the swept axis, evenly spaced, ends included (each frame holds ~0.7 MB in memory)"""
+    save_frames: bool = False
+    """if toggled, save every rendered frame to `runs/<run_name>/frames/` to see what CLIP saw"""
+
+    # Reward
+    goal: Optional[tuple[str, ...]] = None
+    """goal prompt(s); default: a description of the task's goal state"""
+    baseline: Optional[tuple[str, ...]] = None
+    """baseline prompt(s) for the goal-baseline projection; default: a description of the scene"""
+    alphas: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    """regularisation strengths in [0, 1], one curve each: 0 = plain cosine similarity, 1 = only the goal-baseline direction"""
+    clip_models: tuple[str, ...] = ("ViT-bigG-14",)
+    """open_clip architecture names, or paths of open_clip model configs (.json); several = a model comparison"""
+    clip_pretrained: tuple[str, ...] = ("laion2b_s39b_b160k",)
+    """open_clip pretrained tag per --clip-models entry, or one tag for all ("none" = random weights, for tests only)"""
+    clip_checkpoint: Optional[str] = None
+    """local weights file for a single `--clip-models` entry (overrides `--clip-pretrained`)"""
+    clip_cache_dir: Optional[str] = None
+    """where downloaded CLIP weights are cached (default: the Hugging Face cache)"""
+    reward_batch_size: int = 64
+    """frames scored per CLIP forward pass"""
+
+
+@dataclass
+class ClipModelArgs:
+    """One entry of --clip-models, with the field names that check_clip_args and load_clip read."""
+
+    clip_model: str
+    clip_pretrained: str
+    clip_checkpoint: Optional[str]
+    clip_cache_dir: Optional[str]
+
+
+DEFAULT_PROMPTS = {  # (goal, baseline) from the paper
+    "CartPole-v1": ("pole vertically upright on top of the cart", "pole and cart"),
+    "MountainCar-v0": ("a car at the peak of the mountain, next to the yellow flag", "a car in the mountain"),
+}
+
+
+class UserError(Exception):
+    """Bad input or a missing resource: reported as one sentence and exit code 2, never a traceback."""
+
+
+def check_args(args: Args) -> list[ClipModelArgs]:
+    """Reject bad flags before anything expensive (model download, rendering) happens; returns one entry per model."""
+    if args.env_id not in DEFAULT_PROMPTS:
+        raise UserError(f"--env-id {args.env_id} is not supported; choose one of: {', '.join(DEFAULT_PROMPTS)}.")
+    if args.realistic and args.env_id != "MountainCar-v0":
+        raise UserError(f"--realistic only changes MountainCar-v0's drawing, not {args.env_id}'s; drop it or use --env-id MountainCar-v0.")
+    if not args.alphas:
+        raise UserError("--alphas needs at least one value in [0, 1], e.g. --alphas 0 0.5 1.")
+    for alpha in args.alphas:
+        if not 0.0 <= alpha <= 1.0:  # also rejects nan
+            raise UserError(f"--alphas must all be in [0, 1], got {alpha}.")
+    if not args.goal or any(not g.strip() for g in args.goal):
+        raise UserError('--goal needs at least one non-empty prompt, e.g. --goal "pole vertically upright on top of the cart".')
+    if max(args.alphas) > 0 and (not args.baseline or any(not b.strip() for b in args.baseline)):
+        raise UserError("--baseline needs at least one non-empty prompt when an alpha is > 0.")
+    if max(args.alphas) > 0 and sorted(set(args.goal)) == sorted(set(args.baseline)):
+        raise UserError(f"--goal and --baseline are the same prompts, so the goal-baseline direction is zero; change one or use --alphas 0 (got alpha {max(args.alphas)}).")
+    if args.num_points < 2:
+        raise UserError(f"--num-points must be at least 2 to draw a curve, got {args.num_points}.")
+    if args.reward_batch_size < 1:
+        raise UserError(f"--reward-batch-size must be a positive integer, got {args.reward_batch_size}.")
+    if not args.clip_models:
+        raise UserError("--clip-models needs at least one model, e.g. --clip-models ViT-bigG-14.")
+    if len(args.clip_pretrained) not in (1, len(args.clip_models)):
+        raise UserError(f"--clip-pretrained needs one tag, or one per --clip-models entry ({len(args.clip_models)}), got {len(args.clip_pretrained)}.")
+    if args.clip_checkpoint is not None and len(args.clip_models) != 1:
+        raise UserError(f"--clip-checkpoint is a weights file for one model, but --clip-models names {len(args.clip_models)}; run once per checkpoint.")
+    tags = args.clip_pretrained * len(args.clip_models) if len(args.clip_pretrained) == 1 else args.clip_pretrained
+    specs = [ClipModelArgs(m, t, args.clip_checkpoint, args.clip_cache_dir) for m, t in zip(args.clip_models, tags)]
+    labels = [model_label(spec) for spec in specs]
+    if len(set(labels)) != len(labels):
+        raise UserError(f"--clip-models/--clip-pretrained name the same model twice ({', '.join(labels)}); list each once.")
+    for spec in specs:  # every model is checked before the first one is loaded
+        check_clip_args(spec)
+    return specs
+
+
+def check_clip_args(args: ClipModelArgs) -> None:
+    import open_clip
+
+    if args.clip_model.endswith(".json"):
+        if not os.path.isfile(args.clip_model):
+            raise UserError(f"--clip-model {args.clip_model}: no such model config file.")
+        return
+    if args.clip_model not in open_clip.list_models():
+        raise UserError(f"--clip-model {args.clip_model} is not an open_clip architecture; run `python -c \"import open_clip; print(open_clip.list_models())\"` to see them (e.g. ViT-bigG-14, ViT-L-14, RN50).")
+    if args.clip_checkpoint is not None:
+        if not os.path.isfile(args.clip_checkpoint):
+            raise UserError(f"--clip-checkpoint {args.clip_checkpoint}: no such file; pass the path of a downloaded open_clip weights file.")
+        return
+    tags = open_clip.list_pretrained_tags_by_model(args.clip_model)
+    if args.clip_pretrained != "none" and args.clip_pretrained not in tags:
+        raise UserError(f"--clip-pretrained {args.clip_pretrained} is not a pretrained tag of {args.clip_model}; its tags are: {', '.join(tags) or 'none'}.")
+
+
+# ----------------------------------------------------------------------------------------------
+# CLIP reward
+# ----------------------------------------------------------------------------------------------
+def vlm_reward(image_embeddings: torch.Tensor, goal_embeddings: torch.Tensor,
+               baseline_embeddings: torch.Tensor, alpha: float) -> torch.Tensor:
+    """R(s) = 1 - 0.5 * ||(s - g) P||^2 with P = alpha * d d^T / ||d||^2 + (1 - alpha) I, d = g - b.
+
+    Takes raw (N, D) image and (G, D) / (B, D) prompt embeddings; returns (N,) rewards in float32.
+    """
+    s = F.normalize(image_embeddings.float(), dim=-1)
+    g = F.normalize(goal_embeddings.float(), dim=-1).mean(0)  # the mean is deliberately not re-normalised
+    b = F.normalize(baseline_embeddings.float(), dim=-1).mean(0)
+    u = s - g
+    if alpha == 0:
+        return 1 - 0.5 * u.pow(2).sum(-1)
+    d = g - b
+    d_norm = d.norm()
+    if d_norm == 0:
+        raise ValueError("goal and baseline embeddings are equal: the projection direction is undefined for alpha > 0")
+    direction = d / d_norm
+    # u P = alpha * (u . d^) d^ + (1 - alpha) u: O(N D), no D x D matrix
+    projected = alpha * (u @ direction)[:, None] * direction + (1 - alpha) * u
+    return 1 - 0.5 * projected.pow(2).sum(-1)
+
+
+def load_clip(args: ClipModelArgs, device: torch.device) -> tuple[nn.Module, object]:
+    """The open_clip model and tokenizer named by the flags, with one-sentence errors."""
+    import open_clip
+
+    model_name = args.clip_model
+    if model_name.endswith(".json"):  # a custom architecture, e.g. the tiny test model in tests/
+        open_clip.add_model_config(model_name)
+        model_name = Path(model_name).stem
+    pretrained = args.clip_checkpoint or (None if args.clip_pretrained == "none" else args.clip_pretrained)
+    logging.disable(logging.ERROR)  # open_clip logs its own multi-line errors; we say it in one sentence
+    try:
+        model = open_clip.create_model(model_name, pretrained=pretrained, device=device, cache_dir=args.clip_cache_dir)
+    except Exception as e:  # noqa: BLE001 - every failure here has the same fixes
+        if args.clip_checkpoint is not None:
+            raise UserError(f"could not load --clip-checkpoint {args.clip_checkpoint} into {model_name} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); check that the file holds open_clip weights for that architecture.") from None
+        raise UserError(f"could not download or find the {model_name}/{pretrained} CLIP weights ({str(e).splitlines()[0][:200]}); check the network connection, point --clip-cache-dir at a folder that already holds them, or pass a local weights file with --clip-checkpoint.") from None
+    finally:
+        logging.disable(logging.NOTSET)
+    if pretrained is None:
+        print(f"note: {model_name} has random weights (--clip-pretrained none): its rewards are meaningless outside tests")
+    return model.eval(), open_clip.get_tokenizer(model_name)
+
+
+class CLIPReward(nn.Module):
+    """Scores uint8 frames (N, H, W, 3) with `vlm_reward`; prompt embeddings are computed once."""
+
+    def __init__(self, model: nn.Module, tokenizer, goal: tuple[str, ...], baseline: tuple[str, ...],
+                 alpha: float, batch_size: int, device: torch.device):
+        super().__init__()
+        import open_clip
+
+        self.model, self.alpha, self.batch_size, self.device = model, alpha, batch_size, device
+        preprocess_cfg = open_clip.get_model_preprocess_cfg(model)
+        self.image_size = tuple(preprocess_cfg["size"]) if not isinstance(preprocess_cfg["size"], int) else (preprocess_cfg["size"],) * 2
+        self.register_buffer("mean", torch.tensor(preprocess_cfg["mean"], device=device).view(1, 3, 1, 1))
+        self.register_buffer("std", torch.tensor(preprocess_cfg["std"], device=device).view(1, 3, 1, 1))
+        with torch.no_grad():
+            self.register_buffer("goal_embeddings", model.encode_text(tokenizer(list(goal)).to(device)).float())
+            self.register_buffer("baseline_embeddings", model.encode_text(tokenizer(list(baseline or goal)).to(device)).float())
+
+    @torch.no_grad()
+    def embed_images(self, frames: torch.Tensor) -> torch.Tensor:
+        """uint8 (N, H, W, 3) -> raw image embeddings (N, D); frames travel to the device as uint8 (4x less)."""
+        x = frames.to(self.device, non_blocking=True).permute(0, 3, 1, 2).float().div_(255)
+        # squash to the model's square input, like the reference; antialias matches PIL's bicubic downscale
+        x = F.interpolate(x, size=self.image_size, mode="bicubic", align_corners=False, antialias=True).clamp_(0, 1)
+        x = (x - self.mean) / self.std
+        with torch.autocast(device_type=self.device.type, dtype=torch.float16, enabled=self.device.type == "cuda"):
+            return self.model.encode_image(x)
+
+    @torch.no_grad()
+    def forward(self, frames: np.ndarray) -> np.ndarray:
+        frames = torch.from_numpy(np.ascontiguousarray(frames))
+        rewards = [vlm_reward(self.embed_images(chunk), self.goal_embeddings, self.baseline_embeddings, self.alpha)
+                   for chunk in frames.split(self.batch_size)]
+        return torch.cat(rewards).cpu().numpy()
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Environments: fixed-length episodes; the env's own reward is the ground truth (logged, not learned from)
+# ----------------------------------------------------------------------------------------------
+class FixedLengthCartPole(gym.Wrapper):
+    """CartPole that never terminates: the pole angle wraps to [-pi, pi) and the cart stops at the track ends.
+
+    Reward = 1 when the step is upright (|theta| < 12 deg and |x| < 2.4), else 0.
+    """
+
+    def step(self, action):
+        _, _, _, truncated, info = self.env.step(action)
+        cartpole = self.env.unwrapped
+        x, x_dot, theta, theta_dot = cartpole.state
+        theta = (theta + math.pi) % (2 * math.pi) - math.pi
+        if abs(x) > cartpole.x_threshold:  # the track ends are walls: stop there instead of leaving the screen
+            x, x_dot = math.copysign(cartpole.x_threshold, x), 0.0
+        cartpole.state = np.array([x, x_dot, theta, theta_dot], dtype=np.float64)
+        cartpole.steps_beyond_terminated = None  # we keep stepping on purpose: silence gym's warning
+        upright = abs(theta) < cartpole.theta_threshold_radians and abs(x) < cartpole.x_threshold
+        info["success"] = upright
+        return np.array(cartpole.state, dtype=np.float32), float(upright), False, truncated, info
+
+
+MOUNTAINCAR_GOAL = 0.45  # the paper's flag position (Gymnasium's MountainCar-v0 uses 0.5)
+
+
+class FixedLengthMountainCar(gym.Wrapper):
+    """MountainCar that never terminates. Reward = 1 while at the flag (x >= 0.45), else 0.
+
+    `info["success"]` says whether the flag was reached at any point of the current episode.
+    """
+
+    def reset(self, **kwargs):
+        self.reached_goal = False
+        return self.env.reset(**kwargs)
+
+    def step(self, action):
+        obs, _, _, truncated, info = self.env.step(action)
+        at_goal = bool(obs[0] >= MOUNTAINCAR_GOAL)
+        self.reached_goal |= at_goal
+        info["success"] = self.reached_goal
+        return obs, float(at_goal), False, truncated, info
+
+
+class RealisticMountainCar(gym.Wrapper):
+    """Draws MountainCar as a landscape (sky, hills, road, yellow flag, a car tilted to the slope).
+
+    CLIP scores photos-like scenes far better than line art. Same world-to-pixel mapping as Gymnasium's
+    renderer; the static background is drawn once, only the car is drawn per frame.
+    """
+
+    width, height = 600, 400
+
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        import pygame
+
+        car = env.unwrapped
+        self.min_x, self.max_x = car.min_position, car.max_position
+        self.scale = self.width / (self.max_x - self.min_x)
+        rng = np.random.default_rng(0)  # fixed texture noise: every frame of every run looks the same
+        # sky: vertical gradient from deep blue to a pale horizon
+        t = np.linspace(0, 1, self.height)[:, None, None]
+        pixels = (1 - t) * np.array([70, 130, 210]) + t * np.array([200, 225, 245])
+        pixels = np.broadcast_to(pixels, (self.height, self.width, 3)).copy()
+        cols = np.arange(self.width)
+        # distant mountains: a hazy blue-grey ridge
+        ridge = 170 + 35 * np.sin(cols / 57.0) + 20 * np.sin(cols / 23.0 + 1.3) + 8 * np.sin(cols / 7.0)
+        far = np.arange(self.height)[:, None] > ridge[None, :]
+        pixels[far] = [120, 140, 165]
+        # the hill: grass below the track curve, with a darker earth layer and speckle noise
+        surface = self.height - self._pixel_height(self.min_x + cols / self.scale)
+        depth = np.arange(self.height)[:, None] - surface[None, :]
+        grass = (depth > 0)[..., None] * np.array([70, 140, 55])
+        earth = (depth > 28)[..., None] * (np.array([110, 85, 55]) - np.array([70, 140, 55]))
+        ground = depth > 0
+        noise = rng.normal(0, 12, (self.height, self.width, 1))
+        pixels[ground] = (grass + earth + noise)[ground]
+        road = (depth > -4) & (depth <= 4)  # a grey road along the curve the car drives on
+        pixels[road] = [95, 95, 100]
+        background = pygame.surfarray.make_surface(np.clip(pixels, 0, 255).astype(np.uint8).transpose(1, 0, 2))
+        # the yellow flag at the goal position
+        flag_x = int((MOUNTAINCAR_GOAL - self.min_x) * self.scale)
+        flag_y = self.height - int(self._pixel_height(MOUNTAINCAR_GOAL)) - 4
+        pygame.draw.line(background, (60, 60, 60), (flag_x, flag_y), (flag_x, flag_y - 60), 3)
+        pygame.draw.polygon(background, (250, 210, 20), [(flag_x + 2, flag_y - 60), (flag_x + 32, flag_y - 50), (flag_x + 2, flag_y - 40)])
+        self.background = background
+        # the car sprite, drawn once and rotated per frame: red body, cabin with windows, two wheels
+        sprite = pygame.Surface((56, 34), pygame.SRCALPHA)
+        pygame.draw.rect(sprite, (200, 30, 35), (0, 12, 56, 14), border_radius=5)
+        pygame.draw.rect(sprite, (175, 25, 30), (12, 2, 30, 14), border_radius=4)
+        pygame.draw.rect(sprite, (170, 210, 235), (16, 5, 10, 8))
+        pygame.draw.rect(sprite, (170, 210, 235), (29, 5, 10, 8))
+        for wheel_x in (12, 44):
+            pygame.draw.circle(sprite, (25, 25, 25), (wheel_x, 27), 7)
+            pygame.draw.circle(sprite, (160, 160, 160), (wheel_x, 27), 3)
+        self.sprite = sprite
+        self.canvas = pygame.Surface((self.width, self.height))
+
+    def _pixel_height(self, x):
+        return (0.45 * np.sin(3 * np.asarray(x)) + 0.55) * self.scale
+
+    def render(self) -> np.ndarray:
+        import pygame
+
+        x = float(self.env.unwrapped.state[0])
+        slope = math.degrees(math.atan(0.45 * 3 * math.cos(3 * x)))  # same scale on both axes
+        car = pygame.transform.rotozoom(self.sprite, slope, 1.0)
+        # stand the car on the road: centre of the sprite 10 px above the surface, along the normal
+        normal = math.radians(slope)
+        cx = (x - self.min_x) * self.scale - 10 * math.sin(normal)
+        cy = self.height - self._pixel_height(x) - 10 * math.cos(normal)
+        self.canvas.blit(self.background, (0, 0))
+        self.canvas.blit(car, car.get_rect(center=(cx, cy)))
+        return np.array(pygame.surfarray.pixels3d(self.canvas)).transpose(1, 0, 2)
+
+
+def make_env(env_id: str, seed: int, idx: int, episode_length: int, realistic: bool):
+    def thunk():
+        env = gym.make(env_id, render_mode="rgb_array", max_episode_steps=episode_length)
+        if env_id == "CartPole-v1":
+            env = FixedLengthCartPole(env)
+        else:
+            env = FixedLengthMountainCar(env)
+            if realistic:
+                env = RealisticMountainCar(env)
+        env.action_space.seed(seed + idx)
+        return env
+
+    return thunk
+
+
+# ----------------------------------------------------------------------------------------------
+# Reward shape: sweep one state axis, render, score, summarise, plot
+# ----------------------------------------------------------------------------------------------
+SWEEPS = {  # env -> (axis label, low, high): the paper's Fig. 2 ranges
+    "CartPole-v1": ("pole angle theta (rad), cart centred", -math.pi / 2, math.pi / 2),
+    "MountainCar-v0": ("car position x", -1.2, 0.6),
+}
+EPISODE_LENGTH = 200  # make_env needs one; the sweep never steps, so it has no effect
+
+
+def model_label(spec: ClipModelArgs) -> str:
+    """A readable name for a model in the CSV, table and plot: "<architecture>/<weights>"."""
+    name = Path(spec.clip_model).stem if spec.clip_model.endswith(".json") else spec.clip_model
+    weights = Path(spec.clip_checkpoint).name if spec.clip_checkpoint else spec.clip_pretrained
+    return f"{name}/{weights}"
+
+
+def goal_state(env: gym.Env, env_id: str) -> float:
+    """The state the goal prompt describes: the upright pole, or the flag where the renderer draws it."""
+    if env_id == "CartPole-v1":
+        return 0.0
+    return MOUNTAINCAR_GOAL  # the paper's flag, where FixedLengthMountainCar and RealisticMountainCar put it
+
+
+def set_state(env: gym.Env, env_id: str, value: float) -> None:
+    """Put the env in the swept state; everything else at rest (cart centred, no velocity)."""
+    if env_id == "CartPole-v1":
+        env.unwrapped.state = np.array([0.0, 0.0, value, 0.0], dtype=np.float64)
+    else:
+        env.unwrapped.state = np.array([value, 0.0], dtype=np.float64)
+
+
+def render_states(env_id: str, realistic: bool, states: np.ndarray, seed: int) -> tuple[np.ndarray, float]:
+    """uint8 frames (N, H, W, 3), one per state, through the same wrapper stack as training; and the goal state."""
+    env = make_env(env_id, seed, 0, EPISODE_LENGTH, realistic)()
+    env.reset(seed=seed)  # the env renders only after a reset
+    frames = []
+    for value in states:
+        set_state(env, env_id, float(value))
+        frames.append(env.render())
+    goal = goal_state(env, env_id)
+    env.close()
+    return np.stack(frames), goal
+
+
+@torch.no_grad()
+def score_frames(reward_model: CLIPReward, frames: np.ndarray, alphas: tuple[float, ...]) -> dict[float, np.ndarray]:
+    """Rewards per alpha. The frames are embedded once; only the cheap projection is repeated per alpha."""
+    chunks = torch.from_numpy(np.ascontiguousarray(frames)).split(reward_model.batch_size)
+    image_embeddings = torch.cat([reward_model.embed_images(chunk) for chunk in chunks])
+    return {alpha: vlm_reward(image_embeddings, reward_model.goal_embeddings, reward_model.baseline_embeddings, alpha).cpu().numpy()
+            for alpha in alphas}
+
+
+def min_max_normalise(rewards: np.ndarray) -> np.ndarray:
+    """Rescale to [0, 1] for display (each alpha's rewards span a different range); a flat curve maps to 0."""
+    span = rewards.max() - rewards.min()
+    return (rewards - rewards.min()) / span if span > 0 else np.zeros_like(rewards)
+
+
+def average_ranks(x: np.ndarray) -> np.ndarray:
+    """Ranks 0..N-1 where tied values share the mean of their ranks (as Spearman's correlation needs)."""
+    ranks = np.empty(len(x))
+    ranks[np.argsort(x, kind="stable")] = np.arange(len(x))
+    _, tie_group, tie_count = np.unique(x, return_inverse=True, return_counts=True)
+    return (np.bincount(tie_group, weights=ranks) / tie_count)[tie_group]
+
+
+def shape_score(states: np.ndarray, rewards: np.ndarray, goal: float) -> float:
+    """Spearman rank correlation between the reward and the closeness to the goal (-|state - goal|).
+
+    +1: the reward rises strictly as the state nears the goal, whatever its scale or curvature (the ideal
+    shape); 0: unrelated; -1: highest far from the goal. nan for a flat reward.
+    """
+    closeness = -np.round(np.abs(states - goal), 9)  # round so that mirror states (+-theta) tie exactly
+    a, b = average_ranks(closeness), average_ranks(rewards)
+    if a.std() == 0 or b.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(a, b)[0, 1])
+
+
+def plot_model(path: Path, label: str, states: np.ndarray, goal: float, rewards: dict[float, np.ndarray],
+               axis_label: str, title: str, warning: Optional[str] = None) -> None:
+    """One curve per alpha, each min-max normalised, with its maximum (a triangle) and the goal state marked."""
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
+    colours = plt.cm.viridis(np.linspace(0, 0.9, len(rewards)))
+    for colour, (alpha, r) in zip(colours, rewards.items()):
+        ax.plot(states, min_max_normalise(r), color=colour, label=f"alpha = {alpha:g}")
+        ax.plot(states[int(np.argmax(r))], 1.0, marker="v", markersize=8, color=colour, clip_on=False)
+    ax.axvline(goal, color="black", linestyle="--", linewidth=1, label=f"goal state ({goal:g})")
+    ax.set_xlabel(axis_label)
+    ax.set_ylabel("CLIP reward, min-max normalised per alpha")
+    ax.set_xlim(states[0], states[-1])
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_title(f"{label}, {title}", fontsize=8)
+    if warning:
+        fig.text(0.5, -0.02, warning, ha="center", va="top", color="red", fontsize=9)  # below the x label, hides nothing
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: never hides a curve
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
+def main(args: Args) -> Path:
+    if args.env_id in DEFAULT_PROMPTS:  # an unknown env is reported by check_args, in one sentence
+        default_goal, default_baseline = DEFAULT_PROMPTS[args.env_id]
+        args.goal = args.goal if args.goal is not None else (default_goal,)
+        args.baseline = args.baseline if args.baseline is not None else (default_baseline,)
+    specs = check_args(args)
+    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = Path("runs") / run_name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+
+    axis_label, low, high = SWEEPS[args.env_id]
+    states = np.linspace(low, high, args.num_points)
+    start = time.perf_counter()
+    frames, goal = render_states(args.env_id, args.realistic, states, args.seed)
+    print(f"run: {run_dir} on {device}; rendered {len(frames)} {args.env_id}{' (realistic)' if args.realistic else ''} "
+          f"states in {time.perf_counter() - start:.1f} s; goal={args.goal}, baseline={args.baseline}")
+    if args.save_frames:
+        import imageio
+
+        (run_dir / "frames").mkdir(exist_ok=True)
+        for i, (value, frame) in enumerate(zip(states, frames)):
+            imageio.imwrite(run_dir / "frames" / f"{i:04d}_{value:+.4f}.png", frame)
+        print(f"frames saved to {run_dir / 'frames'} (CLIP sees each one squashed to its square input size)")
+
+    results: dict[str, dict[float, np.ndarray]] = {}
+    for spec in specs:
+        label = model_label(spec)
+        torch.manual_seed(args.seed)  # a random-weights model is the same whatever its position in --clip-models
+        model, tokenizer = load_clip(spec, device)
+        # alpha only matters in CLIPReward.forward, which we bypass to embed the frames once for all alphas
+        reward_model = CLIPReward(model, tokenizer, args.goal, args.baseline, 0.0, args.reward_batch_size, device)
+        start = time.perf_counter()
+        results[label] = score_frames(reward_model, frames, args.alphas)
+        print(f"{label}: scored {len(frames)} frames in {time.perf_counter() - start:.1f} s")
+        del model, reward_model  # free the memory before the next (possibly bigger) model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    with open(run_dir / "reward_shape.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["model", "alpha", "state", "reward", "reward_normalised"])
+        for label, per_alpha in results.items():
+            for alpha, r in per_alpha.items():
+                for value, raw, norm in zip(states, r, min_max_normalise(r)):
+                    writer.writerow([label, alpha, f"{value:.8f}", f"{raw:.8f}", f"{norm:.8f}"])
+
+    rows = []
+    for label, per_alpha in results.items():
+        for alpha, r in per_alpha.items():
+            best = states[int(np.argmax(r))]
+            rows.append([label, alpha, best, abs(best - goal), shape_score(states, r, goal), r.min(), r.max()])
+    header = ["model", "alpha", "argmax_state", "distance_to_goal", "shape_score", "reward_min", "reward_max"]
+    with open(run_dir / "summary.csv", "w", newline="") as f:
+        csv.writer(f).writerows([header] + [[r[0], r[1]] + [f"{v:.10g}" for v in r[2:]] for r in rows])
+    width = max(len(h) for h in header[:1] + [r[0] for r in rows])
+    print(f"\nreward shape on {args.env_id}, state axis: {axis_label}, goal state {goal:g}; "
+          "shape_score = Spearman correlation of reward and closeness to the goal (1 = ideal)")
+    print(f"{'model':<{width}}  {'alpha':>5}  {'argmax_state':>12}  {'distance_to_goal':>16}  {'shape_score':>11}  {'reward_min':>10}  {'reward_max':>10}")
+    for label, alpha, best, distance, score, r_min, r_max in rows:
+        print(f"{label:<{width}}  {alpha:>5g}  {best:>12.4f}  {distance:>16.4f}  {score:>11.3f}  {r_min:>10.4f}  {r_max:>10.4f}")
+
+    for spec, (label, per_alpha) in zip(specs, results.items()):
+        title = (f"{args.env_id}{' (realistic)' if args.realistic else ''}\n"
+                 f"goal: {' | '.join(args.goal)}\nbaseline: {' | '.join(args.baseline)}")
+        random_weights = spec.clip_pretrained == "none" and spec.clip_checkpoint is None
+        warning = "RANDOM WEIGHTS (--clip-pretrained none): a test model, its curves mean nothing" if random_weights else None
+        path = run_dir / f"reward_shape_{re.sub(r'[^A-Za-z0-9._-]+', '_', label)}.png"
+        plot_model(path, label, states, goal, per_alpha, axis_label, title, warning)
+        print(f"plot: {path}")
+    print(f"csv: {run_dir / 'reward_shape.csv'}, {run_dir / 'summary.csv'}")
+    return run_dir
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore", message=".*No pretrained weights.*")
+    try:
+        main(tyro.cli(Args))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
