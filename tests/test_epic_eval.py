@@ -1,0 +1,403 @@
+"""Tests of epic_eval.py: the metric, the dataset checks, collect -> score end to end, and the label page
+(over HTTP, and in a real headless chromium driven through chromedriver's WebDriver HTTP API)."""
+
+import csv
+import hashlib
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import epic_eval  # noqa: E402
+from epic_eval import UserError, average_precision, bootstrap_epic, epic_distance, roc_auc  # noqa: E402
+
+SCRIPT = os.path.join(ROOT, "epic_eval.py")
+TINY = os.path.join(ROOT, "tests", "vlmrm-tiny-test.json")
+CHROMIUM = "/usr/bin/chromium"
+
+
+def run_cli(*argv: str, cwd: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, SCRIPT, *argv], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def file_hash(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- metric
+def test_epic_is_zero_for_identical_rewards():
+    rewards = np.random.default_rng(0).normal(size=50)
+    assert epic_distance(rewards, rewards) == pytest.approx(0.0, abs=1e-7)
+
+
+@pytest.mark.parametrize("scale, shift", [(3.0, 7.0), (0.01, -2.0), (250.0, 1e3)])
+def test_epic_is_invariant_to_positive_affine_maps_of_either_side(scale, shift):
+    rng = np.random.default_rng(1)
+    labels = (rng.random(80) < 0.4).astype(float)
+    rewards = labels + rng.normal(scale=0.8, size=80)
+    reference = epic_distance(rewards, labels)
+    assert 0.05 < reference < 0.95  # a non-trivial case, so invariance means something
+    assert epic_distance(scale * rewards + shift, labels) == pytest.approx(reference, abs=1e-9)
+    assert epic_distance(rewards, scale * labels + shift) == pytest.approx(reference, abs=1e-9)
+    # a negative scale is not a positive affine map: it must change the distance
+    assert epic_distance(-scale * rewards + shift, labels) == pytest.approx(math.sqrt(1 - reference**2), abs=1e-9)
+
+
+def test_epic_is_one_for_a_negated_reward():
+    rewards = np.random.default_rng(2).normal(size=30)
+    assert epic_distance(-rewards, rewards) == pytest.approx(1.0, abs=1e-9)
+    assert epic_distance(5 - 2 * rewards, rewards) == pytest.approx(1.0, abs=1e-9)
+
+
+def test_epic_matches_hand_computed_examples():
+    # rewards 1 2 3, labels 1 3 2: deviations (-1 0 1), (-1 1 0); cov 1, variances 2 and 2 -> rho 1/2 -> sqrt(1/4)
+    assert epic_distance(np.array([1.0, 2.0, 3.0]), np.array([1.0, 3.0, 2.0])) == pytest.approx(0.5, abs=1e-12)
+    # deviations (-1.5 -0.5 0.5 1.5) and (0.5 -0.5 -0.5 0.5): dot 0 -> rho 0 -> sqrt(1/2)
+    assert epic_distance(np.array([1.0, 2.0, 3.0, 4.0]), np.array([1.0, 0.0, 0.0, 1.0])) == pytest.approx(math.sqrt(0.5), abs=1e-12)
+
+
+def test_epic_is_undefined_for_constant_sides():
+    with pytest.raises(ValueError, match="labels are all the same"):
+        epic_distance(np.array([1.0, 2.0, 3.0]), np.ones(3))
+    with pytest.raises(ValueError, match="rewards are all the same"):
+        epic_distance(np.full(3, 0.7), np.array([0.0, 1.0, 0.0]))
+
+
+def test_roc_auc_and_average_precision_match_hand_computed_example():
+    scores, labels = np.array([0.1, 0.4, 0.35, 0.8]), np.array([0, 0, 1, 1])
+    # pairs (positive, negative): 0.35>0.1, 0.35<0.4, 0.8>0.1, 0.8>0.4 -> 3/4
+    assert roc_auc(scores, labels) == pytest.approx(0.75)
+    # ranked 0.8(+) 0.4(-) 0.35(+) 0.1(-): recall 1/2 at precision 1, recall 1 at precision 2/3
+    assert average_precision(scores, labels) == pytest.approx(0.5 * 1 + 0.5 * 2 / 3)
+    # ties: one threshold for all tied scores; a tied positive/negative pair counts 1/2
+    assert roc_auc(np.array([1.0, 1.0, 2.0]), np.array([0, 1, 1])) == pytest.approx(0.75)
+    assert average_precision(np.array([1.0, 1.0, 2.0]), np.array([0, 1, 1])) == pytest.approx(0.5 * 1 + 0.5 * 2 / 3)
+    assert roc_auc(-scores, labels) == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bootstrap_interval_contains_the_point_estimate(seed):
+    rng = np.random.default_rng(seed)
+    labels = (rng.random(120) < 0.3).astype(float)
+    rewards = labels * 0.5 + rng.normal(size=120)
+    epic = epic_distance(rewards, labels)
+    low, high = bootstrap_epic(rewards, labels, 500, 0.95, np.random.default_rng(seed))
+    assert low < epic < high
+    assert 0 < high - low < 0.5
+    # a higher confidence level gives a wider interval
+    low99, high99 = bootstrap_epic(rewards, labels, 500, 0.99, np.random.default_rng(seed))
+    assert low99 <= low and high99 >= high
+
+
+# ---------------------------------------------------------------------------------------------- collect + score
+@pytest.fixture(scope="module")
+def cartpole_dataset(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("data") / "cartpole")
+    result = run_cli("collect", "--env-id", "CartPole-v1", "--num-frames", "60", "--seed", "3", "--out", out, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def copy_dataset(src: str, dst: str) -> str:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_collect_writes_the_documented_layout(cartpole_dataset):
+    with open(os.path.join(cartpole_dataset, "states.csv"), newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 60
+    assert list(rows[0])[:4] == ["frame", "env_id", "episode", "step"]
+    assert {"x", "x_dot", "theta", "theta_dot", "gt"} <= set(rows[0])
+    for row in rows:
+        assert os.path.isfile(os.path.join(cartpole_dataset, "frames", row["frame"]))
+        upright = abs(float(row["theta"])) < 12 * 2 * math.pi / 360 and abs(float(row["x"])) < 2.4
+        assert row["gt"] == str(int(upright))
+    assert len({row["gt"] for row in rows}) == 2  # random actions: upright first, then fallen
+
+
+def test_collect_never_writes_into_an_existing_dataset(cartpole_dataset):
+    before = file_hash(os.path.join(cartpole_dataset, "states.csv"))
+    with pytest.raises(UserError, match="already exists and is not empty"):
+        epic_eval.collect(epic_eval.Collect(out=cartpole_dataset, num_frames=2))
+    assert file_hash(os.path.join(cartpole_dataset, "states.csv")) == before
+
+
+@pytest.mark.parametrize("env_id", ["MountainCar-v0", "MountainCarContinuous-v0"])
+def test_mountaincar_gt_is_the_papers_flag_at_0_45(env_id):
+    """Success is x >= 0.45 (the paper's flag, where the training script draws it), not Gymnasium's 0.5."""
+    import gymnasium as gym
+
+    env = gym.make(env_id)
+    env.reset(seed=0)
+    labels = {}
+    for x in (0.44, 0.45, 0.47, 0.5):
+        env.unwrapped.state = np.array([x, 0.0])
+        labels[x] = epic_eval.env_state(env)[2]
+    env.close()
+    assert labels == {0.44: 0, 0.45: 1, 0.47: 1, 0.5: 1}
+
+
+def test_unknown_env_id_is_one_sentence_error(tmp_path):
+    with pytest.raises(UserError, match="--env-id Pendulum-v1 is not supported; choose one of: CartPole-v1"):
+        epic_eval.collect(epic_eval.Collect(out=str(tmp_path / "ds"), env_id="Pendulum-v1"))
+    assert not (tmp_path / "ds").exists()
+
+
+def test_end_to_end_collect_then_score_with_ground_truth_labels(cartpole_dataset, tmp_path):
+    result = run_cli("score", "--dataset", cartpole_dataset, "--labels", "gt", "--clip-models", TINY,
+                     "--clip-pretrained", "none", "--alphas", "0", "0.5", "1", "--bootstrap", "300", cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    (run_dir,) = [os.path.join(tmp_path, "runs", d) for d in os.listdir(tmp_path / "runs")]
+    assert os.path.getsize(os.path.join(run_dir, "epic.png")) > 10_000
+    with open(os.path.join(run_dir, "epic.csv"), newline="") as f:
+        table = list(csv.DictReader(f))
+    assert [float(r["alpha"]) for r in table] == [0.0, 0.5, 1.0]
+    with open(os.path.join(run_dir, "rewards.csv"), newline="") as f:
+        rewards = list(csv.DictReader(f))
+    labels = np.array([float(r["label"]) for r in rewards])
+    assert len(rewards) == 60 and set(labels) == {0.0, 1.0}
+    for row in table:
+        epic, low, high = float(row["epic"]), float(row["epic_low"]), float(row["epic_high"])
+        assert 0.0 <= low <= epic <= high <= 1.0
+        assert 0.0 <= float(row["roc_auc"]) <= 1.0 and 0.0 < float(row["pr_auc"]) <= 1.0
+        # the table is the metric applied to the per-frame rewards it saved
+        column = np.array([float(r[f"vlmrm-tiny-test/none@alpha={float(row['alpha']):g}"]) for r in rewards])
+        assert epic == pytest.approx(epic_distance(column, labels), abs=1e-5)
+        assert float(row["roc_auc"]) == pytest.approx(roc_auc(column, labels), abs=1e-5)
+    # different alphas are different reward models
+    assert len({row["epic"] for row in table}) == 3
+
+
+def score_args(dataset: str, **kwargs) -> "epic_eval.Score":
+    return epic_eval.Score(dataset=dataset, clip_models=(TINY,), clip_pretrained=("none",), alphas=(0.0, 1.0),
+                           bootstrap=50, **kwargs)
+
+
+def write_labels(dataset: str, lines: list[str]) -> None:
+    with open(os.path.join(dataset, "labels.csv"), "w") as f:
+        f.write("frame,label,time\n" + "".join(line + "\n" for line in lines))
+
+
+def test_dataset_problems_are_one_sentence_errors(cartpole_dataset, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # missing image files
+    ds = copy_dataset(cartpole_dataset, str(tmp_path / "missing"))
+    os.remove(os.path.join(ds, "frames", "000007.png"))
+    with pytest.raises(UserError, match=r"1 of the 60 frames .* have no image file .*first: 000007.png"):
+        epic_eval.score(score_args(ds, labels="gt"))
+    # labels that are not numbers
+    ds = copy_dataset(cartpole_dataset, str(tmp_path / "words"))
+    write_labels(ds, ["000000.png,1,t", "000001.png,yes,t"])
+    words_labels = file_hash(os.path.join(ds, "labels.csv"))
+    with pytest.raises(UserError, match="label 'yes' of frame 000001.png in labels.csv is not a number"):
+        epic_eval.score(score_args(ds))
+    # an empty dataset, no dataset, no labels yet
+    ds = str(tmp_path / "empty")
+    os.makedirs(os.path.join(ds, "frames"))
+    with open(os.path.join(ds, "states.csv"), "w") as f:
+        f.write("frame,env_id,episode,step,x,x_dot,theta,theta_dot,gt\n")
+    with pytest.raises(UserError, match="lists no frames: the dataset is empty"):
+        epic_eval.score(score_args(ds, labels="gt"))
+    with pytest.raises(UserError, match="no states.csv"):
+        epic_eval.score(score_args(str(tmp_path), labels="gt"))
+    with pytest.raises(UserError, match="has no labelled frames yet"):
+        epic_eval.score(score_args(cartpole_dataset))
+    # constant labels (all skipped frames are left out, so these are all 1)
+    ds = copy_dataset(cartpole_dataset, str(tmp_path / "constant_labels"))
+    write_labels(ds, ["000000.png,1,t", "000001.png,1,t", "000002.png,skip,t"])
+    with pytest.raises(UserError, match="all 2 labels .* are 1, so the correlation .* is undefined"):
+        epic_eval.score(score_args(ds))
+    # constant rewards: every frame is the same picture, while the labels differ
+    ds = copy_dataset(cartpole_dataset, str(tmp_path / "constant_rewards"))
+    for name in os.listdir(os.path.join(ds, "frames")):
+        shutil.copyfile(os.path.join(cartpole_dataset, "frames", "000000.png"), os.path.join(ds, "frames", name))
+    with pytest.raises(UserError, match="are the same for every frame, so their correlation .* is undefined"):
+        epic_eval.score(score_args(ds, labels="gt"))
+    # the command line turns each of them into "error: <sentence>" and exit code 2, no traceback
+    result = run_cli("score", "--dataset", str(tmp_path / "words"), "--clip-models", TINY, "--clip-pretrained", "none", cwd=str(tmp_path))
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: label 'yes'") and "Traceback" not in result.stderr
+    # score reads datasets, never writes them
+    assert file_hash(os.path.join(tmp_path / "words", "labels.csv")) == words_labels
+    assert sorted(os.listdir(tmp_path / "words")) == ["frames", "labels.csv", "states.csv"]
+
+
+def test_human_labels_use_the_last_label_per_frame_and_leave_skips_out(cartpole_dataset, tmp_path):
+    ds = copy_dataset(cartpole_dataset, str(tmp_path / "ds"))
+    write_labels(ds, ["000000.png,1,t", "000001.png,0,t", "000000.png,0,t", "000002.png,skip,t", "000003.png,1,t"])
+    frames, labels = epic_eval.label_values(ds, "human")
+    assert frames == ["000000.png", "000001.png", "000003.png"]
+    assert labels.tolist() == [0.0, 0.0, 1.0]
+    # a line cut short by a crash (no time, no newline) is ignored, not an error
+    with open(os.path.join(ds, "labels.csv"), "a") as f:
+        f.write("000004.png,s")
+    assert epic_eval.label_values(ds, "human")[0] == frames
+    # and the next label starts on a line of its own, keeping the broken one as it was
+    epic_eval.append_label(os.path.join(ds, "labels.csv"), "000005.png", "1")
+    assert epic_eval.label_values(ds, "human")[0] == frames + ["000005.png"]
+    with open(os.path.join(ds, "labels.csv")) as f:
+        assert f.read().splitlines()[-2:][0] == "000004.png,s"
+
+
+# ---------------------------------------------------------------------------------------------- label page over HTTP
+class LabelServer:
+    def __init__(self, dataset: str):
+        self.server = epic_eval.make_label_server(dataset, 0, "pole upright?")
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+def http(url: str, body=None, headers=None) -> tuple[int, bytes]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_label_page_round_trip_over_http(cartpole_dataset, tmp_path):
+    ds = copy_dataset(cartpole_dataset, str(tmp_path / "ds"))
+    labels_csv = os.path.join(ds, "labels.csv")
+    server = LabelServer(ds)
+    try:
+        assert server.server.server_address[0] == "127.0.0.1"
+        status, page = http(server.url + "/")
+        assert status == 200 and b"api/label" in page
+        status, body = http(server.url + "/api/state")
+        state = json.loads(body)
+        assert status == 200 and len(state["frames"]) == 60 and state["labels"] == {} and state["task"] == "pole upright?"
+        status, png = http(server.url + "/frames/000000.png")
+        assert status == 200 and png[:8] == b"\x89PNG\r\n\x1a\n"
+        for frame, value in [("000000.png", "1"), ("000001.png", "0"), ("000002.png", "skip"), ("000000.png", "0")]:
+            assert http(server.url + "/api/label", {"frame": frame, "label": value})[0] == 200
+        # the label is on disk when the server answers
+        with open(labels_csv) as f:
+            lines = f.read().splitlines()
+        assert lines[0] == "frame,label,time" and [line.split(",")[:2] for line in lines[1:]] == [
+            ["000000.png", "1"], ["000001.png", "0"], ["000002.png", "skip"], ["000000.png", "0"]]
+        # refused: unknown frame or label, other files, a foreign Host (DNS rebinding), a non-JSON (form) post
+        assert http(server.url + "/api/label", {"frame": "../states.csv", "label": "1"})[0] == 400
+        assert http(server.url + "/api/label", {"frame": "000003.png", "label": "maybe"})[0] == 400
+        assert http(server.url + "/frames/../states.csv")[0] == 404
+        assert http(server.url + "/api/state", headers={"Host": "evil.example:80"})[0] == 403
+        assert http(server.url + "/api/label", {"frame": "000003.png", "label": "1"}, {"Content-Type": "text/plain"})[0] == 415
+    finally:
+        server.close()
+    # resumable: a new server sees every label given before (the last one per frame)
+    before = open(labels_csv).read()
+    server = LabelServer(ds)
+    try:
+        state = json.loads(http(server.url + "/api/state")[1])
+        assert state["labels"] == {"000000.png": "0", "000001.png": "0", "000002.png": "skip"}
+        assert http(server.url + "/api/label", {"frame": "000003.png", "label": "1"})[0] == 200
+    finally:
+        server.close()
+    after = open(labels_csv).read()
+    assert after.startswith(before) and after.count("\n") == before.count("\n") + 1  # appended, nothing rewritten
+
+
+# ---------------------------------------------------------------------------------------------- label page in chromium
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def webdriver(method: str, url: str, payload=None):
+    data = json.dumps(payload).encode() if payload is not None else None
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())["value"]
+
+
+def wait_for(condition, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium chromium-driver)")
+def test_label_page_in_headless_chromium(cartpole_dataset, tmp_path):
+    chromedriver = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+    assert os.path.exists(chromedriver), "chromium is installed but chromedriver is not: apt-get install -y chromium-driver"
+    ds = copy_dataset(cartpole_dataset, str(tmp_path / "ds"))
+    write_labels(ds, ["000000.png,1,2024-01-01T00:00:00+00:00"])  # an earlier session: the page resumes after it
+    server = LabelServer(ds)
+    driver_port = free_port()
+    driver = subprocess.Popen([chromedriver, f"--port={driver_port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{driver_port}"
+    session = None
+    try:
+        wait_for(lambda: _ready(base), what="chromedriver")
+        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'profile'}"]
+        session = webdriver("POST", f"{base}/session", {"capabilities": {"alwaysMatch": {
+            "browserName": "chrome", "goog:chromeOptions": {"binary": CHROMIUM, "args": flags}}}})["sessionId"]
+        webdriver("POST", f"{base}/session/{session}/url", {"url": server.url + "/"})
+
+        def script(js: str):
+            return webdriver("POST", f"{base}/session/{session}/execute/sync", {"script": js, "args": []})
+
+        wait_for(lambda: script("return document.body.dataset.ready === '1'"), what="the page to load the dataset")
+        assert script("return document.getElementById('name').textContent").startswith("000001.png")  # resumed
+        assert script("return document.getElementById('frame').naturalWidth") == 600  # the frame was served
+
+        # real key presses: 1 (success), 0 (failure), s (skip), Backspace (back to 000003), 1 (relabel it)
+        keys = []
+        for key in ["1", "0", "s", "\ue003", "1"]:
+            keys += [{"type": "keyDown", "value": key}, {"type": "keyUp", "value": key}]
+        webdriver("POST", f"{base}/session/{session}/actions", {"actions": [{"type": "key", "id": "keyboard", "actions": keys}]})
+
+        def labels_on_disk():
+            with open(os.path.join(ds, "labels.csv")) as f:
+                rows = [line.split(",")[:2] for line in f.read().splitlines()[1:]]
+            return rows if len(rows) == 5 else None
+
+        rows = wait_for(labels_on_disk, what="4 new labels in labels.csv")
+        assert rows == [["000000.png", "1"], ["000001.png", "1"], ["000002.png", "0"], ["000003.png", "skip"], ["000003.png", "1"]]
+        wait_for(lambda: script("return document.getElementById('name').textContent").startswith("000004.png"), what="the page to move on")
+        progress = script("return document.getElementById('progress').textContent")
+        assert progress.startswith("4 of 60 frames labelled (3 success, 1 failure, 0 skipped)"), progress
+    finally:
+        if session:
+            try:
+                webdriver("DELETE", f"{base}/session/{session}")
+            except OSError:
+                pass
+        driver.terminate()
+        driver.wait(10)
+        server.close()
+
+
+def _ready(base: str) -> bool:
+    try:
+        return bool(webdriver("GET", f"{base}/status")["ready"])
+    except OSError:
+        return False
