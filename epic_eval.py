@@ -14,6 +14,8 @@ One file, three subcommands:
     # 3. EPIC (with a bootstrap interval), ROC AUC and PR AUC per model and alpha -> runs/<run_name>/
     python epic_eval.py score --dataset data/cartpole --clip-models RN50 ViT-L-14 --clip-pretrained openai \
         --alphas 0 0.5 1            # --labels gt uses the ground-truth column instead of your labels
+    #    ...both reward families side by side: the projection per alpha and the thresholded softmax vs negatives
+    python epic_eval.py score --dataset data/cartpole --reward-families projection softmax --negatives "pole lying flat next to the cart"
 
 Dataset layout: <dataset>/frames/*.png, <dataset>/states.csv (frame, env_id, episode, step, state
 columns, gt), <dataset>/labels.csv (frame, label, time; append-only, the last label of a frame wins).
@@ -127,6 +129,16 @@ class Score:
     """goal prompt(s); default: a description of the task's goal state"""
     baseline: Optional[tuple[str, ...]] = None
     """baseline prompt(s); default: a description of the scene"""
+    reward_families: tuple[Literal["projection", "softmax"], ...] = ("projection",)
+    """reward families to compare side by side: projection (one row per --alphas), softmax (one row: goal vs --negatives)"""
+    negatives: Optional[tuple[str, ...]] = None
+    """softmax family: prompts the goal is contrasted with; default: our negatives for the default --goal (none for others)"""
+    temperature: float = 0.01
+    """softmax family: temperature tau of the softmax over cosine similarities (0.01 = CLIP's own logit scale 100)"""
+    threshold: float = 0.5
+    """softmax family: the reward is 1 when the goal's probability is above this, else 0; in (0, 1)"""
+    soft: bool = False
+    """softmax family: if toggled, the reward is the goal's probability itself instead of 0/1"""
     bootstrap: int = 1000
     """bootstrap resamples for the EPIC confidence interval"""
     confidence: float = 0.95
@@ -206,6 +218,45 @@ def vlm_reward(image_embeddings: torch.Tensor, goal_embeddings: torch.Tensor,
     return 1 - 0.5 * projected.pow(2).sum(-1)
 
 
+DEFAULT_NEGATIVES = {  # softmax family: our own negatives for the default goals (not the paper's), states the goal is not
+    ("pole vertically upright on top of the cart",): ("pole tilted to the side of the cart", "pole lying flat next to the cart"),
+    ("a car at the peak of the mountain, next to the yellow flag",): ("a car at the bottom of the valley", "a car on the slope, far from the yellow flag"),
+    ("a humanoid robot kneeling",): ("a humanoid robot standing", "a humanoid robot lying on the ground"),
+}
+
+
+def softmax_reward(image_embeddings: torch.Tensor, goal_embeddings: torch.Tensor, negative_embeddings: torch.Tensor,
+                   temperature: float, threshold: float, soft: bool = False) -> torch.Tensor:
+    """R(s) = 1 if p > threshold else 0, p = softmax_k(cos(s, e_k) / temperature)[goal] over the goal and each negative.
+
+    Takes raw (N, D) image, (G, D) goal and (K, D) negative embeddings. Several goal prompts form one class: the mean
+    of the normalised goal embeddings, re-normalised (the cosine needs a direction); every negative prompt is a class
+    of its own. Returns (N,) float32: 0 or 1, or with soft=True the probability p itself.
+    """
+    if negative_embeddings.shape[0] == 0:
+        raise ValueError("softmax_reward needs at least one negative prompt embedding")
+    if not 0 < temperature < float("inf"):  # also rejects nan
+        raise ValueError(f"temperature must be positive and finite, got {temperature}")
+    if not 0 < threshold < 1:
+        raise ValueError(f"threshold must be in (0, 1), got {threshold}")
+    s = F.normalize(image_embeddings.float(), dim=-1)
+    g = F.normalize(F.normalize(goal_embeddings.float(), dim=-1).mean(0), dim=-1)
+    prompts = torch.cat([g[None], F.normalize(negative_embeddings.float(), dim=-1)])  # (1 + K, D), the goal first
+    p = (s @ prompts.T / temperature).softmax(dim=-1)[:, 0]
+    return p if soft else (p > threshold).float()
+
+
+def resolve_negatives(goal: tuple[str, ...], negatives: Optional[tuple[str, ...]], flag: str) -> tuple[str, ...]:
+    """The softmax family's negative prompts: --negatives, else the defaults of the default goal; one-sentence errors."""
+    negatives = DEFAULT_NEGATIVES.get(tuple(goal), ()) if negatives is None else tuple(negatives)
+    if not negatives or any(not n.strip() for n in negatives):
+        raise UserError(f"{flag} needs at least one non-empty --negatives prompt describing what the goal is not (default negatives go with the default --goal only).")
+    shared = sorted(set(negatives) & set(goal))
+    if shared:
+        raise UserError(f"--negatives and --goal share the prompt {shared[0]!r}; a negative must describe something the goal is not.")
+    return negatives
+
+
 def load_clip(args: ClipArgs, device: torch.device) -> tuple[nn.Module, object]:
     """The open_clip model and tokenizer named by the flags, with one-sentence errors."""
     import open_clip
@@ -230,14 +281,23 @@ def load_clip(args: ClipArgs, device: torch.device) -> tuple[nn.Module, object]:
 
 
 class CLIPReward(nn.Module):
-    """Scores uint8 frames (N, H, W, 3) with `vlm_reward`; prompt embeddings are computed once."""
+    """Scores uint8 frames (N, H, W, 3) with `vlm_reward` (family "projection") or `softmax_reward` ("softmax").
+
+    Prompt embeddings (goal, baseline, negatives) are computed once.
+    """
 
     def __init__(self, model: nn.Module, tokenizer, goal: tuple[str, ...], baseline: tuple[str, ...],
-                 alpha: float, batch_size: int, device: torch.device):
+                 alpha: float, batch_size: int, device: torch.device, family: str = "projection",
+                 negatives: tuple[str, ...] = (), temperature: float = 0.01, threshold: float = 0.5, soft: bool = False):
         super().__init__()
         import open_clip
 
+        if family not in ("projection", "softmax"):
+            raise ValueError(f"unknown reward family {family!r}: use 'projection' or 'softmax'")
+        if family == "softmax" and not negatives:
+            raise ValueError("the softmax reward family needs at least one negative prompt")
         self.model, self.alpha, self.batch_size, self.device = model, alpha, batch_size, device
+        self.family, self.temperature, self.threshold, self.soft = family, temperature, threshold, soft
         preprocess_cfg = open_clip.get_model_preprocess_cfg(model)
         self.image_size = tuple(preprocess_cfg["size"]) if not isinstance(preprocess_cfg["size"], int) else (preprocess_cfg["size"],) * 2
         self.register_buffer("mean", torch.tensor(preprocess_cfg["mean"], device=device).view(1, 3, 1, 1))
@@ -245,6 +305,8 @@ class CLIPReward(nn.Module):
         with torch.no_grad():
             self.register_buffer("goal_embeddings", model.encode_text(tokenizer(list(goal)).to(device)).float())
             self.register_buffer("baseline_embeddings", model.encode_text(tokenizer(list(baseline or goal)).to(device)).float())
+            self.register_buffer("negative_embeddings", model.encode_text(tokenizer(list(negatives)).to(device)).float() if negatives
+                                 else self.goal_embeddings.new_zeros(0, self.goal_embeddings.shape[1]))
 
     @torch.no_grad()
     def embed_images(self, frames: torch.Tensor) -> torch.Tensor:
@@ -256,11 +318,17 @@ class CLIPReward(nn.Module):
         with torch.autocast(device_type=self.device.type, dtype=torch.float16, enabled=self.device.type == "cuda"):
             return self.model.encode_image(x)
 
+    def rewards(self, image_embeddings: torch.Tensor) -> torch.Tensor:
+        """The chosen family's rewards (N,) of raw image embeddings (N, D)."""
+        if self.family == "softmax":
+            return softmax_reward(image_embeddings, self.goal_embeddings, self.negative_embeddings,
+                                  self.temperature, self.threshold, self.soft)
+        return vlm_reward(image_embeddings, self.goal_embeddings, self.baseline_embeddings, self.alpha)
+
     @torch.no_grad()
     def forward(self, frames: np.ndarray) -> np.ndarray:
         frames = torch.from_numpy(np.ascontiguousarray(frames))
-        rewards = [vlm_reward(self.embed_images(chunk), self.goal_embeddings, self.baseline_embeddings, self.alpha)
-                   for chunk in frames.split(self.batch_size)]
+        rewards = [self.rewards(self.embed_images(chunk)) for chunk in frames.split(self.batch_size)]
         return torch.cat(rewards).cpu().numpy()
 
 
@@ -282,7 +350,7 @@ class FixedLengthCartPole(gym.Wrapper):
             x, x_dot = math.copysign(cartpole.x_threshold, x), 0.0
         cartpole.state = np.array([x, x_dot, theta, theta_dot], dtype=np.float64)
         cartpole.steps_beyond_terminated = None  # we keep stepping on purpose: silence gym's warning
-        upright = abs(theta) < cartpole.theta_threshold_radians and abs(x) < cartpole.x_threshold
+        upright = bool(abs(theta) < cartpole.theta_threshold_radians and abs(x) < cartpole.x_threshold)
         info["success"] = upright
         return np.array(cartpole.state, dtype=np.float32), float(upright), False, truncated, info
 
@@ -1158,19 +1226,31 @@ def average_precision(scores: np.ndarray, labels: np.ndarray) -> float:
 # ----------------------------------------------------------------------------------------------
 # Score: every CLIP model x alpha against the labels
 # ----------------------------------------------------------------------------------------------
+SOFTMAX = "softmax"  # the thresholded-softmax family's entry among the alphas of a score run
+
+
 def check_score_args(args: Score) -> list[ClipArgs]:
     """Reject bad flags before any model is loaded; returns one ClipArgs per model."""
-    if not args.alphas:
+    if not args.reward_families:
+        raise UserError("--reward-families needs at least one of: projection, softmax.")
+    projection = "projection" in args.reward_families
+    if projection and not args.alphas:
         raise UserError("--alphas needs at least one value in [0, 1].")
-    for alpha in args.alphas:
+    for alpha in args.alphas if projection else ():
         if not 0.0 <= alpha <= 1.0:
             raise UserError(f"--alphas must be in [0, 1], got {alpha}.")
     if not args.goal or any(not g.strip() for g in args.goal):
         raise UserError('--goal needs at least one non-empty prompt, e.g. --goal "pole vertically upright on top of the cart".')
-    if max(args.alphas) > 0 and (not args.baseline or any(not b.strip() for b in args.baseline)):
+    if projection and max(args.alphas) > 0 and (not args.baseline or any(not b.strip() for b in args.baseline)):
         raise UserError("--baseline needs at least one non-empty prompt when an alpha is > 0.")
-    if max(args.alphas) > 0 and sorted(set(args.goal)) == sorted(set(args.baseline)):
+    if projection and max(args.alphas) > 0 and sorted(set(args.goal)) == sorted(set(args.baseline)):
         raise UserError(f"--goal and --baseline are the same prompts, so the goal-baseline direction is zero; change one or use only --alphas 0 (got {max(args.alphas)}).")
+    if not 0 < args.temperature < float("inf"):  # also rejects nan
+        raise UserError(f"--temperature must be a positive number, got {args.temperature}.")
+    if not 0 < args.threshold < 1:
+        raise UserError(f"--threshold must be in (0, 1), got {args.threshold}.")
+    if "softmax" in args.reward_families:
+        args.negatives = resolve_negatives(args.goal, args.negatives, "--reward-families softmax")
     if args.bootstrap < 1 or args.reward_batch_size < 1:
         raise UserError("--bootstrap and --reward-batch-size must be positive integers.")
     if not 0.0 < args.confidence < 1.0:
@@ -1203,18 +1283,29 @@ def plot_epic(table: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for model in dict.fromkeys(row["model"] for row in table):  # one line per model, in flag order
-        rows = [row for row in table if row["model"] == model]
-        alphas = [row["alpha"] for row in rows]
-        line, = ax.plot(alphas, [row["epic"] for row in rows], marker="o", label=model)
-        ax.fill_between(alphas, [row["epic_low"] for row in rows], [row["epic_high"] for row in rows],
-                        color=line.get_color(), alpha=0.2, linewidth=0)
-    ax.set_xlabel("alpha (goal-baseline regularisation)")
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, model in enumerate(dict.fromkeys(row["model"] for row in table)):  # one colour per model, in flag order
+        colour = colours[i % len(colours)]
+        rows = [row for row in table if row["model"] == model and row["family"] == "projection"]
+        if rows:  # projection family: EPIC against alpha
+            alphas = [row["alpha"] for row in rows]
+            ax.plot(alphas, [row["epic"] for row in rows], marker="o", color=colour, label=f"{model}, projection")
+            ax.fill_between(alphas, [row["epic_low"] for row in rows], [row["epic_high"] for row in rows],
+                            color=colour, alpha=0.2, linewidth=0)
+        for row in (row for row in table if row["model"] == model and row["family"] == "softmax"):
+            if math.isfinite(row["epic"]):  # softmax family: no alpha, a dashed level across the plot
+                ax.axhline(row["epic"], color=colour, linestyle="--", label=f"{model}, {row['curve']}")
+            if math.isfinite(row["epic_low"]) and math.isfinite(row["epic_high"]):
+                ax.axhspan(row["epic_low"], row["epic_high"], color=colour, alpha=0.08, linewidth=0)
+    if not any(row["family"] == "projection" for row in table):
+        ax.set_xlim(0, 1)
+    ax.set_xlabel("alpha (goal-baseline regularisation; the softmax family is dashed)")
     ax.set_ylabel("EPIC distance to labels (lower is better)")
     ax.set_ylim(0, 1)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # nothing to list when every EPIC is undefined
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -1238,29 +1329,43 @@ def score(args: Score) -> str:
     with open(os.path.join(run_dir, "args.json"), "w") as f:
         json.dump(asdict(args), f, indent=2)
     print(f"run: {run_dir}; {len(frames)} frames of {env_id} with {args.labels} labels "
-          f"({int((labels == 1).sum())} successes), goal={args.goal}, baseline={args.baseline}, on {device}")
+          f"({int((labels == 1).sum())} successes), goal={args.goal}, baseline={args.baseline}"
+          + (f", negatives={args.negatives}" if "softmax" in args.reward_families else "") + f", on {device}")
+    curves: list = list(args.alphas) if "projection" in args.reward_families else []  # an alpha, or SOFTMAX
+    if "softmax" in args.reward_families:
+        curves.append(SOFTMAX)
+    softmax_curve = "softmax-p" if args.soft else "softmax"  # its name in the tables and the plot
 
     table, undefined, reward_columns = [], [], {}
     for clip in clip_args:
         name = model_label(clip)
         torch.manual_seed(args.seed)  # a random-weight (test) model is then the same in every run
         model, tokenizer = load_clip(clip, device)
-        reward_model = CLIPReward(model, tokenizer, args.goal, args.baseline, 0.0, args.reward_batch_size, device)
-        # image embeddings once per model, from disk in batches; every alpha reuses them
+        reward_model = CLIPReward(model, tokenizer, args.goal, args.baseline, 0.0, args.reward_batch_size, device,
+                                  "softmax" if SOFTMAX in curves else "projection", args.negatives or (),
+                                  args.temperature, args.threshold, args.soft)
+        # image embeddings once per model, from disk in batches; every alpha (and the softmax family) reuses them
         start = time.perf_counter()
         embeddings = torch.cat([reward_model.embed_images(torch.from_numpy(read_frames(args.dataset, frames[i:i + args.reward_batch_size]))).float().cpu()
                                 for i in range(0, len(frames), args.reward_batch_size)])
         print(f"{name}: embedded {len(frames)} frames in {time.perf_counter() - start:.1f} s")
-        for alpha in args.alphas:
-            try:
-                rewards = vlm_reward(embeddings, reward_model.goal_embeddings.cpu(), reward_model.baseline_embeddings.cpu(), alpha).numpy()
-            except ValueError:
-                raise UserError(f"{name} embeds --goal and --baseline identically, so the goal-baseline direction is zero; use different prompts or only --alphas 0.") from None
-            reward_columns[f"{name}@alpha={alpha:g}"] = rewards
-            rng = np.random.default_rng(args.seed)  # same resamples for every model and alpha: comparable intervals
-            row = {"model": name, "alpha": alpha, "n": len(labels), "n_success": int((labels == 1).sum()) if binary else ""}
+        for alpha in curves:
+            if alpha == SOFTMAX:
+                curve, family, alpha = softmax_curve, "softmax", ""
+                rewards = softmax_reward(embeddings, reward_model.goal_embeddings.cpu(), reward_model.negative_embeddings.cpu(),
+                                         args.temperature, args.threshold, args.soft).numpy()
+            else:
+                curve, family = f"alpha={alpha:g}", "projection"
+                try:
+                    rewards = vlm_reward(embeddings, reward_model.goal_embeddings.cpu(), reward_model.baseline_embeddings.cpu(), alpha).numpy()
+                except ValueError:
+                    raise UserError(f"{name} embeds --goal and --baseline identically, so the goal-baseline direction is zero; use different prompts or only --alphas 0.") from None
+            reward_columns[f"{name}@{curve}"] = rewards
+            rng = np.random.default_rng(args.seed)  # same resamples for every model and curve: comparable intervals
+            row = {"model": name, "family": family, "alpha": alpha, "curve": curve, "n": len(labels),
+                   "n_success": int((labels == 1).sum()) if binary else ""}
             if is_constant(rewards):
-                undefined.append(f"{name} alpha={alpha:g}")
+                undefined.append(f"{name} {curve}")
                 row.update(epic=float("nan"), epic_low=float("nan"), epic_high=float("nan"), pearson=float("nan"),
                            roc_auc=float("nan"), pr_auc=float("nan"))
             else:
@@ -1270,27 +1375,29 @@ def score(args: Score) -> str:
                            roc_auc=roc_auc(rewards, labels) if binary else float("nan"),
                            pr_auc=average_precision(rewards, labels) if binary else float("nan"))
             table.append(row)
-            print(f"  alpha={alpha:<5g} EPIC={row['epic']:.4f} [{row['epic_low']:.4f}, {row['epic_high']:.4f}]  "
+            print(f"  {curve:<11} EPIC={row['epic']:.4f} [{row['epic_low']:.4f}, {row['epic_high']:.4f}]  "
                   f"pearson={row['pearson']:+.4f}  ROC AUC={row['roc_auc']:.4f}  PR AUC={row['pr_auc']:.4f}")
         del model, reward_model  # one model in memory at a time: the large ones take many GB
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    columns = ["model", "alpha", "epic", "epic_low", "epic_high", "pearson", "roc_auc", "pr_auc", "n", "n_success"]
+    columns = ["model", "family", "alpha", "epic", "epic_low", "epic_high", "pearson", "roc_auc", "pr_auc", "n", "n_success"]
     with open(os.path.join(run_dir, "epic.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
-        writer.writerows({k: (f"{v:.6f}" if isinstance(v, float) and k != "alpha" else v) for k, v in row.items()} for row in table)
+        writer.writerows({k: (f"{v:.6f}" if isinstance(v, float) and k != "alpha" else v) for k, v in row.items() if k in columns}
+                         for row in table)
     with open(os.path.join(run_dir, "rewards.csv"), "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["frame", "label", *reward_columns])
         for i, frame in enumerate(frames):
-            writer.writerow([frame, f"{labels[i]:g}", *(f"{v[i]:.8f}" for v in reward_columns.values())])
+            writer.writerow([frame, f"{labels[i]:g}", *(f"{v[i]:.9g}" for v in reward_columns.values())])
     plot_epic(table, os.path.join(run_dir, "epic.png"),
               f"{env_id}, {len(labels)} frames, {args.labels} labels; {int(args.confidence * 100)}% bootstrap interval")
     print(f"wrote {run_dir}/epic.csv, epic.png, rewards.csv")
     if undefined:
-        raise UserError(f"the rewards of {', '.join(undefined)} are the same for every frame, so their correlation with the labels (and EPIC) is undefined; the other results are in {run_dir}/epic.csv.")
+        hint = " (a binary softmax reward that never or always crosses --threshold: try another --threshold or --soft)" if any(softmax_curve in u for u in undefined) and not args.soft else ""
+        raise UserError(f"the rewards of {', '.join(undefined)} are the same for every frame{hint}, so their correlation with the labels (and EPIC) is undefined; the other results are in {run_dir}/epic.csv.")
     return run_dir
 
 

@@ -3,18 +3,22 @@
 Sets the environment's state directly along one axis (CartPole: pole angle in [-pi/2, pi/2] with the cart
 centred; MountainCar: car position in [-1.2, 0.6]), renders every state exactly as vlmrm_dqn_classic.py
 does, embeds all frames once per CLIP model and scores them with `vlm_reward` for every alpha. A good
-reward model peaks at the goal state and falls off away from it.
+reward model peaks at the goal state and falls off away from it. `--reward-families projection softmax` adds
+the thresholded-softmax reward (`softmax_reward`: goal against --negatives) to the same plot and tables.
 
     python reward_shape.py --env-id CartPole-v1 --goal "pole vertically upright on top of the cart" --baseline "pole and cart"
     python reward_shape.py --env-id MountainCar-v0 --realistic \
         --goal "a car at the peak of the mountain, next to the yellow flag" --baseline "a car in the mountain"
     # model-size comparison: one --clip-pretrained tag per --clip-models entry (or one tag for all)
     python reward_shape.py --clip-models RN50 ViT-L-14 ViT-bigG-14 --clip-pretrained openai openai laion2b_s39b_b160k
+    # both reward families side by side: the alpha curves and the thresholded softmax against negative prompts
+    python reward_shape.py --reward-families projection softmax --negatives "pole lying flat next to the cart"
     # offline smoke test with the tiny random model (meaningless rewards)
     python reward_shape.py --clip-models tests/vlmrm-tiny-test.json --clip-pretrained none --save-frames
 
-Writes runs/<run_name>/: reward_shape.csv (model, alpha, state, raw and min-max normalised reward),
-summary.csv (the printed table), reward_shape_<model>.png (one curve per alpha), frames/ (--save-frames).
+Writes runs/<run_name>/: reward_shape.csv (model, family, alpha, state, raw and min-max normalised reward),
+summary.csv (the printed table), reward_shape_<model>.png (one curve per alpha, plus the softmax curve),
+frames/ (--save-frames).
 """
 
 import csv
@@ -27,7 +31,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional, Union
 
 os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # pygame draws off-screen: no display needed
 os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
@@ -80,6 +84,16 @@ class Args:
     """where downloaded CLIP weights are cached (default: the Hugging Face cache)"""
     reward_batch_size: int = 64
     """frames scored per CLIP forward pass"""
+    reward_families: tuple[Literal["projection", "softmax"], ...] = ("projection",)
+    """reward families to draw side by side: projection (one curve per --alphas), softmax (one curve: goal vs --negatives)"""
+    negatives: Optional[tuple[str, ...]] = None
+    """softmax family: prompts the goal is contrasted with; default: our negatives for the default --goal (none for others)"""
+    temperature: float = 0.01
+    """softmax family: temperature tau of the softmax over cosine similarities (0.01 = CLIP's own logit scale 100)"""
+    threshold: float = 0.5
+    """softmax family: the reward is 1 when the goal's probability is above this, else 0; in (0, 1)"""
+    soft: bool = False
+    """softmax family: if toggled, the reward is the goal's probability itself instead of 0/1"""
 
 
 @dataclass
@@ -108,17 +122,26 @@ def check_args(args: Args) -> list[ClipModelArgs]:
         raise UserError(f"--env-id {args.env_id} is not supported; choose one of: {', '.join(DEFAULT_PROMPTS)}.")
     if args.realistic and args.env_id != "MountainCar-v0":
         raise UserError(f"--realistic only changes MountainCar-v0's drawing, not {args.env_id}'s; drop it or use --env-id MountainCar-v0.")
-    if not args.alphas:
+    if not args.reward_families:
+        raise UserError("--reward-families needs at least one of: projection, softmax.")
+    projection = "projection" in args.reward_families
+    if projection and not args.alphas:
         raise UserError("--alphas needs at least one value in [0, 1], e.g. --alphas 0 0.5 1.")
-    for alpha in args.alphas:
+    for alpha in args.alphas if projection else ():
         if not 0.0 <= alpha <= 1.0:  # also rejects nan
             raise UserError(f"--alphas must all be in [0, 1], got {alpha}.")
     if not args.goal or any(not g.strip() for g in args.goal):
         raise UserError('--goal needs at least one non-empty prompt, e.g. --goal "pole vertically upright on top of the cart".')
-    if max(args.alphas) > 0 and (not args.baseline or any(not b.strip() for b in args.baseline)):
+    if projection and max(args.alphas) > 0 and (not args.baseline or any(not b.strip() for b in args.baseline)):
         raise UserError("--baseline needs at least one non-empty prompt when an alpha is > 0.")
-    if max(args.alphas) > 0 and sorted(set(args.goal)) == sorted(set(args.baseline)):
+    if projection and max(args.alphas) > 0 and sorted(set(args.goal)) == sorted(set(args.baseline)):
         raise UserError(f"--goal and --baseline are the same prompts, so the goal-baseline direction is zero; change one or use --alphas 0 (got alpha {max(args.alphas)}).")
+    if not 0 < args.temperature < float("inf"):  # also rejects nan
+        raise UserError(f"--temperature must be a positive number, got {args.temperature}.")
+    if not 0 < args.threshold < 1:
+        raise UserError(f"--threshold must be in (0, 1), got {args.threshold}.")
+    if "softmax" in args.reward_families:
+        args.negatives = resolve_negatives(args.goal, args.negatives, "--reward-families softmax")
     if args.num_points < 2:
         raise UserError(f"--num-points must be at least 2 to draw a curve, got {args.num_points}.")
     if args.reward_batch_size < 1:
@@ -182,6 +205,45 @@ def vlm_reward(image_embeddings: torch.Tensor, goal_embeddings: torch.Tensor,
     return 1 - 0.5 * projected.pow(2).sum(-1)
 
 
+DEFAULT_NEGATIVES = {  # softmax family: our own negatives for the default goals (not the paper's), states the goal is not
+    ("pole vertically upright on top of the cart",): ("pole tilted to the side of the cart", "pole lying flat next to the cart"),
+    ("a car at the peak of the mountain, next to the yellow flag",): ("a car at the bottom of the valley", "a car on the slope, far from the yellow flag"),
+    ("a humanoid robot kneeling",): ("a humanoid robot standing", "a humanoid robot lying on the ground"),
+}
+
+
+def softmax_reward(image_embeddings: torch.Tensor, goal_embeddings: torch.Tensor, negative_embeddings: torch.Tensor,
+                   temperature: float, threshold: float, soft: bool = False) -> torch.Tensor:
+    """R(s) = 1 if p > threshold else 0, p = softmax_k(cos(s, e_k) / temperature)[goal] over the goal and each negative.
+
+    Takes raw (N, D) image, (G, D) goal and (K, D) negative embeddings. Several goal prompts form one class: the mean
+    of the normalised goal embeddings, re-normalised (the cosine needs a direction); every negative prompt is a class
+    of its own. Returns (N,) float32: 0 or 1, or with soft=True the probability p itself.
+    """
+    if negative_embeddings.shape[0] == 0:
+        raise ValueError("softmax_reward needs at least one negative prompt embedding")
+    if not 0 < temperature < float("inf"):  # also rejects nan
+        raise ValueError(f"temperature must be positive and finite, got {temperature}")
+    if not 0 < threshold < 1:
+        raise ValueError(f"threshold must be in (0, 1), got {threshold}")
+    s = F.normalize(image_embeddings.float(), dim=-1)
+    g = F.normalize(F.normalize(goal_embeddings.float(), dim=-1).mean(0), dim=-1)
+    prompts = torch.cat([g[None], F.normalize(negative_embeddings.float(), dim=-1)])  # (1 + K, D), the goal first
+    p = (s @ prompts.T / temperature).softmax(dim=-1)[:, 0]
+    return p if soft else (p > threshold).float()
+
+
+def resolve_negatives(goal: tuple[str, ...], negatives: Optional[tuple[str, ...]], flag: str) -> tuple[str, ...]:
+    """The softmax family's negative prompts: --negatives, else the defaults of the default goal; one-sentence errors."""
+    negatives = DEFAULT_NEGATIVES.get(tuple(goal), ()) if negatives is None else tuple(negatives)
+    if not negatives or any(not n.strip() for n in negatives):
+        raise UserError(f"{flag} needs at least one non-empty --negatives prompt describing what the goal is not (default negatives go with the default --goal only).")
+    shared = sorted(set(negatives) & set(goal))
+    if shared:
+        raise UserError(f"--negatives and --goal share the prompt {shared[0]!r}; a negative must describe something the goal is not.")
+    return negatives
+
+
 def load_clip(args: ClipModelArgs, device: torch.device) -> tuple[nn.Module, object]:
     """The open_clip model and tokenizer named by the flags, with one-sentence errors."""
     import open_clip
@@ -206,14 +268,23 @@ def load_clip(args: ClipModelArgs, device: torch.device) -> tuple[nn.Module, obj
 
 
 class CLIPReward(nn.Module):
-    """Scores uint8 frames (N, H, W, 3) with `vlm_reward`; prompt embeddings are computed once."""
+    """Scores uint8 frames (N, H, W, 3) with `vlm_reward` (family "projection") or `softmax_reward` ("softmax").
+
+    Prompt embeddings (goal, baseline, negatives) are computed once.
+    """
 
     def __init__(self, model: nn.Module, tokenizer, goal: tuple[str, ...], baseline: tuple[str, ...],
-                 alpha: float, batch_size: int, device: torch.device):
+                 alpha: float, batch_size: int, device: torch.device, family: str = "projection",
+                 negatives: tuple[str, ...] = (), temperature: float = 0.01, threshold: float = 0.5, soft: bool = False):
         super().__init__()
         import open_clip
 
+        if family not in ("projection", "softmax"):
+            raise ValueError(f"unknown reward family {family!r}: use 'projection' or 'softmax'")
+        if family == "softmax" and not negatives:
+            raise ValueError("the softmax reward family needs at least one negative prompt")
         self.model, self.alpha, self.batch_size, self.device = model, alpha, batch_size, device
+        self.family, self.temperature, self.threshold, self.soft = family, temperature, threshold, soft
         preprocess_cfg = open_clip.get_model_preprocess_cfg(model)
         self.image_size = tuple(preprocess_cfg["size"]) if not isinstance(preprocess_cfg["size"], int) else (preprocess_cfg["size"],) * 2
         self.register_buffer("mean", torch.tensor(preprocess_cfg["mean"], device=device).view(1, 3, 1, 1))
@@ -221,6 +292,8 @@ class CLIPReward(nn.Module):
         with torch.no_grad():
             self.register_buffer("goal_embeddings", model.encode_text(tokenizer(list(goal)).to(device)).float())
             self.register_buffer("baseline_embeddings", model.encode_text(tokenizer(list(baseline or goal)).to(device)).float())
+            self.register_buffer("negative_embeddings", model.encode_text(tokenizer(list(negatives)).to(device)).float() if negatives
+                                 else self.goal_embeddings.new_zeros(0, self.goal_embeddings.shape[1]))
 
     @torch.no_grad()
     def embed_images(self, frames: torch.Tensor) -> torch.Tensor:
@@ -232,11 +305,17 @@ class CLIPReward(nn.Module):
         with torch.autocast(device_type=self.device.type, dtype=torch.float16, enabled=self.device.type == "cuda"):
             return self.model.encode_image(x)
 
+    def rewards(self, image_embeddings: torch.Tensor) -> torch.Tensor:
+        """The chosen family's rewards (N,) of raw image embeddings (N, D)."""
+        if self.family == "softmax":
+            return softmax_reward(image_embeddings, self.goal_embeddings, self.negative_embeddings,
+                                  self.temperature, self.threshold, self.soft)
+        return vlm_reward(image_embeddings, self.goal_embeddings, self.baseline_embeddings, self.alpha)
+
     @torch.no_grad()
     def forward(self, frames: np.ndarray) -> np.ndarray:
         frames = torch.from_numpy(np.ascontiguousarray(frames))
-        rewards = [vlm_reward(self.embed_images(chunk), self.goal_embeddings, self.baseline_embeddings, self.alpha)
-                   for chunk in frames.split(self.batch_size)]
+        rewards = [self.rewards(self.embed_images(chunk)) for chunk in frames.split(self.batch_size)]
         return torch.cat(rewards).cpu().numpy()
 
 
@@ -259,7 +338,7 @@ class FixedLengthCartPole(gym.Wrapper):
             x, x_dot = math.copysign(cartpole.x_threshold, x), 0.0
         cartpole.state = np.array([x, x_dot, theta, theta_dot], dtype=np.float64)
         cartpole.steps_beyond_terminated = None  # we keep stepping on purpose: silence gym's warning
-        upright = abs(theta) < cartpole.theta_threshold_radians and abs(x) < cartpole.x_threshold
+        upright = bool(abs(theta) < cartpole.theta_threshold_radians and abs(x) < cartpole.x_threshold)
         info["success"] = upright
         return np.array(cartpole.state, dtype=np.float32), float(upright), False, truncated, info
 
@@ -418,13 +497,33 @@ def render_states(env_id: str, realistic: bool, states: np.ndarray, seed: int) -
     return np.stack(frames), goal
 
 
+SOFTMAX = "softmax"  # the key of the thresholded-softmax curve; the projection curves are keyed by their alpha
+
+
 @torch.no_grad()
-def score_frames(reward_model: CLIPReward, frames: np.ndarray, alphas: tuple[float, ...]) -> dict[float, np.ndarray]:
-    """Rewards per alpha. The frames are embedded once; only the cheap projection is repeated per alpha."""
+def score_frames(reward_model: CLIPReward, frames: np.ndarray, alphas: tuple[float, ...],
+                 softmax: bool = False) -> dict[Union[float, str], np.ndarray]:
+    """Rewards per curve: one per alpha (projection family) and, with softmax=True, the thresholded softmax
+    (the reward model's negatives, temperature, threshold and soft setting) under the key SOFTMAX.
+    The frames are embedded once; only the cheap scoring is repeated per curve."""
     chunks = torch.from_numpy(np.ascontiguousarray(frames)).split(reward_model.batch_size)
     image_embeddings = torch.cat([reward_model.embed_images(chunk) for chunk in chunks])
-    return {alpha: vlm_reward(image_embeddings, reward_model.goal_embeddings, reward_model.baseline_embeddings, alpha).cpu().numpy()
-            for alpha in alphas}
+    curves: dict[Union[float, str], np.ndarray] = {
+        alpha: vlm_reward(image_embeddings, reward_model.goal_embeddings, reward_model.baseline_embeddings, alpha).cpu().numpy()
+        for alpha in alphas}
+    if softmax:
+        curves[SOFTMAX] = softmax_reward(image_embeddings, reward_model.goal_embeddings, reward_model.negative_embeddings,
+                                         reward_model.temperature, reward_model.threshold, reward_model.soft).cpu().numpy()
+    return curves
+
+
+def curve_name(key: Union[float, str], args: Args, short: bool = False) -> str:
+    """How a curve is named in the printed table (short) and the plot legend."""
+    if key != SOFTMAX:
+        return f"alpha={key:g}" if short else f"alpha = {key:g}"
+    if short:
+        return "softmax-p" if args.soft else "softmax"
+    return f"softmax, tau = {args.temperature:g}, " + ("soft p" if args.soft else f"1[p > {args.threshold:g}]")
 
 
 def min_max_normalise(rewards: np.ndarray) -> np.ndarray:
@@ -454,17 +553,23 @@ def shape_score(states: np.ndarray, rewards: np.ndarray, goal: float) -> float:
     return float(np.corrcoef(a, b)[0, 1])
 
 
-def plot_model(path: Path, label: str, states: np.ndarray, goal: float, rewards: dict[float, np.ndarray],
+def plot_model(path: Path, label: str, states: np.ndarray, goal: float, rewards: dict[str, np.ndarray],
                axis_label: str, title: str, warning: Optional[str] = None) -> None:
-    """One curve per alpha, each min-max normalised, with its maximum (a triangle) and the goal state marked."""
+    """One curve per legend entry (alpha, softmax), each min-max normalised, with its maximum (a triangle) and
+    the goal state marked; the softmax curve is drawn in red, dotted, to stand apart from the alpha curves."""
     fig, ax = plt.subplots(figsize=(8.5, 4.5))
-    colours = plt.cm.viridis(np.linspace(0, 0.9, len(rewards)))
-    for colour, (alpha, r) in zip(colours, rewards.items()):
-        ax.plot(states, min_max_normalise(r), color=colour, label=f"alpha = {alpha:g}")
-        ax.plot(states[int(np.argmax(r))], 1.0, marker="v", markersize=8, color=colour, clip_on=False)
+    n_projection = sum(not name.startswith(SOFTMAX) for name in rewards)
+    colours = iter(plt.cm.viridis(np.linspace(0, 0.9, max(n_projection, 1))))
+    for name, r in rewards.items():
+        softmax = name.startswith(SOFTMAX)
+        colour = "tab:red" if softmax else next(colours)
+        ax.plot(states, min_max_normalise(r), color=colour, label=name, linestyle=":" if softmax else "-",
+                linewidth=2 if softmax else 1.5)
+        if r.max() > r.min():  # a flat curve has no maximum to mark
+            ax.plot(states[int(np.argmax(r))], 1.0, marker="v", markersize=8, color=colour, clip_on=False)
     ax.axvline(goal, color="black", linestyle="--", linewidth=1, label=f"goal state ({goal:g})")
     ax.set_xlabel(axis_label)
-    ax.set_ylabel("CLIP reward, min-max normalised per alpha")
+    ax.set_ylabel("CLIP reward, min-max normalised per curve")
     ax.set_xlim(states[0], states[-1])
     ax.set_ylim(-0.03, 1.03)
     ax.set_title(f"{label}, {title}", fontsize=8)
@@ -492,7 +597,8 @@ def main(args: Args) -> Path:
     start = time.perf_counter()
     frames, goal = render_states(args.env_id, args.realistic, states, args.seed)
     print(f"run: {run_dir} on {device}; rendered {len(frames)} {args.env_id}{' (realistic)' if args.realistic else ''} "
-          f"states in {time.perf_counter() - start:.1f} s; goal={args.goal}, baseline={args.baseline}")
+          f"states in {time.perf_counter() - start:.1f} s; goal={args.goal}, baseline={args.baseline}"
+          + (f", negatives={args.negatives}" if "softmax" in args.reward_families else ""))
     if args.save_frames:
         import imageio
 
@@ -501,15 +607,19 @@ def main(args: Args) -> Path:
             imageio.imwrite(run_dir / "frames" / f"{i:04d}_{value:+.4f}.png", frame)
         print(f"frames saved to {run_dir / 'frames'} (CLIP sees each one squashed to its square input size)")
 
-    results: dict[str, dict[float, np.ndarray]] = {}
+    alphas = args.alphas if "projection" in args.reward_families else ()
+    softmax = "softmax" in args.reward_families
+    results: dict[str, dict[Union[float, str], np.ndarray]] = {}
     for spec in specs:
         label = model_label(spec)
         torch.manual_seed(args.seed)  # a random-weights model is the same whatever its position in --clip-models
         model, tokenizer = load_clip(spec, device)
-        # alpha only matters in CLIPReward.forward, which we bypass to embed the frames once for all alphas
-        reward_model = CLIPReward(model, tokenizer, args.goal, args.baseline, 0.0, args.reward_batch_size, device)
+        # alpha and family only matter in CLIPReward.forward, which we bypass to embed the frames once for all curves
+        reward_model = CLIPReward(model, tokenizer, args.goal, args.baseline, 0.0, args.reward_batch_size, device,
+                                  "softmax" if softmax else "projection", args.negatives or (), args.temperature,
+                                  args.threshold, args.soft)
         start = time.perf_counter()
-        results[label] = score_frames(reward_model, frames, args.alphas)
+        results[label] = score_frames(reward_model, frames, alphas, softmax)
         print(f"{label}: scored {len(frames)} frames in {time.perf_counter() - start:.1f} s")
         del model, reward_model  # free the memory before the next (possibly bigger) model
         if device.type == "cuda":
@@ -517,34 +627,41 @@ def main(args: Args) -> Path:
 
     with open(run_dir / "reward_shape.csv", "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["model", "alpha", "state", "reward", "reward_normalised"])
-        for label, per_alpha in results.items():
-            for alpha, r in per_alpha.items():
+        # family: projection or softmax; alpha: empty for the softmax curve
+        writer.writerow(["model", "family", "alpha", "state", "reward", "reward_normalised"])
+        for label, curves in results.items():
+            for key, r in curves.items():
+                family, alpha = ("softmax", "") if key == SOFTMAX else ("projection", key)
                 for value, raw, norm in zip(states, r, min_max_normalise(r)):
-                    writer.writerow([label, alpha, f"{value:.8f}", f"{raw:.8f}", f"{norm:.8f}"])
+                    writer.writerow([label, family, alpha, f"{value:.8f}", f"{raw:.8f}", f"{norm:.8f}"])
 
     rows = []
-    for label, per_alpha in results.items():
-        for alpha, r in per_alpha.items():
-            best = states[int(np.argmax(r))]
-            rows.append([label, alpha, best, abs(best - goal), shape_score(states, r, goal), r.min(), r.max()])
-    header = ["model", "alpha", "argmax_state", "distance_to_goal", "shape_score", "reward_min", "reward_max"]
+    for label, curves in results.items():
+        for key, r in curves.items():
+            # a binary curve: the first state where it is 1; a flat curve has no maximum (nan)
+            best = states[int(np.argmax(r))] if r.max() > r.min() else float("nan")
+            rows.append([label, key, best, abs(best - goal), shape_score(states, r, goal), r.min(), r.max()])
+    header = ["model", "family", "alpha", "argmax_state", "distance_to_goal", "shape_score", "reward_min", "reward_max"]
     with open(run_dir / "summary.csv", "w", newline="") as f:
-        csv.writer(f).writerows([header] + [[r[0], r[1]] + [f"{v:.10g}" for v in r[2:]] for r in rows])
+        csv.writer(f).writerows([header] + [[r[0], *(("softmax", "") if r[1] == SOFTMAX else ("projection", r[1]))]
+                                            + [f"{v:.10g}" for v in r[2:]] for r in rows])
     width = max(len(h) for h in header[:1] + [r[0] for r in rows])
     print(f"\nreward shape on {args.env_id}, state axis: {axis_label}, goal state {goal:g}; "
           "shape_score = Spearman correlation of reward and closeness to the goal (1 = ideal)")
-    print(f"{'model':<{width}}  {'alpha':>5}  {'argmax_state':>12}  {'distance_to_goal':>16}  {'shape_score':>11}  {'reward_min':>10}  {'reward_max':>10}")
-    for label, alpha, best, distance, score, r_min, r_max in rows:
-        print(f"{label:<{width}}  {alpha:>5g}  {best:>12.4f}  {distance:>16.4f}  {score:>11.3f}  {r_min:>10.4f}  {r_max:>10.4f}")
+    print(f"{'model':<{width}}  {'curve':>10}  {'argmax_state':>12}  {'distance_to_goal':>16}  {'shape_score':>11}  {'reward_min':>10}  {'reward_max':>10}")
+    for label, key, best, distance, score, r_min, r_max in rows:
+        print(f"{label:<{width}}  {curve_name(key, args, short=True):>10}  {best:>12.4f}  {distance:>16.4f}  {score:>11.3f}  {r_min:>10.4f}  {r_max:>10.4f}")
 
-    for spec, (label, per_alpha) in zip(specs, results.items()):
-        title = (f"{args.env_id}{' (realistic)' if args.realistic else ''}\n"
-                 f"goal: {' | '.join(args.goal)}\nbaseline: {' | '.join(args.baseline)}")
+    for spec, (label, curves) in zip(specs, results.items()):
+        title = f"{args.env_id}{' (realistic)' if args.realistic else ''}\ngoal: {' | '.join(args.goal)}"
+        if alphas:
+            title += f"\nbaseline: {' | '.join(args.baseline)}"
+        if softmax:
+            title += f"\nnegatives: {' | '.join(args.negatives)}"
         random_weights = spec.clip_pretrained == "none" and spec.clip_checkpoint is None
         warning = "RANDOM WEIGHTS (--clip-pretrained none): a test model, its curves mean nothing" if random_weights else None
         path = run_dir / f"reward_shape_{re.sub(r'[^A-Za-z0-9._-]+', '_', label)}.png"
-        plot_model(path, label, states, goal, per_alpha, axis_label, title, warning)
+        plot_model(path, label, states, goal, {curve_name(k, args): r for k, r in curves.items()}, axis_label, title, warning)
         print(f"plot: {path}")
     print(f"csv: {run_dir / 'reward_shape.csv'}, {run_dir / 'summary.csv'}")
     return run_dir

@@ -8,17 +8,19 @@ training loop.
     python vlmrm_sac_humanoid.py --goal "a humanoid robot kneeling"
 """
 
+import copy
 import hashlib
 import logging
 import math
 import os
 import random
+import signal
 import sys
 import tempfile
 import time
 import warnings
 import xml.etree.ElementTree as ET
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
@@ -58,7 +60,11 @@ class Args:
     save_model: bool = False
     """if toggled, save checkpoints to `runs/<run_name>/` every `--checkpoint-frequency` steps and at the end"""
     checkpoint_frequency: int = 500_000
-    """environment steps between two checkpoints"""
+    """environment steps between two checkpoints (taken at the next episode boundary)"""
+    save_buffer: bool = False
+    """if toggled, checkpoints include the replay buffer, so `--resume` continues exactly as if never stopped"""
+    resume: Optional[str] = None
+    """path to a `checkpoint.pt`: continue that run (its flags, step, TensorBoard folder) until its `--total-timesteps`"""
     evaluate: Optional[str] = None
     """path to a saved checkpoint: roll out its deterministic policy (video + frames) instead of training"""
     eval_episodes: int = 3
@@ -95,6 +101,16 @@ class Args:
     """where downloaded CLIP weights are cached (default: the Hugging Face cache)"""
     reward_batch_size: int = 256
     """frames scored per CLIP forward pass"""
+    reward_family: Literal["projection", "softmax"] = "projection"
+    """projection: the goal-baseline projection (--alpha); softmax: 1 if the goal beats --negatives in a softmax over cosines, else 0"""
+    negatives: Optional[tuple[str, ...]] = None
+    """softmax family: prompts the goal is contrasted with; default: our negatives for the default --goal (none for others)"""
+    temperature: float = 0.01
+    """softmax family: temperature tau of the softmax over cosine similarities (0.01 = CLIP's own logit scale 100)"""
+    threshold: float = 0.5
+    """softmax family: the reward is 1 when the goal's probability is above this, else 0; in (0, 1)"""
+    soft: bool = False
+    """softmax family: if toggled, the reward is the goal's probability itself instead of 0/1"""
 
     # SAC (the paper's humanoid settings)
     total_timesteps: int = 10_000_000
@@ -129,6 +145,10 @@ class UserError(Exception):
     """Bad input or a missing resource: reported as one sentence and exit code 2, never a traceback."""
 
 
+class NonFiniteError(Exception):
+    """A NaN or infinite reward or loss: training stops (exit code 1) instead of poisoning the buffer."""
+
+
 def check_args(args: Args) -> None:
     """Reject bad flags before anything expensive (model download, env spawn) happens."""
     if not 0.0 <= args.alpha <= 1.0:
@@ -139,10 +159,28 @@ def check_args(args: Args) -> None:
         raise UserError("--baseline needs at least one non-empty prompt when --alpha > 0.")
     if args.alpha > 0 and sorted(set(args.goal)) == sorted(set(args.baseline)):
         raise UserError(f"--goal and --baseline are the same prompts, so the goal-baseline direction is zero; change one or use --alpha 0 (got --alpha {args.alpha}).")
+    if not 0 < args.temperature < float("inf"):  # also rejects nan
+        raise UserError(f"--temperature must be a positive number, got {args.temperature}.")
+    if not 0 < args.threshold < 1:
+        raise UserError(f"--threshold must be in (0, 1), got {args.threshold}.")
+    if args.reward_family == "softmax":
+        args.negatives = resolve_negatives(args.goal, args.negatives, "--reward-family softmax")
     for name in ["total_timesteps", "num_envs", "buffer_size", "batch_size", "train_frequency", "gradient_steps",
                  "episode_length", "reward_batch_size", "eval_episodes", "video_frequency", "checkpoint_frequency"]:
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}.")
+    for name, low, high in [("gamma", 0, 1), ("tau", 0, 1)]:
+        if not low <= getattr(args, name) <= high:
+            raise UserError(f"--{name.replace('_', '-')} must be in [{low}, {high}], got {getattr(args, name)}.")
+    for name in ["policy_lr", "q_lr", "ent_coef"]:
+        if not getattr(args, name) > 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
+    if args.total_timesteps % args.num_envs:
+        raise UserError(f"--total-timesteps {args.total_timesteps} must be a multiple of --num-envs {args.num_envs} (every vector step takes one step in each env).")
+    if args.learning_starts >= args.total_timesteps:
+        raise UserError(f"--learning-starts {args.learning_starts} must be below --total-timesteps {args.total_timesteps}, or no gradient step is ever taken.")
+    if args.batch_size > args.buffer_size:
+        raise UserError(f"--batch-size {args.batch_size} cannot exceed --buffer-size {args.buffer_size}.")
     if args.render_size is not None and not 16 <= args.render_size <= 2048:
         raise UserError(f"--render-size must be between 16 and 2048 pixels, got {args.render_size}.")
     try:
@@ -153,8 +191,61 @@ def check_args(args: Args) -> None:
         raise UserError(f"--env-id {args.env_id} is not a Gymnasium MuJoCo task; this script renders MuJoCo scenes (e.g. Humanoid-v5, Hopper-v5).")
     if args.evaluate is not None and not os.path.isfile(args.evaluate):
         raise UserError(f"--evaluate {args.evaluate}: no such file; pass a checkpoint.pt written by --save-model.")
+    check_writable("runs")
+    if args.capture_video or args.evaluate is not None:
+        check_writable("videos")
+    size = args.render_size or 224
+    probe = gym.make(args.env_id)  # cheap: no rendering, just the spaces
+    check_resources(args, probe.observation_space, probe.action_space, (size, size, 3))
     if args.reward == "clip" or args.evaluate is not None:
         check_clip_args(args)
+
+
+def check_writable(folder: str) -> None:
+    """Outputs must be writable before hours of training produce them (the folder itself may not exist yet)."""
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+        raise UserError(f"cannot write outputs to {os.path.abspath(folder)}/ ({existing} is not a writable folder); run from a folder you can write to.")
+
+
+def check_resources(args: Args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple) -> None:
+    """Estimate host memory (replay buffer + frames waiting for their reward) and refuse what cannot fit."""
+    action_bytes = 8 if isinstance(action_space, gym.spaces.Discrete) else 4 * int(np.prod(action_space.shape))
+    buffer_bytes = args.buffer_size * (2 * 4 * int(np.prod(observation_space.shape)) + action_bytes + 4 + 4)  # obs, next_obs, action, reward, done
+    frame_bytes = (args.reward_batch_size + args.num_envs) * int(np.prod(frame_shape)) if args.reward == "clip" else 0
+    available = available_memory()
+    print(f"memory: replay buffer {buffer_bytes / 2**30:.2f} GiB + pending frames {frame_bytes / 2**30:.2f} GiB"
+          + (f" (available: {available / 2**30:.1f} GiB)" if available else ""))
+    if available and buffer_bytes + frame_bytes > 0.9 * available:
+        raise UserError(f"--buffer-size {args.buffer_size} needs {(buffer_bytes + frame_bytes) / 2**30:.1f} GiB of memory but only "
+                        f"{available / 2**30:.1f} GiB is available; lower --buffer-size or --reward-batch-size.")
+
+
+def available_memory() -> int:
+    """Bytes of memory available to a new allocation (Linux MemAvailable), 0 when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def read_checkpoint(path: str) -> dict:
+    """A resumable checkpoint of this script, or a one-sentence error."""
+    if not os.path.isfile(path):
+        raise UserError(f"--resume {path}: no such file; pass the checkpoint.pt of the run to continue.")
+    try:
+        # our own file with RNG states and arrays: weights_only=False, so only resume checkpoints you trust
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise UserError(f"--resume {path} is not a readable checkpoint ({type(e).__name__}); pass the checkpoint.pt written by this script.") from None
+    if not isinstance(checkpoint, dict) or "iteration" not in checkpoint or "rng" not in checkpoint:
+        raise UserError(f"--resume {path} holds no resumable training state (a model.pt, or networks saved when training stopped on a non-finite value); pass a checkpoint.pt saved at an episode boundary.")
+    if not set(checkpoint["args"]) <= {f.name for f in fields(Args)}:
+        raise UserError(f"--resume {path} was written by another script; pass a checkpoint.pt of {os.path.basename(__file__)}.")
+    return checkpoint
 
 
 def check_clip_args(args: Args) -> None:
@@ -200,6 +291,45 @@ def vlm_reward(image_embeddings: torch.Tensor, goal_embeddings: torch.Tensor,
     return 1 - 0.5 * projected.pow(2).sum(-1)
 
 
+DEFAULT_NEGATIVES = {  # softmax family: our own negatives for the default goals (not the paper's), states the goal is not
+    ("pole vertically upright on top of the cart",): ("pole tilted to the side of the cart", "pole lying flat next to the cart"),
+    ("a car at the peak of the mountain, next to the yellow flag",): ("a car at the bottom of the valley", "a car on the slope, far from the yellow flag"),
+    ("a humanoid robot kneeling",): ("a humanoid robot standing", "a humanoid robot lying on the ground"),
+}
+
+
+def softmax_reward(image_embeddings: torch.Tensor, goal_embeddings: torch.Tensor, negative_embeddings: torch.Tensor,
+                   temperature: float, threshold: float, soft: bool = False) -> torch.Tensor:
+    """R(s) = 1 if p > threshold else 0, p = softmax_k(cos(s, e_k) / temperature)[goal] over the goal and each negative.
+
+    Takes raw (N, D) image, (G, D) goal and (K, D) negative embeddings. Several goal prompts form one class: the mean
+    of the normalised goal embeddings, re-normalised (the cosine needs a direction); every negative prompt is a class
+    of its own. Returns (N,) float32: 0 or 1, or with soft=True the probability p itself.
+    """
+    if negative_embeddings.shape[0] == 0:
+        raise ValueError("softmax_reward needs at least one negative prompt embedding")
+    if not 0 < temperature < float("inf"):  # also rejects nan
+        raise ValueError(f"temperature must be positive and finite, got {temperature}")
+    if not 0 < threshold < 1:
+        raise ValueError(f"threshold must be in (0, 1), got {threshold}")
+    s = F.normalize(image_embeddings.float(), dim=-1)
+    g = F.normalize(F.normalize(goal_embeddings.float(), dim=-1).mean(0), dim=-1)
+    prompts = torch.cat([g[None], F.normalize(negative_embeddings.float(), dim=-1)])  # (1 + K, D), the goal first
+    p = (s @ prompts.T / temperature).softmax(dim=-1)[:, 0]
+    return p if soft else (p > threshold).float()
+
+
+def resolve_negatives(goal: tuple[str, ...], negatives: Optional[tuple[str, ...]], flag: str) -> tuple[str, ...]:
+    """The softmax family's negative prompts: --negatives, else the defaults of the default goal; one-sentence errors."""
+    negatives = DEFAULT_NEGATIVES.get(tuple(goal), ()) if negatives is None else tuple(negatives)
+    if not negatives or any(not n.strip() for n in negatives):
+        raise UserError(f"{flag} needs at least one non-empty --negatives prompt describing what the goal is not (default negatives go with the default --goal only).")
+    shared = sorted(set(negatives) & set(goal))
+    if shared:
+        raise UserError(f"--negatives and --goal share the prompt {shared[0]!r}; a negative must describe something the goal is not.")
+    return negatives
+
+
 def load_clip(args: Args, device: torch.device) -> tuple[nn.Module, object]:
     """The open_clip model and tokenizer named by the flags, with one-sentence errors."""
     import open_clip
@@ -224,14 +354,23 @@ def load_clip(args: Args, device: torch.device) -> tuple[nn.Module, object]:
 
 
 class CLIPReward(nn.Module):
-    """Scores uint8 frames (N, H, W, 3) with `vlm_reward`; prompt embeddings are computed once."""
+    """Scores uint8 frames (N, H, W, 3) with `vlm_reward` (family "projection") or `softmax_reward` ("softmax").
+
+    Prompt embeddings (goal, baseline, negatives) are computed once.
+    """
 
     def __init__(self, model: nn.Module, tokenizer, goal: tuple[str, ...], baseline: tuple[str, ...],
-                 alpha: float, batch_size: int, device: torch.device):
+                 alpha: float, batch_size: int, device: torch.device, family: str = "projection",
+                 negatives: tuple[str, ...] = (), temperature: float = 0.01, threshold: float = 0.5, soft: bool = False):
         super().__init__()
         import open_clip
 
+        if family not in ("projection", "softmax"):
+            raise ValueError(f"unknown reward family {family!r}: use 'projection' or 'softmax'")
+        if family == "softmax" and not negatives:
+            raise ValueError("the softmax reward family needs at least one negative prompt")
         self.model, self.alpha, self.batch_size, self.device = model, alpha, batch_size, device
+        self.family, self.temperature, self.threshold, self.soft = family, temperature, threshold, soft
         preprocess_cfg = open_clip.get_model_preprocess_cfg(model)
         self.image_size = tuple(preprocess_cfg["size"]) if not isinstance(preprocess_cfg["size"], int) else (preprocess_cfg["size"],) * 2
         self.register_buffer("mean", torch.tensor(preprocess_cfg["mean"], device=device).view(1, 3, 1, 1))
@@ -239,6 +378,8 @@ class CLIPReward(nn.Module):
         with torch.no_grad():
             self.register_buffer("goal_embeddings", model.encode_text(tokenizer(list(goal)).to(device)).float())
             self.register_buffer("baseline_embeddings", model.encode_text(tokenizer(list(baseline or goal)).to(device)).float())
+            self.register_buffer("negative_embeddings", model.encode_text(tokenizer(list(negatives)).to(device)).float() if negatives
+                                 else self.goal_embeddings.new_zeros(0, self.goal_embeddings.shape[1]))
 
     @torch.no_grad()
     def embed_images(self, frames: torch.Tensor) -> torch.Tensor:
@@ -250,17 +391,24 @@ class CLIPReward(nn.Module):
         with torch.autocast(device_type=self.device.type, dtype=torch.float16, enabled=self.device.type == "cuda"):
             return self.model.encode_image(x)
 
+    def rewards(self, image_embeddings: torch.Tensor) -> torch.Tensor:
+        """The chosen family's rewards (N,) of raw image embeddings (N, D)."""
+        if self.family == "softmax":
+            return softmax_reward(image_embeddings, self.goal_embeddings, self.negative_embeddings,
+                                  self.temperature, self.threshold, self.soft)
+        return vlm_reward(image_embeddings, self.goal_embeddings, self.baseline_embeddings, self.alpha)
+
     @torch.no_grad()
     def forward(self, frames: np.ndarray) -> np.ndarray:
         frames = torch.from_numpy(np.ascontiguousarray(frames))
-        rewards = [vlm_reward(self.embed_images(chunk), self.goal_embeddings, self.baseline_embeddings, self.alpha)
-                   for chunk in frames.split(self.batch_size)]
+        rewards = [self.rewards(self.embed_images(chunk)) for chunk in frames.split(self.batch_size)]
         return torch.cat(rewards).cpu().numpy()
 
 
 def make_reward_model(args: Args, device: torch.device) -> CLIPReward:
     model, tokenizer = load_clip(args, device)
-    return CLIPReward(model, tokenizer, args.goal, args.baseline, args.alpha, args.reward_batch_size, device)
+    return CLIPReward(model, tokenizer, args.goal, args.baseline, args.alpha, args.reward_batch_size, device,
+                      args.reward_family, args.negatives or (), args.temperature, args.threshold, args.soft)
 
 
 def warn_if_slow_on_cpu(reward_model: CLIPReward, args: Args, frame_shape: tuple[int, int, int]) -> None:
@@ -555,7 +703,7 @@ class Actor(nn.Module):
     def get_action(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(sampled action, its log-probability, the deterministic action)."""
         mean, log_std = self(x)
-        normal = torch.distributions.Normal(mean, log_std.exp())
+        normal = torch.distributions.Normal(mean, log_std.exp(), validate_args=False)  # NaNs surface in our own check, with a message
         x_t = normal.rsample()  # reparameterisation trick
         y_t = torch.tanh(x_t)
         action = y_t * self.action_scale + self.action_bias
@@ -585,6 +733,16 @@ class ReplayBuffer:
     def __len__(self) -> int:
         return self.size if self.full else self.pos
 
+    def state_dict(self) -> dict:
+        n = len(self)
+        return {"pos": self.pos, "full": self.full, "obs": self.obs[:n], "next_obs": self.next_obs[:n], "actions": self.actions[:n],
+                "rewards": self.rewards[:n], "terminations": self.terminations[:n]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos, self.full = state["pos"], state["full"]
+        for name in ("obs", "next_obs", "actions", "rewards", "terminations"):
+            getattr(self, name)[: len(state[name])] = state[name]
+
     def sample(self, batch_size: int) -> tuple[torch.Tensor, ...]:
         idx = np.random.randint(0, len(self), size=batch_size)
         return tuple(torch.from_numpy(a[idx]).to(self.device) for a in
@@ -596,9 +754,31 @@ def save_video(frames: list[np.ndarray], path: str, fps: int = 30) -> None:
     imageio.mimwrite(path, frames, fps=fps, macro_block_size=8)
 
 
-def save_checkpoint(path: str, **state) -> None:
+def save_checkpoint(path: str, state: dict) -> None:
     torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)  # never leave a half-written checkpoint in place of a good one
+    os.replace(path + ".tmp", path)  # atomic: a crash mid-write never replaces a good checkpoint with half of one
+
+
+def rng_state(envs: gym.vector.VectorEnv) -> dict:
+    """Every random number generator the run draws from, so a resumed run continues the same stream."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "envs": list(envs.get_attr("np_random"))}
+
+
+def install_stop_handlers() -> dict:
+    """First Ctrl-C or SIGTERM: finish the current episodes, save a checkpoint, exit cleanly. Second: quit at once."""
+    stop = {"requested": False}
+
+    def handler(signum: int, frame) -> None:
+        if stop["requested"]:
+            raise KeyboardInterrupt
+        stop["requested"] = True
+        print(f"\n{signal.Signals(signum).name} received: saving a checkpoint at the end of the current episodes (send it again to quit without saving)", flush=True)
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    return stop
 
 
 def evaluate(actor: Actor, eval_envs: gym.vector.VectorEnv, args: Args, device: torch.device,
@@ -635,8 +815,12 @@ def clip_image_size(args: Args) -> int:
 # Training
 # ----------------------------------------------------------------------------------------------
 def main(args: Args) -> None:
+    checkpoint = None
+    if args.resume is not None:  # continue the same run: its flags, step, TensorBoard folder and random streams
+        checkpoint = read_checkpoint(args.resume)
+        args = Args(**{**checkpoint["args"], "resume": args.resume})
     check_args(args)
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_name = checkpoint["run_name"] if checkpoint else f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
     if args.render_size is None:
         args.render_size = clip_image_size(args) if args.reward == "clip" or args.evaluate is not None else 224
 
@@ -650,7 +834,7 @@ def main(args: Args) -> None:
     if args.evaluate is not None:
         eval_envs = make_eval_envs()
         actor = Actor(eval_envs).to(device)
-        actor.load_state_dict(torch.load(args.evaluate, map_location=device)["actor"])
+        actor.load_state_dict(torch.load(args.evaluate, map_location=device, weights_only=False)["actor"])
         results = evaluate(actor, eval_envs, args, device, make_reward_model(args, device), args.eval_episodes, args.seed + 10_000)
         for episode, result in enumerate(results):
             folder = f"videos/{run_name}/eval-episode-{episode}"
@@ -661,15 +845,27 @@ def main(args: Args) -> None:
             print(f"eval episode {episode}: clip_return={result['clip_return']:.2f} gt_return={result['gt_return']:.1f} -> {folder}.mp4")
         return
 
-    # subprocess envs are forked before CUDA is initialised by the reward model
-    envs = gym.vector.AsyncVectorEnv([make_env(args.env_id, args.seed, i, args.episode_length, args.render_size, args.render_quality, args.textured) for i in range(args.num_envs)])
+    # We reset finished envs ourselves (autoreset off): no reset step, so no reset frame or reset
+    # observation can ever be stored as a transition, and episode boundaries are explicit for checkpoints.
+    # The subprocesses are forked before CUDA starts (reward model) and ignore Ctrl-C / SIGTERM: the main
+    # process decides when to stop, so a signal never kills an env mid-step.
+    handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    envs = gym.vector.AsyncVectorEnv([make_env(args.env_id, args.seed, i, args.episode_length, args.render_size, args.render_quality, args.textured) for i in range(args.num_envs)],
+                                     autoreset_mode=gym.vector.AutoresetMode.DISABLED)
+    signal.signal(signal.SIGINT, handlers[0])
+    signal.signal(signal.SIGTERM, handlers[1])
     reward_model = make_reward_model(args, device) if args.reward == "clip" else None
     if reward_model is not None:
         warn_if_slow_on_cpu(reward_model, args, (args.render_size, args.render_size, 3))
     eval_envs = make_eval_envs() if args.capture_video else None
-    writer = SummaryWriter(f"runs/{run_name}")
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n%s" % "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
-    print(f"run: runs/{run_name} on {device}, reward: {args.reward}" + (f", goal={args.goal}, baseline={args.baseline}, alpha={args.alpha}" if args.reward == "clip" else ""))
+    num_iterations = args.total_timesteps // args.num_envs
+    start_iteration = checkpoint["iteration"] if checkpoint else 0
+    # purge_step drops whatever a crashed run logged after its checkpoint, so the curves continue cleanly
+    writer = SummaryWriter(f"runs/{run_name}", purge_step=start_iteration * args.num_envs if checkpoint else None)
+    if checkpoint is None:
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n%s" % "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
+    print(f"run: runs/{run_name} on {device}, reward: {args.reward}" + (f", goal={args.goal}, baseline={args.baseline}, alpha={args.alpha}" if args.reward == "clip" else "")
+          + (f", resumed at step {start_iteration * args.num_envs}" if checkpoint else ""))
 
     actor = Actor(envs).to(device)
     qf1, qf2 = SoftQNetwork(envs).to(device), SoftQNetwork(envs).to(device)
@@ -680,164 +876,210 @@ def main(args: Args) -> None:
     actor_optimizer = optim.Adam(actor.parameters(), lr=args.policy_lr)
     target_entropy = -float(np.prod(envs.single_action_space.shape))
     log_ent_coef = torch.tensor([math.log(args.ent_coef)], device=device, requires_grad=args.autotune)
-    ent_coef = log_ent_coef.exp().detach()  # kept as a tensor: no host-device sync per gradient step
     ent_coef_optimizer = optim.Adam([log_ent_coef], lr=args.q_lr) if args.autotune else None
     rb = ReplayBuffer(args.buffer_size, envs.single_observation_space.shape, envs.single_action_space.shape, device)
+    # everything a gradient step changes, by name: checkpointed, and snapshotted as the last finite state
+    learner = {"actor": actor, "qf1": qf1, "qf2": qf2, "qf1_target": qf1_target, "qf2_target": qf2_target,
+               "actor_optimizer": actor_optimizer, "q_optimizer": q_optimizer}
+    if args.autotune:
+        learner["ent_coef_optimizer"] = ent_coef_optimizer
 
     # Transitions wait here until their frames are scored in one batch; they reach the replay buffer
     # before the next gradient step, so training never samples a transition without its reward.
-    pending: dict[str, list] = {k: [] for k in ("obs", "next_obs", "actions", "terminations", "dones", "gt", "frames", "env")}
+    pending: dict[str, list] = {k: [] for k in ("obs", "next_obs", "actions", "terminations", "dones", "gt", "frames")}
     components: list[str] = []  # the env's own reward terms (e.g. reward_forward), logged as diagnostics
     episode = {k: np.zeros(args.num_envs) for k in ("return", "gt_return", "clip_return", "length")}
     render = args.reward == "clip"
     timing = {"env": 0.0, "render": 0.0, "reward_model": 0.0, "learning": 0.0}
 
-    start_time = time.time()
     obs, _ = envs.reset(seed=args.seed)
-    # Gymnasium's vector envs reset a finished env on the *next* step: that step's output is a reset, not a transition
-    autoreset = np.zeros(args.num_envs, dtype=bool)
-    num_iterations = args.total_timesteps // args.num_envs
-    for iteration in range(num_iterations):
-        global_step = iteration * args.num_envs
-        if global_step < args.learning_starts:
-            actions = np.array([envs.single_action_space.sample() for _ in range(args.num_envs)])
-        else:
-            with torch.no_grad():
-                actions, _, _ = actor.get_action(torch.as_tensor(obs, dtype=torch.float32, device=device))
-            actions = actions.cpu().numpy()
-
-        t0 = time.perf_counter()
-        next_obs, gt_rewards, terminations, truncations, infos = envs.step(actions)
-        t1 = time.perf_counter()
-        frames = np.stack(envs.call("render")) if render else None  # the frame *after* the step scores it
-        timing["env"] += t1 - t0
-        timing["render"] += time.perf_counter() - t1
-
-        valid = ~autoreset
-        if not components:
-            components = sorted(k for k in infos if k.startswith("reward_"))
-        pending["obs"].append(obs[valid])
-        pending["next_obs"].append(next_obs[valid])
-        pending["actions"].append(actions[valid])
-        pending["terminations"].append(terminations[valid])
-        pending["dones"].append((terminations | truncations)[valid])
-        # reward terms are absent from infos when every env just reset (then no row is valid anyway)
-        gt = np.stack([gt_rewards] + [infos.get(k, np.zeros(args.num_envs)) for k in components], axis=1)
-        pending["gt"].append(gt[valid])
-        pending["env"].append(np.flatnonzero(valid))
-        if render:
-            pending["frames"].append(frames[valid])
-        obs = next_obs
-        autoreset = terminations | truncations
-
-        train_now = global_step >= args.learning_starts and iteration % args.train_frequency == 0
-        num_pending = sum(len(e) for e in pending["env"])
-        if num_pending and (train_now or num_pending >= args.reward_batch_size or args.reward == "gt" or iteration == num_iterations - 1):
-            t0 = time.perf_counter()
-            gt = np.concatenate(pending["gt"])
-            clip_rewards = reward_model(np.concatenate(pending["frames"])) if args.reward == "clip" else np.zeros(len(gt))
-            timing["reward_model"] += time.perf_counter() - t0
-            rewards = clip_rewards if args.reward == "clip" else gt[:, 0]
-            dones = np.concatenate(pending["dones"])
-            rb.add(np.concatenate(pending["obs"]), np.concatenate(pending["next_obs"]), np.concatenate(pending["actions"]),
-                   rewards, np.concatenate(pending["terminations"]))
-            # episode bookkeeping, in step order
-            for k, env_i in enumerate(np.concatenate(pending["env"])):
-                episode["return"][env_i] += rewards[k]
-                episode["gt_return"][env_i] += gt[k, 0]
-                episode["clip_return"][env_i] += clip_rewards[k]
-                episode["length"][env_i] += 1
-                for c, name in enumerate(components):
-                    episode.setdefault(name, np.zeros(args.num_envs))[env_i] += gt[k, 1 + c]
-                if dones[k]:
-                    step = global_step  # logged at the step the episode's rewards became known
-                    length = episode["length"][env_i]
-                    print(f"global_step={step}, episodic_return={episode['return'][env_i]:.2f}, gt_return={episode['gt_return'][env_i]:.1f}")
-                    writer.add_scalar("charts/episodic_return", episode["return"][env_i], step)
-                    writer.add_scalar("charts/episodic_length", length, step)
-                    writer.add_scalar("charts/gt_return", episode["gt_return"][env_i], step)
-                    for name in components:
-                        writer.add_scalar(f"gt/{name}", episode[name][env_i], step)
-                    if args.reward == "clip":
-                        writer.add_scalar("charts/clip_return", episode["clip_return"][env_i], step)
-                        writer.add_scalar("charts/clip_reward_mean", episode["clip_return"][env_i] / length, step)
-                    for v in episode.values():
-                        v[env_i] = 0
-            pending = {k: [] for k in pending}
-
-        if train_now:
-            t0 = time.perf_counter()
-            for _ in range(args.gradient_steps):
-                b_obs, b_actions, b_rewards, b_next_obs, b_terminations = rb.sample(args.batch_size)
+    if checkpoint is not None:
+        for name, module in learner.items():
+            module.load_state_dict(checkpoint[name])
+        with torch.no_grad():
+            log_ent_coef.copy_(checkpoint["log_ent_coef"])
+        if checkpoint["replay_buffer"] is not None:
+            rb.load_state_dict(checkpoint["replay_buffer"])
+        pending, episode, components = checkpoint["pending"], checkpoint["episode"], checkpoint["components"]
+        # checkpoints are taken at an episode boundary, just before the reset: redo that reset with the same env RNGs
+        envs.set_attr("np_random", checkpoint["rng"]["envs"])
+        obs, _ = envs.reset(options={"reset_mask": np.ones(args.num_envs, dtype=bool)})
+        random.setstate(checkpoint["rng"]["python"])
+        np.random.set_state(checkpoint["rng"]["numpy"])
+        torch.set_rng_state(checkpoint["rng"]["torch"])
+        if checkpoint["rng"]["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
+    ent_coef = log_ent_coef.exp().detach()  # kept as a tensor: no host-device sync per gradient step
+    stop = install_stop_handlers()
+    start_time = time.time()
+    try:
+        for iteration in range(start_iteration, num_iterations):
+            global_step = iteration * args.num_envs
+            if global_step < args.learning_starts:  # seeded, checkpointed RNG (not the action space's own)
+                low, high = envs.single_action_space.low, envs.single_action_space.high
+                actions = np.random.uniform(low, high, size=(args.num_envs, *low.shape)).astype(np.float32)
+            else:
                 with torch.no_grad():
-                    next_actions, next_log_pi, _ = actor.get_action(b_next_obs)
-                    min_qf_next_target = torch.min(qf1_target(b_next_obs, next_actions), qf2_target(b_next_obs, next_actions)) - ent_coef * next_log_pi
-                    # time limits are truncations: we bootstrap through them (the reference treated them as terminal)
-                    next_q_value = b_rewards + (1 - b_terminations) * args.gamma * min_qf_next_target.view(-1)
-                qf1_a_values = qf1(b_obs, b_actions).view(-1)
-                qf2_a_values = qf2(b_obs, b_actions).view(-1)
-                qf1_loss = F.mse_loss(qf1_a_values, next_q_value)
-                qf2_loss = F.mse_loss(qf2_a_values, next_q_value)
-                qf_loss = qf1_loss + qf2_loss
-                q_optimizer.zero_grad()
-                qf_loss.backward()
-                q_optimizer.step()
+                    actions, _, _ = actor.get_action(torch.as_tensor(obs, dtype=torch.float32, device=device))
+                actions = actions.cpu().numpy()
 
-                pi, log_pi, _ = actor.get_action(b_obs)
-                min_qf_pi = torch.min(qf1(b_obs, pi), qf2(b_obs, pi))
-                actor_loss = (ent_coef * log_pi - min_qf_pi).mean()
-                actor_optimizer.zero_grad()
-                actor_loss.backward()
-                actor_optimizer.step()
+            t0 = time.perf_counter()
+            next_obs, gt_rewards, terminations, truncations, infos = envs.step(actions)
+            t1 = time.perf_counter()
+            frames = np.stack(envs.call("render")) if render else None  # the frame *after* the step scores it
+            timing["env"] += t1 - t0
+            timing["render"] += time.perf_counter() - t1
+            dones = terminations | truncations
 
-                if args.autotune:
-                    ent_coef_loss = (-log_ent_coef.exp() * (log_pi.detach() + target_entropy)).mean()
-                    ent_coef_optimizer.zero_grad()
-                    ent_coef_loss.backward()
-                    ent_coef_optimizer.step()
-                    ent_coef = log_ent_coef.exp().detach()
+            if not components:
+                components = sorted(k for k in infos if k.startswith("reward_"))
+            pending["obs"].append(obs)
+            pending["next_obs"].append(next_obs)
+            pending["actions"].append(actions)
+            pending["terminations"].append(terminations)
+            pending["dones"].append(dones)
+            pending["gt"].append(np.stack([gt_rewards] + [infos[k] for k in components], axis=1))
+            if render:
+                pending["frames"].append(frames)
 
-                with torch.no_grad():
-                    for param, target_param in zip(qf1.parameters(), qf1_target.parameters()):
-                        target_param.lerp_(param, args.tau)
-                    for param, target_param in zip(qf2.parameters(), qf2_target.parameters()):
-                        target_param.lerp_(param, args.tau)
-            timing["learning"] += time.perf_counter() - t0
+            train_now = global_step >= args.learning_starts and iteration % args.train_frequency == 0
+            num_pending = len(pending["obs"]) * args.num_envs
+            if train_now or num_pending >= args.reward_batch_size or args.reward == "gt" or iteration == num_iterations - 1:
+                t0 = time.perf_counter()
+                gt = np.concatenate(pending["gt"])
+                clip_rewards = reward_model(np.concatenate(pending["frames"])) if args.reward == "clip" else np.zeros(len(gt))
+                timing["reward_model"] += time.perf_counter() - t0
+                rewards = clip_rewards if args.reward == "clip" else gt[:, 0]
+                if not np.all(np.isfinite(rewards)):  # never let a NaN into the buffer: it would poison every Q-value
+                    save_checkpoint(f"runs/{run_name}/checkpoint.pt", {"actor": actor.state_dict(), "args": asdict(args), "run_name": run_name})
+                    raise NonFiniteError(f"the {args.reward} reward is not finite for {np.sum(~np.isfinite(rewards))} of {len(rewards)} frames at step {global_step}; the networks (still finite) were saved to runs/{run_name}/checkpoint.pt.")
+                dones_flat = np.concatenate(pending["dones"])
+                rb.add(np.concatenate(pending["obs"]), np.concatenate(pending["next_obs"]), np.concatenate(pending["actions"]),
+                       rewards, np.concatenate(pending["terminations"]))
+                # episode bookkeeping, in step order (rows are step-major: env i of step t is row t * num_envs + i)
+                for k in range(len(rewards)):
+                    env_i = k % args.num_envs
+                    episode["return"][env_i] += rewards[k]
+                    episode["gt_return"][env_i] += gt[k, 0]
+                    episode["clip_return"][env_i] += clip_rewards[k]
+                    episode["length"][env_i] += 1
+                    for c, name in enumerate(components):
+                        episode.setdefault(name, np.zeros(args.num_envs))[env_i] += gt[k, 1 + c]
+                    if dones_flat[k]:
+                        step = global_step  # logged at the step the episode's rewards became known
+                        length = episode["length"][env_i]
+                        print(f"global_step={step}, episodic_return={episode['return'][env_i]:.2f}, gt_return={episode['gt_return'][env_i]:.1f}")
+                        writer.add_scalar("charts/episodic_return", episode["return"][env_i], step)
+                        writer.add_scalar("charts/episodic_length", length, step)
+                        writer.add_scalar("charts/gt_return", episode["gt_return"][env_i], step)
+                        for name in components:
+                            writer.add_scalar(f"gt/{name}", episode[name][env_i], step)
+                        if args.reward == "clip":
+                            writer.add_scalar("charts/clip_return", episode["clip_return"][env_i], step)
+                            writer.add_scalar("charts/clip_reward_mean", episode["clip_return"][env_i] / length, step)
+                        for v in episode.values():
+                            v[env_i] = 0
+                pending = {k: [] for k in pending}
 
-            if iteration % (10 * args.train_frequency) == 0:
-                writer.add_scalar("losses/qf1_values", qf1_a_values.mean().item(), global_step)
-                writer.add_scalar("losses/qf2_values", qf2_a_values.mean().item(), global_step)
-                writer.add_scalar("losses/qf1_loss", qf1_loss.item(), global_step)
-                writer.add_scalar("losses/qf2_loss", qf2_loss.item(), global_step)
-                writer.add_scalar("losses/qf_loss", qf_loss.item() / 2.0, global_step)
-                writer.add_scalar("losses/actor_loss", actor_loss.item(), global_step)
-                writer.add_scalar("losses/ent_coef", ent_coef.item(), global_step)
-                if args.autotune:
-                    writer.add_scalar("losses/ent_coef_loss", ent_coef_loss.item(), global_step)
-                writer.add_scalar("charts/SPS", int(global_step / (time.time() - start_time)), global_step)
-                for k, v in timing.items():
-                    writer.add_scalar(f"time/{k}_s", v, global_step)
+            if train_now:
+                t0 = time.perf_counter()
+                # the last finite state, kept on the device (a cheap copy): saved if this phase produces a NaN
+                last_finite = {name: copy.deepcopy(module.state_dict()) for name, module in learner.items()}
+                last_finite["log_ent_coef"] = log_ent_coef.detach().clone()
+                finite = torch.ones((), dtype=torch.bool, device=device)  # checked once per phase: no per-step sync
+                for _ in range(args.gradient_steps):
+                    b_obs, b_actions, b_rewards, b_next_obs, b_terminations = rb.sample(args.batch_size)
+                    with torch.no_grad():
+                        next_actions, next_log_pi, _ = actor.get_action(b_next_obs)
+                        min_qf_next_target = torch.min(qf1_target(b_next_obs, next_actions), qf2_target(b_next_obs, next_actions)) - ent_coef * next_log_pi
+                        # time limits are truncations: we bootstrap through them (the reference treated them as terminal)
+                        next_q_value = b_rewards + (1 - b_terminations) * args.gamma * min_qf_next_target.view(-1)
+                    qf1_a_values = qf1(b_obs, b_actions).view(-1)
+                    qf2_a_values = qf2(b_obs, b_actions).view(-1)
+                    qf1_loss = F.mse_loss(qf1_a_values, next_q_value)
+                    qf2_loss = F.mse_loss(qf2_a_values, next_q_value)
+                    qf_loss = qf1_loss + qf2_loss
+                    q_optimizer.zero_grad()
+                    qf_loss.backward()
+                    q_optimizer.step()
 
-        next_step = global_step + args.num_envs
-        if args.capture_video and (global_step // args.video_frequency != next_step // args.video_frequency or iteration == num_iterations - 1):
-            (result,) = evaluate(actor, eval_envs, args, device, reward_model, 1, args.seed + 10_000)
-            save_video(result["frames"], f"videos/{run_name}/step-{next_step}.mp4")
-            writer.add_scalar("eval/gt_return", result["gt_return"], next_step)
-            if reward_model is not None:
-                writer.add_scalar("eval/clip_return", result["clip_return"], next_step)
-        if args.save_model and (global_step // args.checkpoint_frequency != next_step // args.checkpoint_frequency or iteration == num_iterations - 1):
-            save_checkpoint(f"runs/{run_name}/checkpoint.pt", actor=actor.state_dict(), qf1=qf1.state_dict(), qf2=qf2.state_dict(),
-                            qf1_target=qf1_target.state_dict(), qf2_target=qf2_target.state_dict(),
-                            actor_optimizer=actor_optimizer.state_dict(), q_optimizer=q_optimizer.state_dict(),
-                            log_ent_coef=log_ent_coef.detach().cpu(), global_step=next_step, args=asdict(args))
+                    pi, log_pi, _ = actor.get_action(b_obs)
+                    min_qf_pi = torch.min(qf1(b_obs, pi), qf2(b_obs, pi))
+                    actor_loss = (ent_coef * log_pi - min_qf_pi).mean()
+                    actor_optimizer.zero_grad()
+                    actor_loss.backward()
+                    actor_optimizer.step()
+                    finite &= torch.isfinite(qf_loss) & torch.isfinite(actor_loss)
+
+                    if args.autotune:
+                        ent_coef_loss = (-log_ent_coef.exp() * (log_pi.detach() + target_entropy)).mean()
+                        ent_coef_optimizer.zero_grad()
+                        ent_coef_loss.backward()
+                        ent_coef_optimizer.step()
+                        ent_coef = log_ent_coef.exp().detach()
+
+                    with torch.no_grad():
+                        for param, target_param in zip(qf1.parameters(), qf1_target.parameters()):
+                            target_param.lerp_(param, args.tau)
+                        for param, target_param in zip(qf2.parameters(), qf2_target.parameters()):
+                            target_param.lerp_(param, args.tau)
+                if not finite:
+                    save_checkpoint(f"runs/{run_name}/checkpoint.pt", {**last_finite, "args": asdict(args), "run_name": run_name})
+                    raise NonFiniteError(f"a SAC loss (qf_loss {qf_loss.item()}, actor_loss {actor_loss.item()}) is not finite in the training phase at step {global_step}; "
+                                         f"the networks before that phase were saved to runs/{run_name}/checkpoint.pt; lower --q-lr / --policy-lr or check the rewards.")
+                timing["learning"] += time.perf_counter() - t0
+
+                if iteration % (10 * args.train_frequency) == 0:
+                    writer.add_scalar("losses/qf1_values", qf1_a_values.mean().item(), global_step)
+                    writer.add_scalar("losses/qf2_values", qf2_a_values.mean().item(), global_step)
+                    writer.add_scalar("losses/qf1_loss", qf1_loss.item(), global_step)
+                    writer.add_scalar("losses/qf2_loss", qf2_loss.item(), global_step)
+                    writer.add_scalar("losses/qf_loss", qf_loss.item() / 2.0, global_step)
+                    writer.add_scalar("losses/actor_loss", actor_loss.item(), global_step)
+                    writer.add_scalar("losses/ent_coef", ent_coef.item(), global_step)
+                    if args.autotune:
+                        writer.add_scalar("losses/ent_coef_loss", ent_coef_loss.item(), global_step)
+                    writer.add_scalar("charts/SPS", int((global_step - start_iteration * args.num_envs) / (time.time() - start_time)), global_step)
+                    for k, v in timing.items():
+                        writer.add_scalar(f"time/{k}_s", v, global_step)
+
+            next_step = global_step + args.num_envs
+            if args.capture_video and (global_step // args.video_frequency != next_step // args.video_frequency or iteration == num_iterations - 1):
+                (result,) = evaluate(actor, eval_envs, args, device, reward_model, 1, args.seed + 10_000)
+                save_video(result["frames"], f"videos/{run_name}/step-{next_step}.mp4")
+                writer.add_scalar("eval/gt_return", result["gt_return"], next_step)
+                if reward_model is not None:
+                    writer.add_scalar("eval/clip_return", result["clip_return"], next_step)
+            if dones.all():  # fixed-length episodes end together: the one point where the whole run state is small
+                periodic = args.save_model and global_step // args.checkpoint_frequency != next_step // args.checkpoint_frequency
+                if stop["requested"] or periodic or (args.save_model and iteration == num_iterations - 1):
+                    save_checkpoint(f"runs/{run_name}/checkpoint.pt", {
+                        "run_name": run_name, "iteration": iteration + 1, "global_step": next_step, "args": asdict(args),
+                        **{name: module.state_dict() for name, module in learner.items()}, "log_ent_coef": log_ent_coef.detach().cpu(),
+                        "rng": rng_state(envs), "pending": pending, "episode": episode, "components": components,
+                        "replay_buffer": rb.state_dict() if args.save_buffer else None})
+                    print(f"checkpoint saved at step {next_step}: runs/{run_name}/checkpoint.pt" + ("" if args.save_buffer else " (without the replay buffer: pass --save-buffer for an exact resume)"))
+                if stop["requested"]:
+                    print(f"stopped; continue with: python {os.path.basename(__file__)} --resume runs/{run_name}/checkpoint.pt")
+                    break
+            if dones.any():  # reset finished envs: their reset observations start the next episodes, never a transition
+                reset_obs, _ = envs.reset(options={"reset_mask": dones})
+                next_obs = np.where(dones[:, None], reset_obs, next_obs)
+            obs = next_obs
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        writer.close()  # flushes TensorBoard, also on an error or a second Ctrl-C
+        envs.close()
 
     elapsed = time.time() - start_time
-    print(f"done: {args.total_timesteps} steps in {elapsed:.0f} s ({int(args.total_timesteps / elapsed)} SPS); time in "
+    steps = (iteration + 1 - start_iteration) * args.num_envs
+    print(f"done: {steps} steps in {elapsed:.0f} s ({int(steps / elapsed)} SPS); time in "
           + ", ".join(f"{k} {v:.1f} s" for k, v in timing.items()))
-    if args.save_model:
-        print(f"checkpoint saved to runs/{run_name}/checkpoint.pt; roll it out with --evaluate runs/{run_name}/checkpoint.pt")
-    envs.close()
-    writer.close()
+    if args.save_model and not stop["requested"]:
+        if not dones.all():  # the run ended mid-episode: keep the final networks (to evaluate, not to resume)
+            save_checkpoint(f"runs/{run_name}/checkpoint.pt", {**{name: module.state_dict() for name, module in learner.items()}, "args": asdict(args), "run_name": run_name})
+        print(f"roll the policy out with: python {os.path.basename(__file__)} --evaluate runs/{run_name}/checkpoint.pt")
 
 
 if __name__ == "__main__":
@@ -847,3 +1089,9 @@ if __name__ == "__main__":
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("interrupted without saving a checkpoint", file=sys.stderr)
+        sys.exit(130)

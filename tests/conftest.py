@@ -47,3 +47,21 @@ def in_tmp(tmp_path, monkeypatch) -> Path:
     """Run in a temporary folder so runs/ and videos/ do not land in the repo."""
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+def interrupt_after(script: str, *args: str, cwd: Path, sig: int, after_lines: int, timeout: int = 300) -> tuple[int, str]:
+    """Start `python <script> <args>`, send `sig` once it has printed `after_lines` episode lines; (exit code, stdout)."""
+    import signal as _signal  # noqa: F401  (callers pass signal.SIGINT / SIGTERM)
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    lines, seen = [], 0
+    for line in proc.stdout:
+        lines.append(line)
+        seen += line.startswith("global_step=")
+        if seen == after_lines:
+            proc.send_signal(sig)
+            break
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, "".join(lines) + out + err

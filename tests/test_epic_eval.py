@@ -187,6 +187,79 @@ def score_args(dataset: str, **kwargs) -> "epic_eval.Score":
                            bootstrap=50, **kwargs)
 
 
+def read_run(run_dir: str) -> tuple[list[dict], list[dict]]:
+    with open(os.path.join(run_dir, "epic.csv"), newline="") as f:
+        table = list(csv.DictReader(f))
+    with open(os.path.join(run_dir, "rewards.csv"), newline="") as f:
+        rewards = list(csv.DictReader(f))
+    return table, rewards
+
+
+def test_both_reward_families_side_by_side(cartpole_dataset, tmp_path, monkeypatch):
+    """One run scores the projection (per alpha) and the thresholded softmax, and the binary reward is 1[p > beta]."""
+    monkeypatch.chdir(tmp_path)
+    run_dir = epic_eval.score(score_args(cartpole_dataset, labels="gt", reward_families=("projection", "softmax"),
+                                         temperature=0.1, soft=True))
+    table, rewards = read_run(run_dir)
+    assert list(table[0])[:3] == ["model", "family", "alpha"]
+    assert [(r["family"], r["alpha"]) for r in table] == [("projection", "0.0"), ("projection", "1.0"), ("softmax", "")]
+    assert list(rewards[0])[2:] == ["vlmrm-tiny-test/none@alpha=0", "vlmrm-tiny-test/none@alpha=1", "vlmrm-tiny-test/none@softmax-p"]
+    labels = np.array([float(r["label"]) for r in rewards])
+    p = np.array([float(r["vlmrm-tiny-test/none@softmax-p"]) for r in rewards])
+    assert np.all((p > 0) & (p < 1)) and len(set(p)) > 30
+    softmax_row = table[2]
+    assert float(softmax_row["epic"]) == pytest.approx(epic_distance(p, labels), abs=1e-5)
+    assert float(softmax_row["roc_auc"]) == pytest.approx(roc_auc(p, labels), abs=1e-5)
+    assert float(softmax_row["pr_auc"]) == pytest.approx(average_precision(p, labels), abs=1e-5)
+    assert os.path.getsize(os.path.join(run_dir, "epic.png")) > 10_000
+    with open(os.path.join(run_dir, "args.json")) as f:
+        saved = json.load(f)
+    assert saved["negatives"] == list(epic_eval.DEFAULT_NEGATIVES[(epic_eval.DEFAULT_PROMPTS["CartPole-v1"][0],)])
+
+    # the binary reward at a threshold between two of those probabilities is exactly the indicator p > beta
+    ordered = np.sort(np.unique(p))
+    beta = float((ordered[len(ordered) // 2] + ordered[len(ordered) // 2 + 1]) / 2)
+    time.sleep(1)  # the run folder is named by the second
+    run_dir = epic_eval.score(score_args(cartpole_dataset, labels="gt", reward_families=("softmax",), temperature=0.1, threshold=beta))
+    table, rewards = read_run(run_dir)
+    assert [(r["family"], r["alpha"]) for r in table] == [("softmax", "")]
+    binary = np.array([float(r["vlmrm-tiny-test/none@softmax"]) for r in rewards])
+    np.testing.assert_array_equal(binary, (p > beta).astype(float))
+    assert float(table[0]["epic"]) == pytest.approx(epic_distance(binary, labels), abs=1e-5)
+    assert float(table[0]["roc_auc"]) == pytest.approx(roc_auc(binary, labels), abs=1e-5)
+
+    # a binary reward that never crosses the threshold is constant: EPIC is undefined, and the error says why
+    time.sleep(1)
+    with pytest.raises(UserError, match=r"softmax are the same for every frame \(a binary softmax reward .*--threshold"):
+        epic_eval.score(score_args(cartpole_dataset, labels="gt", reward_families=("softmax",), temperature=0.1, threshold=0.999999))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(reward_families=()), "--reward-families needs at least one of: projection, softmax"),
+    (dict(reward_families=("softmax",), goal=("a pole",)), "needs at least one non-empty --negatives prompt"),
+    (dict(reward_families=("softmax",), negatives=()), "needs at least one non-empty --negatives prompt"),
+    (dict(reward_families=("softmax",), negatives=("pole vertically upright on top of the cart",)), "share the prompt"),
+    (dict(temperature=0.0), "--temperature must be a positive number"),
+    (dict(temperature=float("nan")), "--temperature must be a positive number"),
+    (dict(threshold=1.0), r"--threshold must be in \(0, 1\)"),
+    (dict(threshold=0.0), r"--threshold must be in \(0, 1\)"),
+])
+def test_softmax_family_bad_input(cartpole_dataset, tmp_path, monkeypatch, kwargs, message):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(epic_eval, "load_clip", lambda *a: pytest.fail("bad input must be refused before a model is loaded"))
+    with pytest.raises(UserError, match=message):
+        epic_eval.score(score_args(cartpole_dataset, labels="gt", **kwargs))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_softmax_without_negatives_on_the_command_line(cartpole_dataset, tmp_path):
+    result = run_cli("score", "--dataset", cartpole_dataset, "--labels", "gt", "--clip-models", TINY, "--clip-pretrained", "none",
+                     "--reward-families", "projection", "softmax", "--goal", "a pole", cwd=str(tmp_path))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: --reward-families softmax needs at least one non-empty --negatives prompt")
+    assert result.stderr.count("\n") == 1 and not (tmp_path / "runs").exists()
+
+
 def write_labels(dataset: str, lines: list[str]) -> None:
     with open(os.path.join(dataset, "labels.csv"), "w") as f:
         f.write("frame,label,time\n" + "".join(line + "\n" for line in lines))

@@ -11,6 +11,7 @@ import os
 import runpy
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -122,6 +123,45 @@ def test_argmax_follows_the_encoder(monkeypatch, tmp_path):
         assert float(row["shape_score"]) < -0.99, row
 
 
+def test_both_reward_families_side_by_side(monkeypatch, tmp_path, capsys):
+    """The thresholded softmax is drawn next to the alpha curves, from the same embeddings.
+
+    With the instrumented encoder g = e1 and both default negatives = -e1, so the goal's probability is
+    p = 1 / (1 + 2 exp(-2 cos(phi) / tau)): at tau = 1 it falls strictly as the pole tilts, from 0.787 (upright)
+    to 1/3 (horizontal), and 1[p > 0.7] holds for cos(phi) > ln(14/3) / 2, i.e. |theta| < 0.692 rad.
+    """
+    monkeypatch.chdir(tmp_path)
+    encoders = fake_clip(monkeypatch)
+    soft_dir = reward_shape.main(cartpole_args(reward_families=("projection", "softmax"), alphas=(0.0, 1.0), num_points=21,
+                                               temperature=1.0, soft=True))
+    assert encoders[0].images_encoded == 21, "both families score the same embeddings"
+    summary = read_csv(soft_dir / "summary.csv")
+    assert list(summary[0])[:3] == ["model", "family", "alpha"]
+    assert [(r["family"], r["alpha"]) for r in summary] == [("projection", "0.0"), ("projection", "1.0"), ("softmax", "")]
+    for row in summary:
+        assert abs(float(row["argmax_state"])) < 1e-9 and float(row["shape_score"]) > 0.99, row
+    rows = read_csv(soft_dir / "reward_shape.csv")
+    assert len(rows) == 3 * 21
+    states = np.array([float(r["state"]) for r in rows if r["family"] == "softmax"])
+    p = np.array([float(r["reward"]) for r in rows if r["family"] == "softmax"])
+    assert p[10] == pytest.approx(1 / (1 + 2 * math.exp(-2)), abs=1e-4)  # upright
+    assert p[0] == pytest.approx(1 / 3, abs=2e-2)  # horizontal (the pixel-measured tilt is nearly pi/2)
+    table = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["RN50/none"]]
+    assert [cols[1] for cols in table] == ["alpha=0", "alpha=1", "softmax-p"]
+    assert (soft_dir / "reward_shape_RN50_none.png").is_file()
+
+    time.sleep(1)  # the run folder is named by the second
+    binary_dir = reward_shape.main(cartpole_args(reward_families=("softmax",), num_points=21, temperature=1.0, threshold=0.7))
+    rows = read_csv(binary_dir / "reward_shape.csv")
+    assert {r["family"] for r in rows} == {"softmax"} and len(rows) == 21  # no alpha curves asked for
+    binary = np.array([float(r["reward"]) for r in rows])
+    np.testing.assert_array_equal(binary, (p > 0.7).astype(float))
+    assert set(binary) == {0.0, 1.0}
+    assert np.all(binary[np.abs(states) < 0.6] == 1) and np.all(binary[np.abs(states) > 0.8] == 0)
+    (row,) = read_csv(binary_dir / "summary.csv")
+    assert float(row["shape_score"]) > 0.5 and float(row["reward_min"]) == 0 and float(row["reward_max"]) == 1
+
+
 # ------------------------------------------------------------------------------------------------
 # Normalisation and the shape score
 # ------------------------------------------------------------------------------------------------
@@ -150,7 +190,8 @@ def test_csv_png_and_frames_are_written(monkeypatch, tmp_path):
     assert run_dir.parent == Path("runs")
 
     rows = read_csv(run_dir / "reward_shape.csv")
-    assert list(rows[0]) == ["model", "alpha", "state", "reward", "reward_normalised"]
+    assert list(rows[0]) == ["model", "family", "alpha", "state", "reward", "reward_normalised"]
+    assert {r["family"] for r in rows} == {"projection"}  # the default: the projection family only
     assert len(rows) == 2 * 2 * 9
     for model in ("RN50/none", "ViT-B-32/none"):
         for alpha in ("0.0", "1.0"):
@@ -216,6 +257,18 @@ def test_sweep_scores_equal_clip_reward_per_alpha():
         reference = reward_shape.CLIPReward(model, tokenizer, goal, baseline, alpha, 3, torch.device("cpu"))(frames)
         np.testing.assert_allclose(rewards, reference, rtol=1e-5, atol=1e-6)
     assert not np.allclose(swept[0.0], swept[1.0])
+    # the softmax family: the swept curve is what CLIPReward(family="softmax") gives frame by frame
+    negatives = ("pole lying flat next to the cart", "an empty road")
+    for soft in (True, False):
+        shared = reward_shape.CLIPReward(model, tokenizer, goal, baseline, 0.0, 2, torch.device("cpu"), "softmax",
+                                         negatives, 0.05, 0.5, soft)
+        swept = reward_shape.score_frames(shared, frames, (0.0,), softmax=True)
+        assert list(swept) == [0.0, reward_shape.SOFTMAX]
+        reference = reward_shape.CLIPReward(model, tokenizer, goal, baseline, 0.0, 3, torch.device("cpu"), "softmax",
+                                            negatives, 0.05, 0.5, soft)(frames)
+        np.testing.assert_allclose(swept[reward_shape.SOFTMAX], reference, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="negative"):
+        reward_shape.CLIPReward(model, tokenizer, goal, baseline, 0.0, 2, torch.device("cpu"), "softmax")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -254,6 +307,16 @@ def test_cli_tiny_model(monkeypatch, tmp_path, capsys):
     (["--clip-models", "RN50", "ViT-B-32", "--clip-pretrained", "openai", "openai", "openai"], "one per --clip-models entry (2), got 3"),
     (["--clip-models", "RN50", "RN50", "--clip-pretrained", "openai"], "the same model twice"),
     (["--clip-models", "NoSuchNet"], "not an open_clip architecture"),
+    (["--reward-families"], "--reward-families needs at least one of: projection, softmax"),
+    (["--reward-families", "softmax", "--goal", "a pole"], "needs at least one non-empty --negatives prompt"),
+    (["--reward-families", "projection", "softmax", "--negatives"], "needs at least one non-empty --negatives prompt"),
+    (["--reward-families", "softmax", "--negatives", " "], "needs at least one non-empty --negatives prompt"),
+    (["--reward-families", "softmax", "--negatives", "pole vertically upright on top of the cart"], "share the prompt"),
+    (["--temperature", "0"], "--temperature must be a positive number, got 0.0"),
+    (["--temperature", "-1"], "--temperature must be a positive number"),
+    (["--threshold", "1"], "--threshold must be in (0, 1), got 1.0"),
+    (["--threshold", "0"], "--threshold must be in (0, 1)"),
+    (["--threshold", "-0.5"], "--threshold must be in (0, 1)"),
     (["--clip-models", "RN50", "--clip-pretrained", "nosuchtag"], "not a pretrained tag of RN50"),
 ])
 def test_bad_input_is_one_sentence(monkeypatch, tmp_path, capsys, argv, message):

@@ -40,14 +40,20 @@ def test_reward_belongs_to_the_frame_after_the_step_across_subprocess_autoresets
                     reward_batch_size=16, buffer_size=1000)
     sac.main(args)
 
+    obs = np.concatenate([a[0] for a in added])
     next_obs = np.concatenate([a[1] for a in added])
     rewards = np.concatenate([a[2] for a in added])
-    # 100 vector steps per env; each 20-step episode is followed by one reset step that is not a
-    # transition: per env 4 resets -> 96 transitions
-    assert len(rewards) == 3 * 96
+    # 100 vector steps of 3 envs, episodes of 20 steps, finished envs reset outside any step: every step
+    # is a transition, and no reset observation or reset frame is ever stored
+    assert len(rewards) == 3 * 100
     # obs[0] of Humanoid-v5 is the torso height: the scored frame shows the state after the step
     np.testing.assert_array_equal(rewards, next_obs[:, 0].astype(np.float32))  # the stamp is float32
     assert len(np.unique(rewards)) > 200  # real, varied states, not one repeated frame
+    # rows are step-major: an env's next row (3 rows later) continues from next_obs, except after an episode end
+    chained = np.all(next_obs[:-3] == obs[3:], axis=1)
+    episode_ends = np.zeros(len(rewards) - 3, dtype=bool)
+    episode_ends[[t * 3 + i for t in range(19, 99, 20) for i in range(3)]] = True
+    np.testing.assert_array_equal(chained, ~episode_ends)
 
 
 def test_sac_learns_inverted_pendulum_from_ground_truth(in_tmp):
@@ -74,11 +80,10 @@ def test_clip_rewarded_smoke_run_trains_checkpoints_records_and_rolls_out(tmp_pa
                 "eval/clip_return", "eval/gt_return"]:
         values = [v for _, v in scalars[tag]]
         assert values and np.all(np.isfinite(values)), tag
-    # episodes of 100 steps in 2 envs: 600 steps = 2 x (2 episodes + 2 reset steps + 98 steps)
-    assert len(scalars["charts/episodic_return"]) == 4
+    assert len(scalars["charts/episodic_return"]) == 2 * 3  # 600 steps = 3 episodes of 100 steps in each of 2 envs
     videos = sorted(p.name for p in (tmp_path / "videos" / run_dir.name).iterdir())
     assert videos == ["step-300.mp4", "step-600.mp4"]
-    checkpoint = torch.load(run_dir / "checkpoint.pt")
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)  # holds RNG states and arrays
     assert checkpoint["global_step"] == 600 and {"actor", "qf1", "qf2", "log_ent_coef"} <= checkpoint.keys()
 
     rollout = run_script(SCRIPT, *TINY_CLIP_FLAGS, "--render-size", "64", "--evaluate", str(run_dir / "checkpoint.pt"),
@@ -101,6 +106,10 @@ BAD_INPUT = {
     "missing checkpoint": (["--clip-checkpoint", "missing.pt"], ["missing.pt"]),
     "missing policy": (["--evaluate", "missing-policy.pt"], ["missing-policy.pt"]),
     "zero gradient steps": (["--gradient-steps", "0"], ["--gradient-steps"]),
+    "softmax without negatives": (["--reward-family", "softmax", "--goal", "a humanoid robot doing the splits"], ["--reward-family softmax", "--negatives"]),
+    "softmax with empty negatives": (["--reward-family", "softmax", "--negatives"], ["--negatives"]),
+    "temperature zero": (["--reward-family", "softmax", "--temperature", "0"], ["--temperature", "positive"]),
+    "threshold above 1": (["--reward-family", "softmax", "--threshold", "1.5"], ["--threshold", "(0, 1)"]),
 }
 
 

@@ -1,18 +1,25 @@
-"""vlm_reward against the closed forms of SPEC section 1, in every script that defines it."""
+"""vlm_reward and softmax_reward against the closed forms of SPEC section 1, in every script that defines them."""
 
 import importlib
+import inspect
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-SCRIPTS = ["vlmrm_dqn_classic", "vlmrm_sac_humanoid"]
+SCRIPTS = ["vlmrm_dqn_classic", "vlmrm_sac_humanoid", "reward_shape", "epic_eval"]
 D = 16
 
 
 @pytest.fixture(params=SCRIPTS)
 def vlm_reward(request):
     return importlib.import_module(request.param).vlm_reward
+
+
+@pytest.fixture(params=SCRIPTS)
+def softmax_reward(request):
+    return importlib.import_module(request.param).softmax_reward
 
 
 def unit(x: torch.Tensor) -> torch.Tensor:
@@ -101,3 +108,103 @@ def test_goal_equal_to_baseline_is_rejected_for_positive_alpha(vlm_reward):
         vlm_reward(torch.randn(3, D), g, g.clone(), 0.5)
     # alpha = 0 never uses the baseline
     assert vlm_reward(torch.randn(3, D), g, g.clone(), 0.0).shape == (3,)
+
+
+# ------------------------------------------------------------------------------------------------
+# The thresholded softmax over negative prompts ("Vision-Language Models as a Source of Rewards")
+# ------------------------------------------------------------------------------------------------
+def softmax_reference(s, goals, negatives, temperature):
+    """p = exp(c_goal / tau) / sum_k exp(c_k / tau) written out in float64; the goal is the re-normalised mean."""
+    s = unit(s.double())
+    g = unit(unit(goals.double()).mean(0))
+    logits = torch.cat([(s @ g)[:, None], s @ unit(negatives.double()).T], dim=1) / temperature
+    return logits.exp()[:, 0] / logits.exp().sum(1)
+
+
+@pytest.mark.parametrize("temperature", [0.01, 0.1, 1.0])
+def test_softmax_with_two_prompts_is_a_logistic_of_the_scaled_similarity_difference(softmax_reward, temperature):
+    torch.manual_seed(6)
+    s, g, n = torch.randn(64, D), torch.randn(1, D), torch.randn(1, D)
+    difference = (F.cosine_similarity(s.double(), g.double()) - F.cosine_similarity(s.double(), n.double())) / temperature
+    expected = torch.sigmoid(difference).float()
+    torch.testing.assert_close(softmax_reward(s, g, n, temperature, 0.5, soft=True), expected, atol=1e-6, rtol=1e-5)
+    # binary: exactly the indicator of p > threshold (the logit above log(beta / (1 - beta)))
+    for threshold in (0.1, 0.5, 0.9):
+        binary = softmax_reward(s, g, n, temperature, threshold)
+        margin = difference - math.log(threshold / (1 - threshold))
+        clear = margin.abs() > 1e-4  # leave out float32 round-off right at the boundary
+        assert clear.sum() > 40
+        torch.testing.assert_close(binary[clear], (margin[clear] > 0).float())
+
+
+def test_threshold_boundary_is_strict(softmax_reward):
+    """A frame exactly as similar to the goal as to the one negative has p = 1/2: 1[p > 0.5] = 0, not 1."""
+    e = torch.eye(D)
+    s, g, n = (e[0] + e[1])[None], e[:1], e[1:2]
+    assert softmax_reward(s, g, n, 0.01, 0.5, soft=True).item() == 0.5
+    assert softmax_reward(s, g, n, 0.01, 0.5).item() == 0.0
+    assert softmax_reward(s, g, n, 0.01, 0.5 - 1e-6).item() == 1.0
+    assert softmax_reward(s, g, n, 0.01, 0.5 + 1e-6).item() == 0.0
+    # p = sigmoid(1) for a similarity gap of exactly tau: just above and below it
+    s = torch.tensor([[1.0, 0.0]])
+    g, n = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 1.0]])  # cosines 1 and 0
+    p = 1 / (1 + math.exp(-1.0))
+    assert softmax_reward(s, g, n, 1.0, 0.5, soft=True).item() == pytest.approx(p, abs=1e-7)
+    assert softmax_reward(s, g, n, 1.0, p - 1e-4).item() == 1.0
+    assert softmax_reward(s, g, n, 1.0, p + 1e-4).item() == 0.0
+
+
+@pytest.mark.parametrize("temperature", [0.01, 0.5])
+def test_softmax_matches_the_explicit_formula_with_several_prompts(softmax_reward, temperature):
+    torch.manual_seed(7)
+    s, goals, negatives = torch.randn(50, D), torch.randn(3, D), torch.randn(4, D)
+    expected = softmax_reference(s, goals, negatives, temperature)
+    torch.testing.assert_close(softmax_reward(s, goals, negatives, temperature, 0.5, soft=True), expected.float(), atol=1e-6, rtol=1e-5)
+    # several goal prompts are one class: the re-normalised mean of their unit embeddings
+    mean_goal = unit(unit(goals).mean(0, keepdim=True))
+    torch.testing.assert_close(softmax_reward(s, goals, negatives, temperature, 0.5, soft=True),
+                               softmax_reward(s, mean_goal, negatives, temperature, 0.5, soft=True), atol=1e-6, rtol=0)
+    # the order of the prompts does not matter; every negative is its own class, so more negatives lower p
+    torch.testing.assert_close(softmax_reward(s, goals.flip(0), negatives.flip(0), temperature, 0.5, soft=True),
+                               expected.float(), atol=1e-6, rtol=1e-5)
+    fewer = softmax_reward(s, goals, negatives[:2], temperature, 0.5, soft=True)
+    full = softmax_reward(s, goals, negatives, temperature, 0.5, soft=True)
+    assert torch.all(fewer >= full - 1e-6) and torch.any(fewer > full + 1e-3)
+
+
+def test_softmax_scale_invariance_shape_dtype_and_range(softmax_reward):
+    torch.manual_seed(8)
+    s, goals, negatives = torch.randn(9, D), torch.randn(2, D), torch.randn(3, D)
+    base = softmax_reward(s, goals, negatives, 0.05, 0.3, soft=True)
+    scaled = softmax_reward(s * (torch.rand(9, 1) * 10 + 0.1), goals * 3.0, negatives * 0.01, 0.05, 0.3, soft=True)
+    torch.testing.assert_close(scaled, base, atol=1e-6, rtol=1e-5)
+    p = softmax_reward(s.half(), goals, negatives, 0.05, 0.3, soft=True)
+    binary = softmax_reward(s.half(), goals, negatives, 0.05, 0.3)
+    assert p.shape == binary.shape == (9,) and p.dtype == binary.dtype == torch.float32
+    assert torch.all((p > 0) & (p < 1))
+    assert set(binary.tolist()) <= {0.0, 1.0}
+    torch.testing.assert_close(binary, (p > 0.3).float())
+    # a colder softmax is more decisive: the goal's probability moves away from its value at tau = infinity
+    e = torch.eye(D)
+    frame = (2 * e[0] + e[1])[None]  # closer to the goal e0 than to the negative e1
+    assert softmax_reward(frame, e[:1], e[1:2], 0.01, 0.5, soft=True) > softmax_reward(frame, e[:1], e[1:2], 1.0, 0.5, soft=True)
+
+
+@pytest.mark.parametrize("temperature, threshold", [(0.0, 0.5), (-0.01, 0.5), (float("nan"), 0.5), (float("inf"), 0.5),
+                                                    (0.01, 0.0), (0.01, 1.0), (0.01, -0.1), (0.01, 1.5), (0.01, float("nan"))])
+def test_softmax_rejects_bad_temperature_and_threshold(softmax_reward, temperature, threshold):
+    with pytest.raises(ValueError):
+        softmax_reward(torch.randn(3, D), torch.randn(1, D), torch.randn(2, D), temperature, threshold)
+
+
+def test_softmax_rejects_no_negatives(softmax_reward):
+    with pytest.raises(ValueError, match="negative"):
+        softmax_reward(torch.randn(3, D), torch.randn(1, D), torch.zeros(0, D), 0.01, 0.5)
+
+
+@pytest.mark.parametrize("name", ["vlm_reward", "softmax_reward", "resolve_negatives", "CLIPReward"])
+def test_shared_reward_code_is_identical_in_every_script(name):
+    sources = {script: inspect.getsource(getattr(importlib.import_module(script), name)) for script in SCRIPTS}
+    assert len(set(sources.values())) == 1, f"{name} differs between {list(sources)}"
+    defaults = [importlib.import_module(script).DEFAULT_NEGATIVES for script in SCRIPTS]
+    assert all(d == defaults[0] for d in defaults)
