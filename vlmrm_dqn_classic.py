@@ -695,7 +695,11 @@ def main(args: Args) -> None:
     # observation can ever be stored as a transition, and episode boundaries are explicit for checkpoints.
     envs = gym.vector.SyncVectorEnv([make_env(args.env_id, args.seed, i, args.episode_length, args.realistic) for i in range(args.num_envs)],
                                     autoreset_mode=gym.vector.AutoresetMode.DISABLED)
-    reward_model = make_reward_model(args, device) if args.reward == "clip" else None
+    try:
+        reward_model = make_reward_model(args, device) if args.reward == "clip" else None
+    except UserError:
+        envs.close()  # env subprocesses would print tracebacks when we exit under them
+        raise
     if reward_model is not None:
         warn_if_slow_on_cpu(reward_model, args, (400, 600, 3))  # the pygame frames are 600x400
     num_iterations = args.total_timesteps // args.num_envs

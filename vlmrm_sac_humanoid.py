@@ -854,7 +854,11 @@ def main(args: Args) -> None:
                                      autoreset_mode=gym.vector.AutoresetMode.DISABLED)
     signal.signal(signal.SIGINT, handlers[0])
     signal.signal(signal.SIGTERM, handlers[1])
-    reward_model = make_reward_model(args, device) if args.reward == "clip" else None
+    try:
+        reward_model = make_reward_model(args, device) if args.reward == "clip" else None
+    except UserError:
+        envs.close()  # env subprocesses would print tracebacks when we exit under them
+        raise
     if reward_model is not None:
         warn_if_slow_on_cpu(reward_model, args, (args.render_size, args.render_size, 3))
     eval_envs = make_eval_envs() if args.capture_video else None

@@ -65,3 +65,20 @@ def interrupt_after(script: str, *args: str, cwd: Path, sig: int, after_lines: i
             break
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, "".join(lines) + out + err
+
+
+def assert_refused(module, flags: list[str], *words: str) -> None:
+    """In process (fast): the flags, parsed as from the command line, raise the script's UserError before any work.
+
+    The path from UserError to `error: <sentence>` and exit code 2 is checked once per script through a real
+    subprocess; this checks each message: one sentence that names what is wrong.
+    """
+    import tyro
+
+    with pytest.raises(module.UserError) as error:
+        module.main(tyro.cli(module.Args, args=flags))
+    message = str(error.value)
+    assert "\n" not in message and message.endswith("."), message
+    for word in words:
+        assert word.lower() in message.lower(), (word, message)
+    assert not Path("runs").exists()  # refused before any output (tests run in a temporary folder)

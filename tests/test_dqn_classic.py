@@ -9,7 +9,7 @@ import torch
 from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 
 import vlmrm_dqn_classic as classic
-from conftest import TINY_CLIP, TINY_CLIP_FLAGS, assert_clean_error, read_scalars, run_script
+from conftest import TINY_CLIP, TINY_CLIP_FLAGS, assert_clean_error, assert_refused, read_scalars, run_script
 
 SCRIPT = "vlmrm_dqn_classic.py"
 
@@ -175,11 +175,15 @@ BAD_INPUT = {
 
 
 @pytest.mark.parametrize("case", BAD_INPUT, ids=list(BAD_INPUT))
-def test_bad_input_is_one_clear_sentence(tmp_path, case):
+def test_bad_input_is_one_clear_sentence(in_tmp, case):
     flags, words = BAD_INPUT[case]
-    result = run_script(SCRIPT, *flags, cwd=tmp_path)
-    assert_clean_error(result, *words)
-    assert not (tmp_path / "runs").exists()  # refused before any work
+    assert_refused(classic, flags, *words)
+
+
+def test_bad_input_on_the_command_line_exits_2_with_one_line_and_no_traceback(tmp_path):
+    flags, words = BAD_INPUT["goal equals baseline"]
+    assert_clean_error(run_script(SCRIPT, *flags, cwd=tmp_path), *words)
+    assert not (tmp_path / "runs").exists()
 
 
 def test_weights_that_cannot_be_downloaded(tmp_path):
@@ -189,8 +193,7 @@ def test_weights_that_cannot_be_downloaded(tmp_path):
     assert_clean_error(result, "RN50", "network", "--clip-cache-dir", "--clip-checkpoint")
 
 
-def test_corrupt_checkpoint(tmp_path):
-    bad = tmp_path / "weights.pt"
-    bad.write_bytes(b"not a checkpoint")
-    result = run_script(SCRIPT, "--clip-model", TINY_CLIP, "--clip-checkpoint", str(bad), cwd=tmp_path)
-    assert_clean_error(result, "weights.pt")
+def test_corrupt_checkpoint(in_tmp):
+    (in_tmp / "weights.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(classic.UserError, match="weights.pt"):
+        classic.main(classic.Args(clip_model=TINY_CLIP, clip_checkpoint="weights.pt"))

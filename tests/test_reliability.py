@@ -8,7 +8,7 @@ import torch
 
 import vlmrm_dqn_classic as classic
 import vlmrm_sac_humanoid as sac
-from conftest import TINY_CLIP, TINY_CLIP_FLAGS, assert_clean_error, interrupt_after, read_scalars, run_script
+from conftest import TINY_CLIP, TINY_CLIP_FLAGS, assert_refused, interrupt_after, read_scalars, run_script
 
 DQN = "vlmrm_dqn_classic.py"
 SAC = "vlmrm_sac_humanoid.py"
@@ -88,24 +88,25 @@ BAD_RUN_FLAGS = {
 
 
 @pytest.mark.parametrize("case", BAD_RUN_FLAGS, ids=list(BAD_RUN_FLAGS))
-def test_bad_run_settings_are_refused_before_any_work(tmp_path, case):
+def test_bad_run_settings_are_refused_before_any_work(in_tmp, case):
     script, flags, words = BAD_RUN_FLAGS[case]
-    result = run_script(script, *flags, cwd=tmp_path)
-    assert_clean_error(result, *words)
-    assert not (tmp_path / "runs").exists()
+    assert_refused(classic if script == DQN else sac, flags, *words)
 
 
-@pytest.mark.parametrize("script", [DQN, SAC])
-def test_unwritable_output_folder_is_refused(tmp_path, script):
-    (tmp_path / "runs").write_text("a file where the output folder should be")
-    assert_clean_error(run_script(script, "--reward", "gt", cwd=tmp_path), "runs")
+@pytest.mark.parametrize("module", [classic, sac], ids=["dqn", "sac"])
+def test_unwritable_output_folder_is_refused(in_tmp, module):
+    (in_tmp / "runs").write_text("a file where the output folder should be")
+    with pytest.raises(module.UserError, match="runs"):
+        module.main(module.Args(reward="gt"))
 
 
-def test_corrupt_or_foreign_checkpoints_are_refused(tmp_path):
-    (tmp_path / "garbage.pt").write_bytes(b"\x00not a checkpoint")
-    assert_clean_error(run_script(DQN, "--resume", "garbage.pt", cwd=tmp_path), "garbage.pt", "readable")
-    torch.save({"iteration": 3, "rng": {}, "args": {"policy_lr": 1.0}}, tmp_path / "sac.pt")
-    assert_clean_error(run_script(DQN, "--resume", "sac.pt", cwd=tmp_path), "another script")
+def test_corrupt_or_foreign_checkpoints_are_refused(in_tmp):
+    (in_tmp / "garbage.pt").write_bytes(b"\x00not a checkpoint")
+    assert_refused(classic, ["--resume", "garbage.pt"], "garbage.pt", "readable")
+    torch.save({"iteration": 3, "rng": {}, "args": {"policy_lr": 1.0}}, in_tmp / "sac.pt")
+    assert_refused(classic, ["--resume", "sac.pt"], "another script")
+    torch.save({"q_network": {}, "args": {}}, in_tmp / "model.pt")
+    assert_refused(classic, ["--resume", "model.pt"], "no resumable training state")
 
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import vlmrm_sac_humanoid as sac
-from conftest import TINY_CLIP, TINY_CLIP_FLAGS, assert_clean_error, read_scalars, run_script
+from conftest import TINY_CLIP, TINY_CLIP_FLAGS, assert_clean_error, assert_refused, read_scalars, run_script
 
 SCRIPT = "vlmrm_sac_humanoid.py"
 
@@ -114,10 +114,14 @@ BAD_INPUT = {
 
 
 @pytest.mark.parametrize("case", BAD_INPUT, ids=list(BAD_INPUT))
-def test_bad_input_is_one_clear_sentence(tmp_path, case):
+def test_bad_input_is_one_clear_sentence(in_tmp, case):
     flags, words = BAD_INPUT[case]
-    result = run_script(SCRIPT, *flags, cwd=tmp_path)
-    assert_clean_error(result, *words)
+    assert_refused(sac, flags, *words)
+
+
+def test_bad_input_on_the_command_line_exits_2_with_one_line_and_no_traceback(tmp_path):
+    flags, words = BAD_INPUT["goal equals baseline"]
+    assert_clean_error(run_script(SCRIPT, *flags, cwd=tmp_path), *words)
     assert not (tmp_path / "runs").exists()
 
 
