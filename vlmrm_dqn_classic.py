@@ -746,6 +746,7 @@ def main(args: Args) -> None:
         video_frames.append(envs.call("render")[0])
     stop = install_stop_handlers()
     start_time = time.time()
+    iteration, dones = start_iteration - 1, np.ones(args.num_envs, dtype=bool)  # as they stay when a resumed run has no steps left
     try:
         for iteration in range(start_iteration, num_iterations):
             global_step = iteration * args.num_envs
@@ -872,7 +873,7 @@ def main(args: Args) -> None:
 
     elapsed = time.time() - start_time
     steps = (iteration + 1 - start_iteration) * args.num_envs
-    print(f"done: {steps} steps in {elapsed:.0f} s ({int(steps / elapsed)} SPS); time in "
+    print(f"done: {steps} steps in {elapsed:.0f} s ({int(steps / max(elapsed, 1e-9))} SPS); time in "
           + ", ".join(f"{k} {v:.1f} s" for k, v in timing.items()))
     if args.save_model and not stop["requested"]:
         model_path = f"runs/{run_name}/model.pt"

@@ -916,6 +916,7 @@ def main(args: Args) -> None:
     ent_coef = log_ent_coef.exp().detach()  # kept as a tensor: no host-device sync per gradient step
     stop = install_stop_handlers()
     start_time = time.time()
+    iteration, dones = start_iteration - 1, np.ones(args.num_envs, dtype=bool)  # as they stay when a resumed run has no steps left
     try:
         for iteration in range(start_iteration, num_iterations):
             global_step = iteration * args.num_envs
@@ -1078,7 +1079,7 @@ def main(args: Args) -> None:
 
     elapsed = time.time() - start_time
     steps = (iteration + 1 - start_iteration) * args.num_envs
-    print(f"done: {steps} steps in {elapsed:.0f} s ({int(steps / elapsed)} SPS); time in "
+    print(f"done: {steps} steps in {elapsed:.0f} s ({int(steps / max(elapsed, 1e-9))} SPS); time in "
           + ", ".join(f"{k} {v:.1f} s" for k, v in timing.items()))
     if args.save_model and not stop["requested"]:
         if not dones.all():  # the run ended mid-episode: keep the final networks (to evaluate, not to resume)
