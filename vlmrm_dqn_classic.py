@@ -712,7 +712,7 @@ def main(args: Args) -> None:
           + (f", resumed at step {start_iteration * args.num_envs}" if checkpoint else ""))
 
     q_network = QNetwork(envs).to(device)
-    optimizer = optim.Adam(q_network.parameters(), lr=args.learning_rate)
+    optimizer = optim.Adam(q_network.parameters(), lr=args.learning_rate, fused=True)  # one kernel per step
     target_network = QNetwork(envs).to(device)
     target_network.load_state_dict(q_network.state_dict())
     rb = ReplayBuffer(args.buffer_size, envs.single_observation_space.shape, device)

@@ -850,7 +850,9 @@ def main(args: Args) -> None:
     # The subprocesses are forked before CUDA starts (reward model) and ignore Ctrl-C / SIGTERM: the main
     # process decides when to stop, so a signal never kills an env mid-step.
     handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    envs = gym.vector.AsyncVectorEnv([make_env(args.env_id, args.seed, i, args.episode_length, args.render_size, args.render_quality, args.textured) for i in range(args.num_envs)],
+    # nothing to render with --reward gt: stepping in-process beats the pipe round trips to subprocesses
+    vector_env = gym.vector.SyncVectorEnv if args.reward == "gt" else gym.vector.AsyncVectorEnv
+    envs = vector_env([make_env(args.env_id, args.seed, i, args.episode_length, args.render_size, args.render_quality, args.textured) for i in range(args.num_envs)],
                                      autoreset_mode=gym.vector.AutoresetMode.DISABLED)
     signal.signal(signal.SIGINT, handlers[0])
     signal.signal(signal.SIGTERM, handlers[1])
@@ -876,11 +878,12 @@ def main(args: Args) -> None:
     qf1_target, qf2_target = SoftQNetwork(envs).to(device), SoftQNetwork(envs).to(device)
     qf1_target.load_state_dict(qf1.state_dict())
     qf2_target.load_state_dict(qf2.state_dict())
-    q_optimizer = optim.Adam(list(qf1.parameters()) + list(qf2.parameters()), lr=args.q_lr)
-    actor_optimizer = optim.Adam(actor.parameters(), lr=args.policy_lr)
+    # fused: one kernel per optimiser step instead of a loop over parameter tensors
+    q_optimizer = optim.Adam(list(qf1.parameters()) + list(qf2.parameters()), lr=args.q_lr, fused=True)
+    actor_optimizer = optim.Adam(actor.parameters(), lr=args.policy_lr, fused=True)
     target_entropy = -float(np.prod(envs.single_action_space.shape))
     log_ent_coef = torch.tensor([math.log(args.ent_coef)], device=device, requires_grad=args.autotune)
-    ent_coef_optimizer = optim.Adam([log_ent_coef], lr=args.q_lr) if args.autotune else None
+    ent_coef_optimizer = optim.Adam([log_ent_coef], lr=args.q_lr, fused=True) if args.autotune else None
     rb = ReplayBuffer(args.buffer_size, envs.single_observation_space.shape, envs.single_action_space.shape, device)
     # everything a gradient step changes, by name: checkpointed, and snapshotted as the last finite state
     learner = {"actor": actor, "qf1": qf1, "qf2": qf2, "qf1_target": qf1_target, "qf2_target": qf2_target,
@@ -1008,8 +1011,12 @@ def main(args: Args) -> None:
                     qf_loss.backward()
                     q_optimizer.step()
 
+                    qf1.requires_grad_(False)  # the actor loss needs no critic weight gradients: skip computing them
+                    qf2.requires_grad_(False)
                     pi, log_pi, _ = actor.get_action(b_obs)
                     min_qf_pi = torch.min(qf1(b_obs, pi), qf2(b_obs, pi))
+                    qf1.requires_grad_(True)
+                    qf2.requires_grad_(True)
                     actor_loss = (ent_coef * log_pi - min_qf_pi).mean()
                     actor_optimizer.zero_grad()
                     actor_loss.backward()
