@@ -1,0 +1,172 @@
+"""RL loop speed: our SAC and DQN against Stable-Baselines3's, same hyperparameters, same envs, same steps.
+
+    pip install -r requirements-bench.txt
+    python benchmarks/bench_rl_vs_sb3.py                      # Hopper-v5, Humanoid-v5 (SAC), CartPole-v1 (DQN)
+    python benchmarks/bench_rl_vs_sb3.py --repeats 5 --sac-steps 8000 --sac-learning-starts 2000 --dqn-steps 50000 --dqn-learning-starts 10000   # longer, steadier
+
+Ground-truth reward, no rendering: only the RL loop (env stepping, replay buffer, gradient steps) is timed.
+Both sides get the very same environment (our `make_env` thunk: fixed-length episodes), the same number of
+environment steps, the same learning_starts and train-frequency / gradient-steps schedule, the same networks
+(SAC 256-256 actor and twin critics, DQN 120-84), optimiser, learning rate, batch, gamma, tau and buffer.
+SAC: subprocess envs on both sides (our AsyncVectorEnv, SB3's SubprocVecEnv, both forked); DQN: one
+in-process env (our SyncVectorEnv, SB3's DummyVecEnv). Each run is a fresh process; the runs alternate
+ours, SB3, ours, SB3... and the table reports median steps per second (SPS) and the ratio of medians.
+SPS is measured over the training loop only (after the envs are created), on both sides.
+
+Known differences that SB3 does not let us switch off: SB3's DQN uses the Huber loss (ours: MSE) and always
+computes the gradient norm for clipping (we pass max_grad_norm=inf, so it never clips); SB3's SAC hard-clamps
+log_std to [-20, 2] (ours: tanh soft clamp to [-5, 2]) and both log a few scalars.
+"""
+
+import argparse
+import contextlib
+import io
+import os
+import re
+import sys
+import tempfile
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import Clock, emit, load, machine, median, run_worker, spread, table, worker_payload  # noqa: E402
+
+
+def sac_config(env_id: str, a) -> dict:
+    return dict(algo="sac", env_id=env_id, num_envs=a.sac_envs, total_timesteps=a.sac_steps, learning_starts=a.sac_learning_starts,
+                train_frequency=100, gradient_steps=100, batch_size=512, buffer_size=a.buffer_size, gamma=0.95, tau=0.005,
+                lr=6e-4, ent_coef=0.2, episode_length=100, seed=1)
+
+
+def dqn_config(a) -> dict:
+    return dict(algo="dqn", env_id="CartPole-v1", num_envs=1, total_timesteps=a.dqn_steps, learning_starts=a.dqn_learning_starts,
+                train_frequency=10, gradient_steps=1, batch_size=128, buffer_size=10_000, gamma=0.99, tau=1.0, lr=2.5e-4,
+                target_network_frequency=500, exploration_fraction=0.5, start_e=1.0, end_e=0.05, episode_length=200, seed=1)
+
+
+def our_gradient_steps(c: dict) -> int:
+    """How many gradient steps our loop takes: after learning_starts, every train_frequency-th vector step."""
+    return sum(c["gradient_steps"] for it in range(c["total_timesteps"] // c["num_envs"])
+               if it * c["num_envs"] >= c["learning_starts"] and it % c["train_frequency"] == 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# workers (one fresh process per measurement)
+# ----------------------------------------------------------------------------------------------
+def run_ours(c: dict) -> dict:
+    os.chdir(tempfile.mkdtemp(prefix="bench_ours_"))  # runs/ goes here
+    if c["algo"] == "sac":
+        import vlmrm_sac_humanoid as ours
+
+        args = ours.Args(env_id=c["env_id"], reward="gt", num_envs=c["num_envs"], total_timesteps=c["total_timesteps"],
+                         learning_starts=c["learning_starts"], train_frequency=c["train_frequency"],
+                         gradient_steps=c["gradient_steps"], batch_size=c["batch_size"], buffer_size=c["buffer_size"],
+                         gamma=c["gamma"], tau=c["tau"], policy_lr=c["lr"], q_lr=c["lr"], ent_coef=c["ent_coef"],
+                         episode_length=c["episode_length"], seed=c["seed"], cuda=c.get("cuda", True))
+    else:
+        import vlmrm_dqn_classic as ours
+
+        args = ours.Args(env_id=c["env_id"], reward="gt", num_envs=c["num_envs"], total_timesteps=c["total_timesteps"],
+                         learning_starts=c["learning_starts"], train_frequency=c["train_frequency"], batch_size=c["batch_size"],
+                         buffer_size=c["buffer_size"], gamma=c["gamma"], tau=c["tau"], learning_rate=c["lr"],
+                         target_network_frequency=c["target_network_frequency"], exploration_fraction=c["exploration_fraction"],
+                         start_e=c["start_e"], end_e=c["end_e"], episode_length=c["episode_length"], seed=c["seed"],
+                         cuda=c.get("cuda", True))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        ours.main(args)
+    done = [l for l in out.getvalue().splitlines() if l.startswith("done:")][-1]
+    # "done: N steps in E s (SPS SPS); time in env a s, render b s, reward_model c s, learning d s"
+    sps = int(re.search(r"\((\d+) SPS\)", done).group(1))
+    parts = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) s", done.split("time in", 1)[1])}
+    return dict(sps=sps, gradient_steps=our_gradient_steps(c), **{f"time_{k}": v for k, v in parts.items()})
+
+
+def run_sb3(c: dict) -> dict:
+    import torch
+    from stable_baselines3 import DQN, SAC
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv
+
+    device = "cuda" if torch.cuda.is_available() and c.get("cuda", True) else "cpu"
+    torch.manual_seed(c["seed"])
+    if c["algo"] == "sac":
+        import vlmrm_sac_humanoid as ours
+
+        thunk = ours.make_env(c["env_id"], c["seed"], 0, c["episode_length"], 224, "fast", True)  # never rendered
+        envs = make_vec_env(lambda: thunk(), n_envs=c["num_envs"], seed=c["seed"], vec_env_cls=SubprocVecEnv,
+                            vec_env_kwargs=dict(start_method="fork"))
+        model = SAC("MlpPolicy", envs, learning_rate=c["lr"], buffer_size=c["buffer_size"], learning_starts=c["learning_starts"],
+                    batch_size=c["batch_size"], tau=c["tau"], gamma=c["gamma"], train_freq=(c["train_frequency"], "step"),
+                    gradient_steps=c["gradient_steps"], ent_coef=f"auto_{c['ent_coef']}", target_update_interval=1,
+                    target_entropy="auto", policy_kwargs=dict(net_arch=[256, 256]), device=device, seed=c["seed"], verbose=0)
+    else:
+        import vlmrm_dqn_classic as ours
+
+        thunk = ours.make_env(c["env_id"], c["seed"], 0, c["episode_length"], False)
+        envs = make_vec_env(lambda: thunk(), n_envs=c["num_envs"], seed=c["seed"], vec_env_cls=DummyVecEnv)
+        model = DQN("MlpPolicy", envs, learning_rate=c["lr"], buffer_size=c["buffer_size"], learning_starts=c["learning_starts"],
+                    batch_size=c["batch_size"], tau=c["tau"], gamma=c["gamma"], train_freq=(c["train_frequency"], "step"),
+                    gradient_steps=c["gradient_steps"], target_update_interval=c["target_network_frequency"],
+                    exploration_fraction=c["exploration_fraction"], exploration_initial_eps=c["start_e"],
+                    exploration_final_eps=c["end_e"], max_grad_norm=float("inf"), policy_kwargs=dict(net_arch=[120, 84]),
+                    device=device, seed=c["seed"], verbose=0)
+    start = time.perf_counter()
+    model.learn(total_timesteps=c["total_timesteps"])
+    elapsed = time.perf_counter() - start
+    envs.close()
+    return dict(sps=model.num_timesteps / elapsed, gradient_steps=model._n_updates)
+
+
+# ----------------------------------------------------------------------------------------------
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=3, help="runs of each side (alternating ours, SB3)")
+    p.add_argument("--sac-envs", type=int, default=4)
+    p.add_argument("--sac-steps", type=int, default=2400)
+    p.add_argument("--sac-learning-starts", type=int, default=800)
+    p.add_argument("--dqn-steps", type=int, default=12000)
+    p.add_argument("--dqn-learning-starts", type=int, default=2000)
+    p.add_argument("--buffer-size", type=int, default=100_000, help="SAC replay buffer (the paper: 1M)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads on both sides (0: torch's default, one per core). Default 1: these MLPs are "
+                        "small, and on a loaded machine OpenMP threads waiting for each other made a SAC gradient step "
+                        "several times slower")
+    p.add_argument("--tasks", nargs="+", default=["Hopper-v5", "Humanoid-v5", "CartPole-v1"])
+    a = p.parse_args()
+    clock = Clock()
+    print(f"machine: {machine()}")
+    configs = [dqn_config(a) if t == "CartPole-v1" else sac_config(t, a) for t in a.tasks]
+    for c in configs:
+        print(f"{c['algo'].upper()} {c['env_id']}: {c['num_envs']} envs, {c['total_timesteps']} steps, learning starts {c['learning_starts']}, "
+              f"{c['gradient_steps']} gradient step(s) every {c['train_frequency']} vector steps, batch {c['batch_size']}, buffer {c['buffer_size']}")
+    rows, ratios = [], []
+    for c in configs:
+        res = {"ours": [], "sb3": []}
+        for r in range(a.repeats):
+            for side in ("ours", "sb3"):
+                res[side].append(run_worker(__file__, dict(c, side=side, threads=a.threads)))
+                print(f"  {c['env_id']} run {r + 1}/{a.repeats} {side}: {res[side][-1]['sps']:.0f} SPS (load {load()})", flush=True)
+        ours_sps, sb3_sps = [x["sps"] for x in res["ours"]], [x["sps"] for x in res["sb3"]]
+        ratio = median(ours_sps) / median(sb3_sps)
+        paired = median([o / s for o, s in zip(ours_sps, sb3_sps)])
+        ratios.append((f"{c['algo'].upper()} {c['env_id']}", ratio))
+        rows.append([f"{c['algo'].upper()} {c['env_id']}", c["total_timesteps"],
+                     f"{res['ours'][0]['gradient_steps']} / {res['sb3'][0]['gradient_steps']}",
+                     f"{median(ours_sps):.0f} ({spread(ours_sps)})", f"{median(sb3_sps):.0f} ({spread(sb3_sps)})",
+                     f"**{ratio:.2f}x**", f"{paired:.2f}x"])
+    print()
+    print(table(["task", "env steps", "gradient steps ours / SB3", "ours SPS (min/max)", "SB3 SPS (min/max)",
+                 "ours / SB3", "median of paired ratios"], rows))
+    print(f"\n{a.repeats} runs per side, interleaved, torch threads {a.threads or 'default'}; load average at the end {load()}; took {clock}")
+    print("summary: ours vs Stable-Baselines3 (median SPS ratio): " + ", ".join(f"{n} {r:.2f}x" for n, r in ratios)
+          + f" (goal >= 1.5x: {'met' if min(r for _, r in ratios) >= 1.5 else 'NOT met'} on all)")
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore")
+    payload = worker_payload()
+    if payload is None:
+        main()
+    else:
+        emit(run_ours(payload) if payload["side"] == "ours" else run_sb3(payload))
