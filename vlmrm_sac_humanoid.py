@@ -420,9 +420,10 @@ def warn_if_slow_on_cpu(reward_model: CLIPReward, args: Args, frame_shape: tuple
     start = time.perf_counter()
     reward_model(frames)
     seconds = (time.perf_counter() - start) / len(frames)
-    hours = seconds * args.total_timesteps / 3600
+    total = seconds * args.total_timesteps
+    duration = f"{total / 3600:.1f} h" if total >= 3600 else f"{total / 60:.0f} min"
     print(f"note: scoring a frame with {Path(args.clip_model).stem} on CPU takes {seconds * 1000:.0f} ms, so this run "
-          f"will spend about {hours:.1f} h in the reward model" + ("; use a GPU, or a smaller model such as "
+          f"will spend about {duration} in the reward model" + ("; use a GPU, or a smaller model such as "
           "--clip-model RN50 --clip-pretrained openai" if seconds > 0.05 and args.clip_model != "RN50" else ""))
 
 

@@ -8,8 +8,8 @@ Ground-truth reward, no rendering: only the RL loop (env stepping, replay buffer
 Both sides get the very same environment (our `make_env` thunk: fixed-length episodes), the same number of
 environment steps, the same learning_starts and train-frequency / gradient-steps schedule, the same networks
 (SAC 256-256 actor and twin critics, DQN 120-84), optimiser, learning rate, batch, gamma, tau and buffer.
-SAC: subprocess envs on both sides (our AsyncVectorEnv, SB3's SubprocVecEnv, both forked); DQN: one
-in-process env (our SyncVectorEnv, SB3's DummyVecEnv). Each run is a fresh process; the runs alternate
+Envs step in-process on both sides (with --reward gt there is nothing to render, so our SAC uses
+SyncVectorEnv; SB3 gets DummyVecEnv), SAC with 4 envs, DQN with one. Each run is a fresh process; the runs alternate
 ours, SB3, ours, SB3... and the table reports median steps per second (SPS) and the ratio of medians.
 SPS is measured over the training loop only (after the envs are created), on both sides.
 
@@ -86,7 +86,7 @@ def run_sb3(c: dict) -> dict:
     import torch
     from stable_baselines3 import DQN, SAC
     from stable_baselines3.common.env_util import make_vec_env
-    from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv
+    from stable_baselines3.common.vec_env import DummyVecEnv
 
     device = "cuda" if torch.cuda.is_available() and c.get("cuda", True) else "cpu"
     torch.manual_seed(c["seed"])
@@ -94,8 +94,8 @@ def run_sb3(c: dict) -> dict:
         import vlmrm_sac_humanoid as ours
 
         thunk = ours.make_env(c["env_id"], c["seed"], 0, c["episode_length"], 224, "fast", True)  # never rendered
-        envs = make_vec_env(lambda: thunk(), n_envs=c["num_envs"], seed=c["seed"], vec_env_cls=SubprocVecEnv,
-                            vec_env_kwargs=dict(start_method="fork"))
+        # ours steps the envs in-process with --reward gt (nothing to render), so SB3 gets its in-process DummyVecEnv
+        envs = make_vec_env(lambda: thunk(), n_envs=c["num_envs"], seed=c["seed"], vec_env_cls=DummyVecEnv)
         model = SAC("MlpPolicy", envs, learning_rate=c["lr"], buffer_size=c["buffer_size"], learning_starts=c["learning_starts"],
                     batch_size=c["batch_size"], tau=c["tau"], gamma=c["gamma"], train_freq=(c["train_frequency"], "step"),
                     gradient_steps=c["gradient_steps"], ent_coef=f"auto_{c['ent_coef']}", target_update_interval=1,
