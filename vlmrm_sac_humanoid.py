@@ -343,9 +343,11 @@ def load_clip(args: Args, device: torch.device) -> tuple[nn.Module, object]:
     try:
         model = open_clip.create_model(model_name, pretrained=pretrained, device=device, cache_dir=args.clip_cache_dir)
     except Exception as e:  # noqa: BLE001 - every failure here has the same fixes
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        detail = detail if len(detail) <= 160 else detail[:157] + "..."
         if args.clip_checkpoint is not None:
-            raise UserError(f"could not load --clip-checkpoint {args.clip_checkpoint} into {model_name} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); check that the file holds open_clip weights for that architecture.") from None
-        raise UserError(f"could not download or find the {model_name}/{pretrained} CLIP weights ({str(e).splitlines()[0][:200]}); check the network connection, point --clip-cache-dir at a folder that already holds them, or pass a local weights file with --clip-checkpoint.") from None
+            raise UserError(f"could not load --clip-checkpoint {args.clip_checkpoint} into {model_name} ({type(e).__name__}: {detail}); check that the file holds open_clip weights for that architecture.") from None
+        raise UserError(f"could not download or find the {model_name}/{pretrained} CLIP weights ({detail}); check the network connection, point --clip-cache-dir at a folder that already holds them, or pass a local weights file with --clip-checkpoint.") from None
     finally:
         logging.disable(logging.NOTSET)
     if pretrained is None:
