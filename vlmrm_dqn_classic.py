@@ -786,7 +786,7 @@ def main(args: Args) -> None:
 
             train_now = global_step >= args.learning_starts and iteration % args.train_frequency == 0
             num_pending = len(pending["obs"]) * args.num_envs
-            if train_now or num_pending >= args.reward_batch_size or args.reward == "gt" or iteration == num_iterations - 1:
+            if train_now or num_pending >= args.reward_batch_size or iteration == num_iterations - 1:
                 t0 = time.perf_counter()
                 gt = np.concatenate(pending["gt"])
                 clip_rewards = reward_model(np.concatenate(pending["frames"])) if args.reward == "clip" else np.zeros(len(gt))
@@ -807,7 +807,7 @@ def main(args: Args) -> None:
                     episode["length"][env_i] += 1
                     episode["success"][env_i] = gt[k, 1]
                     if dones_flat[k]:
-                        step = global_step  # logged at the step the episode's rewards became known
+                        step = global_step - (len(pending["obs"]) - 1 - k // args.num_envs) * args.num_envs  # the step it ended at
                         length = episode["length"][env_i]
                         # CartPole: share of upright steps; MountainCar: 1 if the flag was reached
                         success = episode["gt_return"][env_i] / length if args.env_id == "CartPole-v1" else episode["success"][env_i]

@@ -955,7 +955,7 @@ def main(args: Args) -> None:
 
             train_now = global_step >= args.learning_starts and iteration % args.train_frequency == 0
             num_pending = len(pending["obs"]) * args.num_envs
-            if train_now or num_pending >= args.reward_batch_size or args.reward == "gt" or iteration == num_iterations - 1:
+            if train_now or num_pending >= args.reward_batch_size or iteration == num_iterations - 1:
                 t0 = time.perf_counter()
                 gt = np.concatenate(pending["gt"])
                 clip_rewards = reward_model(np.concatenate(pending["frames"])) if args.reward == "clip" else np.zeros(len(gt))
@@ -977,7 +977,7 @@ def main(args: Args) -> None:
                     for c, name in enumerate(components):
                         episode.setdefault(name, np.zeros(args.num_envs))[env_i] += gt[k, 1 + c]
                     if dones_flat[k]:
-                        step = global_step  # logged at the step the episode's rewards became known
+                        step = global_step - (len(pending["obs"]) - 1 - k // args.num_envs) * args.num_envs  # the step it ended at
                         length = episode["length"][env_i]
                         print(f"global_step={step}, episodic_return={episode['return'][env_i]:.2f}, gt_return={episode['gt_return'][env_i]:.1f}")
                         writer.add_scalar("charts/episodic_return", episode["return"][env_i], step)
