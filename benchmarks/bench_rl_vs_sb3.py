@@ -13,6 +13,13 @@ SyncVectorEnv; SB3 gets DummyVecEnv), SAC with 4 envs, DQN with one. Each run is
 ours, SB3, ours, SB3... and the table reports median steps per second (SPS) and the ratio of medians.
 SPS is measured over the training loop only (after the envs are created), on both sides.
 
+Where the time goes, against the hardware: both sides also report the time per gradient step (ours: the script's
+own `learning` timer; SB3: a timer around its `train()`). One extra run per side records, with torch.profiler, the
+shapes of the matrix products its gradient steps do (aten::mm/addmm with the batch in a dimension: the FLOPs any
+implementation of these networks must do), then times each shape on its own, back to back: "matrix products alone"
+is that floor per gradient step, on this machine. "ours ceiling" is the SPS ours would reach if its gradient steps
+took only that long, and its ratio to SB3 is the most any change to our loop could give here.
+
 Known differences that SB3 does not let us switch off: SB3's DQN uses the Huber loss (ours: MSE) and always
 computes the gradient norm for clipping (we pass max_grad_norm=inf, so it never clips); SB3's SAC hard-clamps
 log_std to [-20, 2] (ours: tanh soft clamp to [-5, 2]) and both log a few scalars.
@@ -73,13 +80,15 @@ def run_ours(c: dict) -> dict:
                          start_e=c["start_e"], end_e=c["end_e"], episode_length=c["episode_length"], seed=c["seed"],
                          cuda=c.get("cuda", True))
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    with contextlib.redirect_stdout(out), profiled(c) as gemm:
         ours.main(args)
     done = [l for l in out.getvalue().splitlines() if l.startswith("done:")][-1]
     # "done: N steps in E s (SPS SPS); time in env a s, render b s, reward_model c s, learning d s"
     sps = int(re.search(r"\((\d+) SPS\)", done).group(1))
     parts = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) s", done.split("time in", 1)[1])}
-    return dict(sps=sps, gradient_steps=our_gradient_steps(c), **{f"time_{k}": v for k, v in parts.items()})
+    grad_steps = our_gradient_steps(c)
+    return dict(sps=sps, gradient_steps=grad_steps, ms_per_grad_step=parts["learning"] / grad_steps * 1e3,
+                gemm_ms_per_grad_step=gemm["s"] / grad_steps * 1e3, **{f"time_{k}": v for k, v in parts.items()})
 
 
 def run_sb3(c: dict) -> dict:
@@ -111,11 +120,54 @@ def run_sb3(c: dict) -> dict:
                     exploration_fraction=c["exploration_fraction"], exploration_initial_eps=c["start_e"],
                     exploration_final_eps=c["end_e"], max_grad_norm=float("inf"), policy_kwargs=dict(net_arch=[120, 84]),
                     device=device, seed=c["seed"], verbose=0)
-    start = time.perf_counter()
-    model.learn(total_timesteps=c["total_timesteps"])
-    elapsed = time.perf_counter() - start
+    train, train_time = model.train, [0.0]
+
+    def timed_train(*args, **kwargs):  # SB3's gradient steps all happen in train(): time them like our `learning` timer
+        t0 = time.perf_counter()
+        train(*args, **kwargs)
+        train_time[0] += time.perf_counter() - t0
+
+    model.train = timed_train
+    with profiled(c) as gemm:
+        start = time.perf_counter()
+        model.learn(total_timesteps=c["total_timesteps"])
+        elapsed = time.perf_counter() - start
     envs.close()
-    return dict(sps=model.num_timesteps / elapsed, gradient_steps=model._n_updates)
+    return dict(sps=model.num_timesteps / elapsed, gradient_steps=model._n_updates,
+                ms_per_grad_step=train_time[0] / model._n_updates * 1e3, gemm_ms_per_grad_step=gemm["s"] / model._n_updates * 1e3)
+
+
+@contextlib.contextmanager
+def profiled(c: dict):
+    """With c["profile"]: record the run's matrix products on batches (shape and count), then yield in {"s": ...}
+    the seconds they take when timed on their own. The profiler's own overhead does not enter that number."""
+    result = {"s": float("nan")}
+    if not c.get("profile"):
+        yield result
+        return
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        yield result
+    calls = [(e.key, e.input_shapes, e.count) for e in prof.key_averages(group_by_input_shape=True)
+             if e.key in ("aten::mm", "aten::addmm") and any(c["batch_size"] in s for s in e.input_shapes)]
+    total = 0.0
+    for op, shapes, count in calls:
+        if op == "aten::addmm":  # (bias, a, b) -> bias + a @ b
+            bias, a, b = (torch.randn(s) for s in shapes[:3])
+            fn = lambda: torch.addmm(bias, a, b)  # noqa: E731
+        else:
+            a, b = (torch.randn(s) for s in shapes[:2])
+            fn = lambda: torch.mm(a, b)  # noqa: E731
+        for _ in range(5):
+            fn()
+        reps = 50
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        total += (time.perf_counter() - t0) / reps * count
+    result["s"] = total
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,27 +192,37 @@ def main() -> None:
     for c in configs:
         print(f"{c['algo'].upper()} {c['env_id']}: {c['num_envs']} envs, {c['total_timesteps']} steps, learning starts {c['learning_starts']}, "
               f"{c['gradient_steps']} gradient step(s) every {c['train_frequency']} vector steps, batch {c['batch_size']}, buffer {c['buffer_size']}")
-    rows, ratios = [], []
+    rows, ratios, ceilings = [], [], []
     for c in configs:
         res = {"ours": [], "sb3": []}
         for r in range(a.repeats):
             for side in ("ours", "sb3"):
                 res[side].append(run_worker(__file__, dict(c, side=side, threads=a.threads)))
                 print(f"  {c['env_id']} run {r + 1}/{a.repeats} {side}: {res[side][-1]['sps']:.0f} SPS (load {load()})", flush=True)
+        prof = {side: run_worker(__file__, dict(c, side=side, threads=a.threads, profile=True)) for side in ("ours", "sb3")}
+        print(f"  {c['env_id']} profiled runs done (load {load()})", flush=True)
         ours_sps, sb3_sps = [x["sps"] for x in res["ours"]], [x["sps"] for x in res["sb3"]]
+        ours_ms, sb3_ms = median([x["ms_per_grad_step"] for x in res["ours"]]), median([x["ms_per_grad_step"] for x in res["sb3"]])
+        ours_gemm, sb3_gemm = prof["ours"]["gemm_ms_per_grad_step"], prof["sb3"]["gemm_ms_per_grad_step"]
+        grad_steps = res["ours"][0]["gradient_steps"]
+        ceiling_sps = c["total_timesteps"] / (c["total_timesteps"] / median(ours_sps) - grad_steps * (ours_ms - ours_gemm) / 1e3)
         ratio = median(ours_sps) / median(sb3_sps)
         paired = median([o / s for o, s in zip(ours_sps, sb3_sps)])
         ratios.append((f"{c['algo'].upper()} {c['env_id']}", ratio))
         rows.append([f"{c['algo'].upper()} {c['env_id']}", c["total_timesteps"],
                      f"{res['ours'][0]['gradient_steps']} / {res['sb3'][0]['gradient_steps']}",
                      f"{median(ours_sps):.0f} ({spread(ours_sps)})", f"{median(sb3_sps):.0f} ({spread(sb3_sps)})",
-                     f"**{ratio:.2f}x**", f"{paired:.2f}x"])
+                     f"**{ratio:.2f}x**", f"{paired:.2f}x", f"{ours_ms:.2f} / {sb3_ms:.2f}",
+                     f"{ours_gemm:.2f} / {sb3_gemm:.2f}", f"{ceiling_sps:.0f} ({ceiling_sps / median(sb3_sps):.2f}x)"])
+        ceilings.append(ceiling_sps / median(sb3_sps))
     print()
     print(table(["task", "env steps", "gradient steps ours / SB3", "ours SPS (min/max)", "SB3 SPS (min/max)",
-                 "ours / SB3", "median of paired ratios"], rows))
+                 "ours / SB3", "median of paired ratios", "ms / gradient step ours / SB3", "matrix products alone ours / SB3",
+                 "ours ceiling SPS (vs SB3)"], rows))
     print(f"\n{a.repeats} runs per side, interleaved, torch threads {a.threads or 'default'}; load average at the end {load()}; took {clock}")
     print("summary: ours vs Stable-Baselines3 (median SPS ratio): " + ", ".join(f"{n} {r:.2f}x" for n, r in ratios)
-          + f" (goal >= 1.5x: {'met' if min(r for _, r in ratios) >= 1.5 else 'NOT met'} on all)")
+          + f" (goal >= 1.5x: {'met' if min(r for _, r in ratios) >= 1.5 else 'NOT met'} on all; "
+          + "ceiling with matrix products only: " + ", ".join(f"{x:.2f}x" for x in ceilings) + ")")
 
 
 if __name__ == "__main__":

@@ -144,6 +144,8 @@ def test_clip_rewarded_smoke_run_trains_saves_evaluates_and_records(tmp_path):
         values = [v for _, v in scalars[tag]]
         assert values and np.all(np.isfinite(values)), tag
     assert len(scalars["charts/episodic_return"]) == 1200 // 200
+    # logged at the step each episode ended, though its rewards were scored in a later batch
+    assert [s for s, _ in scalars["charts/episodic_return"]] == [199, 399, 599, 799, 999, 1199]
     videos = sorted(p.name for p in (tmp_path / "videos" / run_dir.name).iterdir())
     assert videos == ["episode-0.mp4", "episode-2.mp4", "episode-4.mp4", "eval-episode-0.mp4"]
     assert all((tmp_path / "videos" / run_dir.name / v).stat().st_size > 1000 for v in videos)

@@ -81,6 +81,8 @@ def test_clip_rewarded_smoke_run_trains_checkpoints_records_and_rolls_out(tmp_pa
         values = [v for _, v in scalars[tag]]
         assert values and np.all(np.isfinite(values)), tag
     assert len(scalars["charts/episodic_return"]) == 2 * 3  # 600 steps = 3 episodes of 100 steps in each of 2 envs
+    # logged at the step each episode ended (global_step counts both envs), though scored in a later batch
+    assert [s for s, _ in scalars["charts/episodic_return"]] == [198, 198, 398, 398, 598, 598]
     videos = sorted(p.name for p in (tmp_path / "videos" / run_dir.name).iterdir())
     assert videos == ["step-300.mp4", "step-600.mp4"]
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)  # holds RNG states and arrays
