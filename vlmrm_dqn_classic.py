@@ -877,7 +877,7 @@ def main(args: Args) -> None:
     elapsed = time.time() - start_time
     steps = (iteration + 1 - start_iteration) * args.num_envs
     print(f"done: {steps} steps in {elapsed:.0f} s ({int(steps / max(elapsed, 1e-9))} SPS); time in "
-          + ", ".join(f"{k} {v:.1f} s" for k, v in timing.items()))
+          + ", ".join(f"{k} {v:.2f} s" for k, v in timing.items()))
     if args.save_model and not stop["requested"]:
         model_path = f"runs/{run_name}/model.pt"
         save_checkpoint(model_path, {"q_network": q_network.state_dict(), "args": asdict(args)})

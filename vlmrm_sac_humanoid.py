@@ -1090,7 +1090,7 @@ def main(args: Args) -> None:
     elapsed = time.time() - start_time
     steps = (iteration + 1 - start_iteration) * args.num_envs
     print(f"done: {steps} steps in {elapsed:.0f} s ({int(steps / max(elapsed, 1e-9))} SPS); time in "
-          + ", ".join(f"{k} {v:.1f} s" for k, v in timing.items()))
+          + ", ".join(f"{k} {v:.2f} s" for k, v in timing.items()))
     if args.save_model and not stop["requested"]:
         if not dones.all():  # the run ended mid-episode: keep the final networks (to evaluate, not to resume)
             save_checkpoint(f"runs/{run_name}/checkpoint.pt", {**{name: module.state_dict() for name, module in learner.items()}, "args": asdict(args), "run_name": run_name})

@@ -88,7 +88,7 @@ def run_ours(c: dict) -> dict:
     parts = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) s", done.split("time in", 1)[1])}
     grad_steps = our_gradient_steps(c)
     return dict(sps=sps, gradient_steps=grad_steps, ms_per_grad_step=parts["learning"] / grad_steps * 1e3,
-                gemm_ms_per_grad_step=gemm["s"] / grad_steps * 1e3, **{f"time_{k}": v for k, v in parts.items()})
+                gemm_ms_per_grad_step=gemm["s"] / grad_steps * 1e3, gemm_gflops=gemm["flop"] / gemm["s"] / 1e9, **{f"time_{k}": v for k, v in parts.items()})
 
 
 def run_sb3(c: dict) -> dict:
@@ -134,14 +134,15 @@ def run_sb3(c: dict) -> dict:
         elapsed = time.perf_counter() - start
     envs.close()
     return dict(sps=model.num_timesteps / elapsed, gradient_steps=model._n_updates,
-                ms_per_grad_step=train_time[0] / model._n_updates * 1e3, gemm_ms_per_grad_step=gemm["s"] / model._n_updates * 1e3)
+                ms_per_grad_step=train_time[0] / model._n_updates * 1e3, gemm_ms_per_grad_step=gemm["s"] / model._n_updates * 1e3,
+                gemm_gflops=gemm["flop"] / gemm["s"] / 1e9)
 
 
 @contextlib.contextmanager
 def profiled(c: dict):
     """With c["profile"]: record the run's matrix products on batches (shape and count), then yield in {"s": ...}
     the seconds they take when timed on their own. The profiler's own overhead does not enter that number."""
-    result = {"s": float("nan")}
+    result = {"s": float("nan"), "flop": float("nan")}
     if not c.get("profile"):
         yield result
         return
@@ -152,7 +153,7 @@ def profiled(c: dict):
         yield result
     calls = [(e.key, e.input_shapes, e.count) for e in prof.key_averages(group_by_input_shape=True)
              if e.key in ("aten::mm", "aten::addmm") and any(c["batch_size"] in s for s in e.input_shapes)]
-    total = 0.0
+    total, flop = 0.0, 0.0
     for op, shapes, count in calls:
         if op == "aten::addmm":  # (bias, a, b) -> bias + a @ b
             bias, a, b = (torch.randn(s) for s in shapes[:3])
@@ -167,7 +168,8 @@ def profiled(c: dict):
         for _ in range(reps):
             fn()
         total += (time.perf_counter() - t0) / reps * count
-    result["s"] = total
+        flop += 2 * a.shape[0] * a.shape[1] * b.shape[1] * count
+    result["s"], result["flop"] = total, flop
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,14 +194,16 @@ def main() -> None:
     for c in configs:
         print(f"{c['algo'].upper()} {c['env_id']}: {c['num_envs']} envs, {c['total_timesteps']} steps, learning starts {c['learning_starts']}, "
               f"{c['gradient_steps']} gradient step(s) every {c['train_frequency']} vector steps, batch {c['batch_size']}, buffer {c['buffer_size']}")
-    rows, ratios, ceilings = [], [], []
+    rows, ratios, ceilings, gflops = [], [], [], []
     for c in configs:
         res = {"ours": [], "sb3": []}
         for r in range(a.repeats):
             for side in ("ours", "sb3"):
                 res[side].append(run_worker(__file__, dict(c, side=side, threads=a.threads)))
                 print(f"  {c['env_id']} run {r + 1}/{a.repeats} {side}: {res[side][-1]['sps']:.0f} SPS (load {load()})", flush=True)
-        prof = {side: run_worker(__file__, dict(c, side=side, threads=a.threads, profile=True)) for side in ("ours", "sb3")}
+        # the profiled runs only need about 200 gradient steps: per-step shapes and counts do not change after learning starts
+        short = dict(c, total_timesteps=c["learning_starts"] + c["num_envs"] * c["train_frequency"] * max(1, 200 // c["gradient_steps"]))
+        prof = {side: run_worker(__file__, dict(short, side=side, threads=a.threads, profile=True)) for side in ("ours", "sb3")}
         print(f"  {c['env_id']} profiled runs done (load {load()})", flush=True)
         ours_sps, sb3_sps = [x["sps"] for x in res["ours"]], [x["sps"] for x in res["sb3"]]
         ours_ms, sb3_ms = median([x["ms_per_grad_step"] for x in res["ours"]]), median([x["ms_per_grad_step"] for x in res["sb3"]])
@@ -215,11 +219,13 @@ def main() -> None:
                      f"**{ratio:.2f}x**", f"{paired:.2f}x", f"{ours_ms:.2f} / {sb3_ms:.2f}",
                      f"{ours_gemm:.2f} / {sb3_gemm:.2f}", f"{ceiling_sps:.0f} ({ceiling_sps / median(sb3_sps):.2f}x)"])
         ceilings.append(ceiling_sps / median(sb3_sps))
+        gflops.append(f"{c['algo'].upper()} {c['env_id']} {prof['ours']['gemm_gflops']:.0f}")
     print()
     print(table(["task", "env steps", "gradient steps ours / SB3", "ours SPS (min/max)", "SB3 SPS (min/max)",
                  "ours / SB3", "median of paired ratios", "ms / gradient step ours / SB3", "matrix products alone ours / SB3",
                  "ours ceiling SPS (vs SB3)"], rows))
-    print(f"\n{a.repeats} runs per side, interleaved, torch threads {a.threads or 'default'}; load average at the end {load()}; took {clock}")
+    print(f"\nmatrix products alone (ours), GFLOP/s on this machine: {', '.join(gflops)}")
+    print(f"{a.repeats} runs per side, interleaved, torch threads {a.threads or 'default'}; load average at the end {load()}; took {clock}")
     print("summary: ours vs Stable-Baselines3 (median SPS ratio): " + ", ".join(f"{n} {r:.2f}x" for n, r in ratios)
           + f" (goal >= 1.5x: {'met' if min(r for _, r in ratios) >= 1.5 else 'NOT met'} on all; "
           + "ceiling with matrix products only: " + ", ".join(f"{x:.2f}x" for x in ceilings) + ")")
