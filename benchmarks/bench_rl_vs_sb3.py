@@ -172,6 +172,21 @@ def profiled(c: dict):
     result["s"], result["flop"] = total, flop
 
 
+def large_gemm_gflops(threads: int) -> float:
+    """What this machine's BLAS does at its best: a 2048 x 2048 x 2048 float32 product, best of 5."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 2048**3 / best / 1e9
+
+
 # ----------------------------------------------------------------------------------------------
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -224,7 +239,8 @@ def main() -> None:
     print(table(["task", "env steps", "gradient steps ours / SB3", "ours SPS (min/max)", "SB3 SPS (min/max)",
                  "ours / SB3", "median of paired ratios", "ms / gradient step ours / SB3", "matrix products alone ours / SB3",
                  "ours ceiling SPS (vs SB3)"], rows))
-    print(f"\nmatrix products alone (ours), GFLOP/s on this machine: {', '.join(gflops)}")
+    print(f"\nmatrix products alone (ours), GFLOP/s: {', '.join(gflops)}; one large product (2048^3) on the same "
+          f"threads: {large_gemm_gflops(a.threads):.0f} GFLOP/s")
     print(f"{a.repeats} runs per side, interleaved, torch threads {a.threads or 'default'}; load average at the end {load()}; took {clock}")
     print("summary: ours vs Stable-Baselines3 (median SPS ratio): " + ", ".join(f"{n} {r:.2f}x" for n, r in ratios)
           + f" (goal >= 1.5x: {'met' if min(r for _, r in ratios) >= 1.5 else 'NOT met'} on all; "
