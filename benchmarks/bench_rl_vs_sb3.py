@@ -141,7 +141,7 @@ def run_sb3(c: dict) -> dict:
 @contextlib.contextmanager
 def profiled(c: dict):
     """With c["profile"]: record the run's matrix products on batches (shape and count), then yield in {"s": ...}
-    the seconds they take when timed on their own. The profiler's own overhead does not enter that number."""
+    the seconds they take when timed on their own, on the run's device. The profiler's overhead does not enter it."""
     result = {"s": float("nan"), "flop": float("nan")}
     if not c.get("profile"):
         yield result
@@ -153,36 +153,44 @@ def profiled(c: dict):
         yield result
     calls = [(e.key, e.input_shapes, e.count) for e in prof.key_averages(group_by_input_shape=True)
              if e.key in ("aten::mm", "aten::addmm") and any(c["batch_size"] in s for s in e.input_shapes)]
+    device = "cuda" if torch.cuda.is_available() and c.get("cuda", True) else "cpu"  # where the run computed
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     total, flop = 0.0, 0.0
     for op, shapes, count in calls:
         if op == "aten::addmm":  # (bias, a, b) -> bias + a @ b
-            bias, a, b = (torch.randn(s) for s in shapes[:3])
+            bias, a, b = (torch.randn(s, device=device) for s in shapes[:3])
             fn = lambda: torch.addmm(bias, a, b)  # noqa: E731
         else:
-            a, b = (torch.randn(s) for s in shapes[:2])
+            a, b = (torch.randn(s, device=device) for s in shapes[:2])
             fn = lambda: torch.mm(a, b)  # noqa: E731
         for _ in range(5):
             fn()
         reps = 50
+        sync()
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
+        sync()
         total += (time.perf_counter() - t0) / reps * count
         flop += 2 * a.shape[0] * a.shape[1] * b.shape[1] * count
     result["s"], result["flop"] = total, flop
 
 
 def large_gemm_gflops(threads: int) -> float:
-    """What this machine's BLAS does at its best: a 2048 x 2048 x 2048 float32 product, best of 5."""
+    """What this machine does at its best: a 2048 x 2048 x 2048 float32 product, best of 5, where the runs computed."""
     import torch
 
     if threads:
         torch.set_num_threads(threads)
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    a, b = torch.randn(2048, 2048, device=device), torch.randn(2048, 2048, device=device)
     best = float("inf")
     for _ in range(5):
+        sync()
         t0 = time.perf_counter()
         torch.mm(a, b)
+        sync()
         best = min(best, time.perf_counter() - t0)
     return 2 * 2048**3 / best / 1e9
 

@@ -6,7 +6,7 @@
 A stand-alone replica of the update in `vlmrm_sac_humanoid.py` (critic loss on the min of two target critics,
 actor loss with the critics' weights frozen, fused Adam, Polyak target update), on random data of the real shapes:
 batch 512, 256-256 networks, observation/action sizes of Hopper-v5 (11/3) and Humanoid-v5 (348/17). No env, no
-replay buffer: only the gradient step, the part that dominates our SAC on CPU. The variants:
+replay buffer: only the gradient step, the part that dominates our SAC on CPU, and it runs on the CPU. The variants:
 
 - **script**: two `SoftQNetwork`s, `torch.cat([obs, action])` into `nn.Linear` layers, as in the script.
 - **batched critics**: both critics in one module whose weights have a leading dimension of 2; each layer is one
