@@ -7,7 +7,7 @@ on a fixed dataset of states EPIC reduces to sqrt((1 - rho) / 2), rho = Pearson 
 reward and the labels: 0 = same ordering up to a positive affine map, 1 = opposite.
 One file, three subcommands:
 
-    # 1. states + frames, from random actions (or --policy runs/<run>/model.pt from vlmrm_dqn_classic.py)
+    # 1. states + frames, from random actions (or --policy: a DQN model.pt or a SAC checkpoint.pt of our scripts)
     python epic_eval.py collect --env-id CartPole-v1 --num-frames 200 --out data/cartpole
     # 2. label them in the browser at http://127.0.0.1:8765 (keys: 1 success, 0 failure, s skip, Backspace back)
     python epic_eval.py label --dataset data/cartpole
@@ -74,7 +74,8 @@ class Collect:
     num_frames: int = 200
     """number of frames (states) to save"""
     policy: Optional[str] = None
-    """a `model.pt` written by `vlmrm_dqn_classic.py --save-model` (greedy actions); default: random actions"""
+    """a `model.pt` of `vlmrm_dqn_classic.py --save-model` (greedy actions) or a `checkpoint.pt` of
+    `vlmrm_sac_humanoid.py --save-model` (deterministic actions); default: random actions"""
     epsilon: float = 0.0
     """with --policy: probability of a random action instead (mixes failures into a good policy's states)"""
     random_init: bool = False
@@ -692,7 +693,8 @@ def make_humanoid_env(
 
 
 # ----------------------------------------------------------------------------------------------
-# DQN policy (the Q-network of vlmrm_dqn_classic.py, to collect states from its saved model.pt)
+# Policies to collect states with: the Q-network of vlmrm_dqn_classic.py (its model.pt) and the
+# actor of vlmrm_sac_humanoid.py (its checkpoint.pt), as those scripts define them
 # ----------------------------------------------------------------------------------------------
 class QNetwork(nn.Module):
     def __init__(self, envs: gym.vector.VectorEnv):
@@ -707,6 +709,41 @@ class QNetwork(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.network(x)
+
+
+LOG_STD_MAX = 2
+LOG_STD_MIN = -5
+
+
+class Actor(nn.Module):
+    def __init__(self, envs: gym.vector.VectorEnv):
+        super().__init__()
+        obs_dim = np.array(envs.single_observation_space.shape).prod()
+        action_dim = np.prod(envs.single_action_space.shape)
+        self.trunk = nn.Sequential(nn.Linear(obs_dim, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU())
+        self.fc_mean = nn.Linear(256, action_dim)
+        self.fc_logstd = nn.Linear(256, action_dim)
+        # actions are squashed to (-1, 1) by tanh, then rescaled to the action space
+        low, high = envs.single_action_space.low, envs.single_action_space.high
+        self.register_buffer("action_scale", torch.tensor((high - low) / 2.0, dtype=torch.float32))
+        self.register_buffer("action_bias", torch.tensor((high + low) / 2.0, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.trunk(x)
+        log_std = torch.tanh(self.fc_logstd(h))
+        log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (log_std + 1)  # soft clip to [min, max]
+        return self.fc_mean(h), log_std
+
+    def get_action(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(sampled action, its log-probability, the deterministic action)."""
+        mean, log_std = self(x)
+        normal = torch.distributions.Normal(mean, log_std.exp(), validate_args=False)  # NaNs surface in our own check, with a message
+        x_t = normal.rsample()  # reparameterisation trick
+        y_t = torch.tanh(x_t)
+        action = y_t * self.action_scale + self.action_bias
+        # change of variables through tanh and the rescaling
+        log_prob = normal.log_prob(x_t) - torch.log(self.action_scale * (1 - y_t.pow(2)) + 1e-6)
+        return action, log_prob.sum(1, keepdim=True), torch.tanh(mean) * self.action_scale + self.action_bias
 
 
 # ----------------------------------------------------------------------------------------------
@@ -759,21 +796,23 @@ def check_collect_args(args: Collect) -> Optional[dict]:
         raise UserError(f"--out {args.out} already exists and is not empty; choose a new folder (a dataset and its labels are never overwritten).")
     checkpoint = None
     if args.policy is not None:
+        which = "the model.pt of vlmrm_dqn_classic.py --save-model or the checkpoint.pt of vlmrm_sac_humanoid.py --save-model"
         if not os.path.isfile(args.policy):
-            raise UserError(f"--policy {args.policy}: no such file; pass the model.pt written by vlmrm_dqn_classic.py --save-model.")
-        try:
-            checkpoint = torch.load(args.policy, map_location="cpu")
+            raise UserError(f"--policy {args.policy}: no such file; pass {which}.")
+        try:  # a SAC checkpoint.pt also holds RNG states and arrays: load only files you trust
+            checkpoint = torch.load(args.policy, map_location="cpu", weights_only=False)
         except Exception as e:  # noqa: BLE001 - any unreadable file gets the same advice
-            raise UserError(f"--policy {args.policy} could not be read ({type(e).__name__}); pass the model.pt written by vlmrm_dqn_classic.py --save-model.") from None
-        if not isinstance(checkpoint, dict) or "q_network" not in checkpoint or "args" not in checkpoint:
-            raise UserError(f"--policy {args.policy} is not a DQN model.pt written by vlmrm_dqn_classic.py --save-model (no 'q_network'/'args').")
+            raise UserError(f"--policy {args.policy} could not be read ({type(e).__name__}); pass {which}.") from None
+        if not isinstance(checkpoint, dict) or not ({"q_network", "actor"} & checkpoint.keys()) or "args" not in checkpoint:
+            raise UserError(f"--policy {args.policy} holds no policy (no 'q_network' or 'actor', or no 'args'); pass {which}.")
         trained_on = checkpoint["args"].get("env_id")
         if args.env_id is not None and args.env_id != trained_on:
             raise UserError(f"--policy {args.policy} was trained on {trained_on}, not --env-id {args.env_id}.")
+        supported = ("CartPole-v1", "MountainCar-v0") if "q_network" in checkpoint else ("Humanoid-v5",)
+        if trained_on not in supported:
+            raise UserError(f"--policy {args.policy} was trained on {trained_on}; collect supports its policies on {', '.join(supported)} only.")
         args.env_id = trained_on
     args.env_id = args.env_id or "CartPole-v1"
-    if args.policy is not None and args.env_id not in ("CartPole-v1", "MountainCar-v0"):
-        raise UserError(f"--policy supports the DQN environments (CartPole-v1, MountainCar-v0), not {args.env_id}; collect {args.env_id} with random actions.")
     if args.random_init and args.env_id.startswith("Humanoid"):
         raise UserError("--random-init is for CartPole and MountainCar; Humanoid states come from its own resets.")
     if args.realistic and not args.env_id.startswith("MountainCar"):
@@ -793,11 +832,15 @@ def collect(args: Collect) -> None:
     # a one-env vector env, as in the training scripts' evaluate(): QNetwork reads its single_* spaces
     envs = gym.vector.SyncVectorEnv([thunk])
     env = envs.envs[0]
-    q_network = None
-    if checkpoint is not None:
+    policy: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # observations -> actions, on the device
+    if checkpoint is not None and "q_network" in checkpoint:
         q_network = QNetwork(envs).to(device)
         q_network.load_state_dict(checkpoint["q_network"])
-        q_network.eval()
+        policy = lambda x: q_network(x).argmax(dim=1)  # noqa: E731 - greedy
+    elif checkpoint is not None:
+        actor = Actor(envs).to(device)
+        actor.load_state_dict(checkpoint["actor"])
+        policy = lambda x: actor.get_action(x)[2]  # noqa: E731 - the deterministic action, as in evaluation
 
     frames_dir = os.path.join(args.out, "frames")
     os.makedirs(frames_dir, exist_ok=True)
@@ -809,9 +852,9 @@ def collect(args: Collect) -> None:
         if args.random_init:
             obs = randomise_state(env, rng)[None]
         for step in range(1, args.episode_length + 1):  # never past the time limit: no autoreset step
-            if q_network is not None and random.random() >= args.epsilon:
+            if policy is not None and random.random() >= args.epsilon:
                 with torch.no_grad():
-                    actions = q_network(torch.from_numpy(obs).to(device)).argmax(dim=1).cpu().numpy()
+                    actions = policy(torch.from_numpy(obs).float().to(device)).cpu().numpy()
             else:
                 actions = np.array([envs.single_action_space.sample()])
             obs, _, _, _, _ = envs.step(actions)

@@ -157,6 +157,105 @@ def test_unknown_env_id_is_one_sentence_error(tmp_path):
     assert not (tmp_path / "ds").exists()
 
 
+@pytest.fixture(scope="module")
+def saved_policies(tmp_path_factory) -> dict[str, str]:
+    """A DQN model.pt (CartPole) and a SAC checkpoint.pt (Humanoid), each from a short --save-model run."""
+    import vlmrm_dqn_classic
+    import vlmrm_sac_humanoid
+
+    folder = tmp_path_factory.mktemp("policies")
+    cwd = os.getcwd()
+    os.chdir(folder)  # runs/ lands here
+    try:
+        vlmrm_dqn_classic.main(vlmrm_dqn_classic.Args(reward="gt", total_timesteps=400, learning_starts=100, episode_length=100,
+                                                      save_model=True, cuda=False))
+        vlmrm_sac_humanoid.main(vlmrm_sac_humanoid.Args(env_id="Humanoid-v5", reward="gt", num_envs=1, total_timesteps=100,
+                                                        learning_starts=50, batch_size=16, episode_length=50, save_model=True,
+                                                        cuda=False))
+    finally:
+        os.chdir(cwd)
+    runs = sorted((folder / "runs").iterdir())
+    return {"dqn": str(next(r for r in runs if "CartPole" in r.name) / "model.pt"),
+            "sac": str(next(r for r in runs if "Humanoid" in r.name) / "checkpoint.pt")}
+
+
+@pytest.mark.parametrize("which", ["dqn", "sac"])
+def test_collect_follows_a_saved_policy(saved_policies, which, tmp_path):
+    """With --policy and --epsilon 0 the states are exactly a rollout of that policy (greedy Q / the actor's mean)."""
+    import gymnasium as gym
+    import torch
+
+    checkpoint = torch.load(saved_policies[which], map_location="cpu", weights_only=False)
+    env_id = checkpoint["args"]["env_id"]
+    args = epic_eval.Collect(out=str(tmp_path / "policy"), policy=saved_policies[which], num_frames=12, episode_length=6,
+                             render_size=32, seed=5)
+    epic_eval.collect(args)
+    assert args.env_id == env_id  # the environment comes from the checkpoint
+    epic_eval.collect(epic_eval.Collect(out=str(tmp_path / "random"), env_id=env_id, num_frames=12, episode_length=6,
+                                        render_size=32, seed=5))
+    columns = ["qpos_0", "qpos_1", "qpos_2"] if which == "sac" else ["x", "x_dot", "theta", "theta_dot"]
+
+    def states(name: str) -> np.ndarray:
+        with open(tmp_path / name / "states.csv", newline="") as f:
+            return np.array([[float(row[c]) for c in columns] for row in csv.DictReader(f)])
+
+    # the rollout, step by step, with the scripts' own env and network definitions
+    if which == "sac":
+        envs = gym.vector.SyncVectorEnv([epic_eval.make_humanoid_env(env_id, 5, 0, 6, 32, "fast")])
+        actor = epic_eval.Actor(envs)
+        actor.load_state_dict(checkpoint["actor"])
+        policy = lambda x: actor.get_action(x)[2]  # noqa: E731
+    else:
+        envs = gym.vector.SyncVectorEnv([epic_eval.make_env(env_id, 5, 0, 6, False)])
+        q_network = epic_eval.QNetwork(envs)
+        q_network.load_state_dict(checkpoint["q_network"])
+        policy = lambda x: q_network(x).argmax(dim=1)  # noqa: E731
+    expected = []
+    for episode in range(2):
+        obs, _ = envs.reset(seed=5 + episode)
+        for _ in range(6):
+            with torch.no_grad():
+                obs, _, _, _, _ = envs.step(policy(torch.from_numpy(obs).float()).numpy())
+            names, values, _ = epic_eval.env_state(envs.envs[0])
+            expected.append([values[names.index(c)] for c in columns])
+    envs.close()
+    np.testing.assert_allclose(states("policy"), np.array(expected), rtol=0, atol=1e-9)
+    assert not np.allclose(states("random"), np.array(expected), atol=1e-3)  # random actions go elsewhere
+
+
+def test_policy_networks_are_the_training_scripts_own():
+    """collect loads the scripts' state dicts into copies of their classes: the copies must not drift."""
+    import inspect
+
+    import vlmrm_dqn_classic
+    import vlmrm_sac_humanoid
+
+    assert inspect.getsource(epic_eval.QNetwork) == inspect.getsource(vlmrm_dqn_classic.QNetwork)
+    assert inspect.getsource(epic_eval.Actor) == inspect.getsource(vlmrm_sac_humanoid.Actor)
+    assert (epic_eval.LOG_STD_MIN, epic_eval.LOG_STD_MAX) == (vlmrm_sac_humanoid.LOG_STD_MIN, vlmrm_sac_humanoid.LOG_STD_MAX)
+
+
+def test_collect_policy_problems_are_one_sentence_errors(saved_policies, tmp_path):
+    import torch
+
+    torch.save({"args": {"env_id": "CartPole-v1"}}, tmp_path / "empty.pt")
+    (tmp_path / "text.pt").write_text("not a checkpoint")
+    sac = torch.load(saved_policies["sac"], map_location="cpu", weights_only=False)
+    torch.save({"actor": sac["actor"], "args": dict(sac["args"], env_id="InvertedPendulum-v5")}, tmp_path / "pendulum.pt")
+    problems = {
+        str(tmp_path / "missing.pt"): "no such file; pass the model.pt of vlmrm_dqn_classic.py",
+        str(tmp_path / "text.pt"): "could not be read",
+        str(tmp_path / "empty.pt"): "holds no policy",
+        str(tmp_path / "pendulum.pt"): "was trained on InvertedPendulum-v5; collect supports its policies on Humanoid-v5 only",
+    }
+    for path, message in problems.items():
+        with pytest.raises(UserError, match=message):
+            epic_eval.collect(epic_eval.Collect(out=str(tmp_path / "ds"), policy=path))
+    with pytest.raises(UserError, match="was trained on CartPole-v1, not --env-id MountainCar-v0"):
+        epic_eval.collect(epic_eval.Collect(out=str(tmp_path / "ds"), policy=saved_policies["dqn"], env_id="MountainCar-v0"))
+    assert not (tmp_path / "ds").exists()
+
+
 def test_end_to_end_collect_then_score_with_ground_truth_labels(cartpole_dataset, tmp_path):
     result = run_cli("score", "--dataset", cartpole_dataset, "--labels", "gt", "--clip-models", TINY,
                      "--clip-pretrained", "none", "--alphas", "0", "0.5", "1", "--bootstrap", "300", cwd=str(tmp_path))
