@@ -88,7 +88,8 @@ def run_ours(c: dict) -> dict:
     parts = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) s", done.split("time in", 1)[1])}
     grad_steps = our_gradient_steps(c)
     return dict(sps=sps, gradient_steps=grad_steps, ms_per_grad_step=parts["learning"] / grad_steps * 1e3,
-                gemm_ms_per_grad_step=gemm["s"] / grad_steps * 1e3, gemm_gflops=gemm["flop"] / gemm["s"] / 1e9, **{f"time_{k}": v for k, v in parts.items()})
+                gemm_ms_per_grad_step=gemm["s"] / grad_steps * 1e3, gemm_gflops=gemm["flop"] / gemm["s"] / 1e9,
+                **{f"time_{k}": v for k, v in parts.items()})
 
 
 def run_sb3(c: dict) -> dict:
