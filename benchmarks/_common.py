@@ -77,6 +77,21 @@ def worker_payload() -> dict | None:
     return None
 
 
+def run_main(ours, args) -> dict:
+    """Run one of our scripts' `main(args)` quietly; parse its last line, "done: N steps in E s (S SPS); time in
+    env a s, render b s, reward_model c s, learning d s", into {"sps": S, "env": a, ..., "learning": d}."""
+    import contextlib
+    import io
+    import re
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        ours.main(args)
+    done = [line for line in out.getvalue().splitlines() if line.startswith("done:")][-1]
+    parts = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) s", done.split("time in", 1)[1])}
+    return dict(sps=int(re.search(r"\((\d+) SPS\)", done).group(1)), **parts)
+
+
 def emit(result: dict) -> None:
     print(json.dumps(result), flush=True)
 

@@ -13,17 +13,14 @@ The scripts themselves are never modified.
 """
 
 import argparse
-import contextlib
-import io
 import os
-import re
 import shutil
 import sys
 import tempfile
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import SCRIPTS, Clock, emit, load, machine, median, run_worker, table, worker_payload  # noqa: E402
+from _common import SCRIPTS, Clock, emit, load, machine, median, run_main, run_worker, table, worker_payload  # noqa: E402
 
 SAC_FILE, DQN_FILE = "vlmrm_sac_humanoid.py", "vlmrm_dqn_classic.py"
 
@@ -110,12 +107,8 @@ def worker(c: dict) -> dict:
         args = ours.Args(env_id="CartPole-v1", reward="gt", total_timesteps=c["steps"], learning_starts=c["steps"] // 6)
         grad_steps = sum(1 for it in range(c["steps"]) if it >= c["steps"] // 6 and it % 10 == 0)
     assert os.path.dirname(ours.__file__) == c["folder"], ours.__file__
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        ours.main(args)
-    done = [l for l in out.getvalue().splitlines() if l.startswith("done:")][-1]
-    learning = float(re.search(r"learning ([\d.]+) s", done).group(1))
-    return dict(sps=int(re.search(r"\((\d+) SPS\)", done).group(1)), ms_per_grad_step=learning / grad_steps * 1000)
+    done = run_main(ours, args)
+    return dict(sps=done["sps"], ms_per_grad_step=done["learning"] / grad_steps * 1000)
 
 
 def main() -> None:

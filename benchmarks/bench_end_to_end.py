@@ -14,16 +14,13 @@ processes, in rounds; the table shows the median run (by SPS) with its breakdown
 """
 
 import argparse
-import contextlib
-import io
 import os
-import re
 import sys
 import tempfile
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import REPO, Clock, emit, load, machine, median, run_worker, table, worker_payload  # noqa: E402
+from _common import REPO, Clock, emit, load, machine, median, run_main, run_worker, table, worker_payload  # noqa: E402
 
 TINY = str(REPO / "tests" / "vlmrm-tiny-test.json")
 
@@ -37,13 +34,8 @@ def worker(c: dict) -> dict:
                      learning_starts=c["learning_starts"], train_frequency=c["train_frequency"],
                      gradient_steps=c["train_frequency"], batch_size=c["batch_size"], reward_batch_size=c["reward_batch_size"],
                      buffer_size=100_000, alpha=0.5)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        ours.main(args)
-    done = [l for l in out.getvalue().splitlines() if l.startswith("done:")][-1]
-    sps = int(re.search(r"\((\d+) SPS\)", done).group(1))
-    parts = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) s", done.split("time in", 1)[1])}
-    return dict(sps=sps, elapsed=c["total_timesteps"] / max(sps, 1e-9), **parts)
+    done = run_main(ours, args)
+    return dict(elapsed=c["total_timesteps"] / max(done["sps"], 1e-9), **done)
 
 
 def main() -> None:

@@ -27,16 +27,14 @@ log_std to [-20, 2] (ours: tanh soft clamp to [-5, 2]) and both log a few scalar
 
 import argparse
 import contextlib
-import io
 import os
-import re
 import sys
 import tempfile
 import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Clock, emit, load, machine, median, run_worker, spread, table, worker_payload  # noqa: E402
+from _common import Clock, emit, load, machine, median, run_main, run_worker, spread, table, worker_payload  # noqa: E402
 
 
 def sac_config(env_id: str, a) -> dict:
@@ -79,17 +77,12 @@ def run_ours(c: dict) -> dict:
                          target_network_frequency=c["target_network_frequency"], exploration_fraction=c["exploration_fraction"],
                          start_e=c["start_e"], end_e=c["end_e"], episode_length=c["episode_length"], seed=c["seed"],
                          cuda=c.get("cuda", True))
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), profiled(c) as gemm:
-        ours.main(args)
-    done = [l for l in out.getvalue().splitlines() if l.startswith("done:")][-1]
-    # "done: N steps in E s (SPS SPS); time in env a s, render b s, reward_model c s, learning d s"
-    sps = int(re.search(r"\((\d+) SPS\)", done).group(1))
-    parts = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) s", done.split("time in", 1)[1])}
+    with profiled(c) as gemm:
+        done = run_main(ours, args)
     grad_steps = our_gradient_steps(c)
-    return dict(sps=sps, gradient_steps=grad_steps, ms_per_grad_step=parts["learning"] / grad_steps * 1e3,
+    return dict(sps=done.pop("sps"), gradient_steps=grad_steps, ms_per_grad_step=done["learning"] / grad_steps * 1e3,
                 gemm_ms_per_grad_step=gemm["s"] / grad_steps * 1e3, gemm_gflops=gemm["flop"] / gemm["s"] / 1e9,
-                **{f"time_{k}": v for k, v in parts.items()})
+                **{f"time_{k}": v for k, v in done.items()})
 
 
 def run_sb3(c: dict) -> dict:
