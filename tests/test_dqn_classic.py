@@ -1,7 +1,6 @@
 """vlmrm_dqn_classic.py: environments, reward-frame alignment, learning, CLI smoke run and bad input."""
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
