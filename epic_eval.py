@@ -833,14 +833,17 @@ def collect(args: Collect) -> None:
     envs = gym.vector.SyncVectorEnv([thunk])
     env = envs.envs[0]
     policy: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # observations -> actions, on the device
-    if checkpoint is not None and "q_network" in checkpoint:
-        q_network = QNetwork(envs).to(device)
-        q_network.load_state_dict(checkpoint["q_network"])
-        policy = lambda x: q_network(x).argmax(dim=1)  # noqa: E731 - greedy
-    elif checkpoint is not None:
-        actor = Actor(envs).to(device)
-        actor.load_state_dict(checkpoint["actor"])
-        policy = lambda x: actor.get_action(x)[2]  # noqa: E731 - the deterministic action, as in evaluation
+    if checkpoint is not None:
+        name, network = ("q_network", QNetwork(envs)) if "q_network" in checkpoint else ("actor", Actor(envs))
+        try:
+            network.to(device).load_state_dict(checkpoint[name])
+        except (RuntimeError, TypeError, AttributeError) as e:  # wrong shapes or keys: another env or version
+            envs.close()
+            reason = " ".join(str(e).split())[:200]  # torch's message spans lines
+            raise UserError(f"--policy {args.policy}: its {name} does not fit {args.env_id} ({reason}); "
+                            "pass a policy saved by this version of the training scripts.") from None
+        # greedy for the Q-network; the actor's deterministic action, as in evaluation
+        policy = (lambda x: network(x).argmax(dim=1)) if name == "q_network" else (lambda x: network.get_action(x)[2])
 
     frames_dir = os.path.join(args.out, "frames")
     os.makedirs(frames_dir, exist_ok=True)

@@ -242,11 +242,15 @@ def test_collect_policy_problems_are_one_sentence_errors(saved_policies, tmp_pat
     (tmp_path / "text.pt").write_text("not a checkpoint")
     sac = torch.load(saved_policies["sac"], map_location="cpu", weights_only=False)
     torch.save({"actor": sac["actor"], "args": dict(sac["args"], env_id="InvertedPendulum-v5")}, tmp_path / "pendulum.pt")
+    dqn = torch.load(saved_policies["dqn"], map_location="cpu")
+    torch.save({"q_network": dqn["q_network"], "args": dict(dqn["args"], env_id="MountainCar-v0")}, tmp_path / "relabelled.pt")
     problems = {
         str(tmp_path / "missing.pt"): "no such file; pass the model.pt of vlmrm_dqn_classic.py",
         str(tmp_path / "text.pt"): "could not be read",
         str(tmp_path / "empty.pt"): "holds no policy",
         str(tmp_path / "pendulum.pt"): "was trained on InvertedPendulum-v5; collect supports its policies on Humanoid-v5 only",
+        # CartPole's Q-network (4 inputs) under MountainCar's name (2 inputs): shapes do not fit
+        str(tmp_path / "relabelled.pt"): "its q_network does not fit MountainCar-v0 .*size mismatch",
     }
     for path, message in problems.items():
         with pytest.raises(UserError, match=message):
