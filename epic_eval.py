@@ -723,7 +723,8 @@ class Actor(nn.Module):
         self.trunk = nn.Sequential(nn.Linear(obs_dim, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU())
         self.fc_mean = nn.Linear(256, action_dim)
         self.fc_logstd = nn.Linear(256, action_dim)
-        # actions are squashed to (-1, 1) by tanh, then rescaled to the action space
+        # actions live on the tanh-squashed unit box (-1, 1) (the replay buffer and critics see them there, as in
+        # Stable-Baselines3); `to_env` rescales them to the action space only when they go to the env
         low, high = envs.single_action_space.low, envs.single_action_space.high
         self.register_buffer("action_scale", torch.tensor((high - low) / 2.0, dtype=torch.float32))
         self.register_buffer("action_bias", torch.tensor((high + low) / 2.0, dtype=torch.float32))
@@ -734,16 +735,19 @@ class Actor(nn.Module):
         log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (log_std + 1)  # soft clip to [min, max]
         return self.fc_mean(h), log_std
 
+    def to_env(self, y: torch.Tensor) -> torch.Tensor:
+        """Unit-box action -> the env's bounds."""
+        return y * self.action_scale + self.action_bias
+
     def get_action(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(sampled action, its log-probability, the deterministic action)."""
+        """(sampled unit-box action, its log-probability on the unit box, the deterministic action in env units)."""
         mean, log_std = self(x)
         normal = torch.distributions.Normal(mean, log_std.exp(), validate_args=False)  # NaNs surface in our own check, with a message
         x_t = normal.rsample()  # reparameterisation trick
         y_t = torch.tanh(x_t)
-        action = y_t * self.action_scale + self.action_bias
-        # change of variables through tanh and the rescaling
-        log_prob = normal.log_prob(x_t) - torch.log(self.action_scale * (1 - y_t.pow(2)) + 1e-6)
-        return action, log_prob.sum(1, keepdim=True), torch.tanh(mean) * self.action_scale + self.action_bias
+        # change of variables through tanh only: the paper's (SB3's) entropy scale, whatever the env's bounds
+        log_prob = normal.log_prob(x_t) - torch.log(1 - y_t.pow(2) + 1e-6)
+        return y_t, log_prob.sum(1, keepdim=True), self.to_env(torch.tanh(mean))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -135,10 +135,10 @@ class Args:
     """vector steps between two training phases"""
     gradient_steps: int = 100
     """gradient steps per training phase"""
-    ent_coef: float = 0.2
-    """entropy regularisation coefficient (SAC's alpha; the initial value when autotuned)"""
+    ent_coef: float = 1.0
+    """entropy regularisation coefficient (SAC's alpha; the initial value when autotuned: 1.0 as in Stable-Baselines3)"""
     autotune: bool = True
-    """automatic tuning of the entropy coefficient towards entropy -|A|"""
+    """automatic tuning of the entropy coefficient towards entropy -|A| (log-probabilities on the unit action box, as SB3)"""
 
 
 class UserError(Exception):
@@ -692,7 +692,8 @@ class Actor(nn.Module):
         self.trunk = nn.Sequential(nn.Linear(obs_dim, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU())
         self.fc_mean = nn.Linear(256, action_dim)
         self.fc_logstd = nn.Linear(256, action_dim)
-        # actions are squashed to (-1, 1) by tanh, then rescaled to the action space
+        # actions live on the tanh-squashed unit box (-1, 1) (the replay buffer and critics see them there, as in
+        # Stable-Baselines3); `to_env` rescales them to the action space only when they go to the env
         low, high = envs.single_action_space.low, envs.single_action_space.high
         self.register_buffer("action_scale", torch.tensor((high - low) / 2.0, dtype=torch.float32))
         self.register_buffer("action_bias", torch.tensor((high + low) / 2.0, dtype=torch.float32))
@@ -703,16 +704,19 @@ class Actor(nn.Module):
         log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (log_std + 1)  # soft clip to [min, max]
         return self.fc_mean(h), log_std
 
+    def to_env(self, y: torch.Tensor) -> torch.Tensor:
+        """Unit-box action -> the env's bounds."""
+        return y * self.action_scale + self.action_bias
+
     def get_action(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(sampled action, its log-probability, the deterministic action)."""
+        """(sampled unit-box action, its log-probability on the unit box, the deterministic action in env units)."""
         mean, log_std = self(x)
         normal = torch.distributions.Normal(mean, log_std.exp(), validate_args=False)  # NaNs surface in our own check, with a message
         x_t = normal.rsample()  # reparameterisation trick
         y_t = torch.tanh(x_t)
-        action = y_t * self.action_scale + self.action_bias
-        # change of variables through tanh and the rescaling
-        log_prob = normal.log_prob(x_t) - torch.log(self.action_scale * (1 - y_t.pow(2)) + 1e-6)
-        return action, log_prob.sum(1, keepdim=True), torch.tanh(mean) * self.action_scale + self.action_bias
+        # change of variables through tanh only: the paper's (SB3's) entropy scale, whatever the env's bounds
+        log_prob = normal.log_prob(x_t) - torch.log(1 - y_t.pow(2) + 1e-6)
+        return y_t, log_prob.sum(1, keepdim=True), self.to_env(torch.tanh(mean))
 
 
 class ReplayBuffer:
@@ -885,6 +889,8 @@ def main(args: Args) -> None:
     q_optimizer = optim.Adam(list(qf1.parameters()) + list(qf2.parameters()), lr=args.q_lr, fused=True)
     actor_optimizer = optim.Adam(actor.parameters(), lr=args.policy_lr, fused=True)
     target_entropy = -float(np.prod(envs.single_action_space.shape))
+    low, high = envs.single_action_space.low, envs.single_action_space.high
+    action_scale, action_bias = (high - low) / 2.0, (high + low) / 2.0  # as the actor's, on the host: no device sync per step
     log_ent_coef = torch.tensor([math.log(args.ent_coef)], device=device, requires_grad=args.autotune)
     ent_coef_optimizer = optim.Adam([log_ent_coef], lr=args.q_lr, fused=True) if args.autotune else None
     rb = ReplayBuffer(args.buffer_size, envs.single_observation_space.shape, envs.single_action_space.shape, device)
@@ -926,16 +932,17 @@ def main(args: Args) -> None:
     try:
         for iteration in range(start_iteration, num_iterations):
             global_step = iteration * args.num_envs
+            # actions on the unit box (stored so); the env gets them rescaled to its bounds
             if global_step < args.learning_starts:  # seeded, checkpointed RNG (not the action space's own)
-                low, high = envs.single_action_space.low, envs.single_action_space.high
-                actions = np.random.uniform(low, high, size=(args.num_envs, *low.shape)).astype(np.float32)
+                actions = np.random.uniform(-1, 1, size=(args.num_envs, *envs.single_action_space.shape)).astype(np.float32)
             else:
                 with torch.no_grad():
                     actions, _, _ = actor.get_action(torch.as_tensor(obs, dtype=torch.float32, device=device))
                 actions = actions.cpu().numpy()
+            env_actions = (actions * action_scale + action_bias).astype(np.float32)
 
             t0 = time.perf_counter()
-            next_obs, gt_rewards, terminations, truncations, infos = envs.step(actions)
+            next_obs, gt_rewards, terminations, truncations, infos = envs.step(env_actions)
             t1 = time.perf_counter()
             frames = np.stack(envs.call("render")) if render else None  # the frame *after* the step scores it
             timing["env"] += t1 - t0

@@ -1,5 +1,8 @@
 """vlmrm_sac_humanoid.py: reward-frame alignment over subprocess envs, SAC learning, CLI smoke run, bad input."""
 
+from types import SimpleNamespace
+
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
@@ -54,6 +57,23 @@ def test_reward_belongs_to_the_frame_after_the_step_across_subprocess_autoresets
     episode_ends = np.zeros(len(rewards) - 3, dtype=bool)
     episode_ends[[t * 3 + i for t in range(19, 99, 20) for i in range(3)]] = True
     np.testing.assert_array_equal(chained, ~episode_ends)
+
+
+def test_log_prob_is_the_unit_box_tanh_gaussian_one_as_in_sb3():
+    # Humanoid-like bounds +-0.4: measured in env units, log pi would be 17 * log(1 / 0.4) = 15.6 nats higher
+    envs = SimpleNamespace(single_observation_space=gym.spaces.Box(-np.inf, np.inf, (5,)),
+                           single_action_space=gym.spaces.Box(-0.4, 0.4, (17,), np.float32))
+    torch.manual_seed(0)
+    actor, obs = sac.Actor(envs), torch.randn(256, 5)
+    action, log_prob, deterministic = actor.get_action(obs)
+    mean, log_std = actor(obs)
+    unit_box = torch.distributions.TransformedDistribution(torch.distributions.Normal(mean, log_std.exp()),
+                                                           [torch.distributions.TanhTransform()])
+    expected = unit_box.log_prob(action).sum(1, keepdim=True)  # independent of the actor's formula
+    torch.testing.assert_close(log_prob, expected, atol=1e-3, rtol=1e-4)
+    assert action.abs().max() < 1  # the sampled action stays on the unit box (replay buffer, critics)
+    torch.testing.assert_close(deterministic, 0.4 * torch.tanh(mean))  # evaluation and checkpoints: env units
+    assert sac.Args().ent_coef == 1.0 and sac.Args().autotune  # SB3's initial coefficient
 
 
 def test_sac_learns_inverted_pendulum_from_ground_truth(in_tmp):
