@@ -440,118 +440,82 @@ HUMANOID_CAMERA = {
     "elevation": -10.0,
     "azimuth": 180.0,
 }
-_ASSET_VERSION = "v3"  # bump when the look changes, so stale cached files are not reused
+_ASSET_VERSION = "v4"  # bump when the look changes, so stale cached files are not reused
 
 
-def _tileable_noise(rng: np.random.Generator, size: int, cells: int) -> np.ndarray:
-    """Smooth value noise in [0, 1] on a periodic grid, so the texture repeats without seams."""
-    grid = rng.random((cells, cells))
-    coords = np.arange(size) * cells / size
-    i0 = np.floor(coords).astype(int)
-    t = coords - i0
-    t = t * t * (3 - 2 * t)  # smoothstep: no visible grid creases
-    i1 = (i0 + 1) % cells
-    rows = grid[i0] * (1 - t)[:, None] + grid[i1] * t[:, None]
-    return rows[:, i0] * (1 - t)[None, :] + rows[:, i1] * t[None, :]
+def _fractal_noise(rng: np.random.Generator, size: int, cells: int, octaves: int) -> np.ndarray:
+    """Smooth value noise in [0, 1] that tiles seamlessly: octaves of a random grid, bicubically upsampled."""
+    out = 0
+    for o in range(octaves):  # upsample a 3x3 tiling of the grid and keep the middle: no seams at the borders
+        grid = torch.from_numpy(rng.random((1, 1, cells * 2**o, cells * 2**o))).repeat(1, 1, 3, 3)
+        up = F.interpolate(grid, scale_factor=size / (cells * 2**o), mode="bicubic")[0, 0]
+        out = out + 0.5**o * up[size:2 * size, size:2 * size]
+    out = out.numpy()
+    return (out - out.min()) / (out.max() - out.min())
 
 
-def _fractal_noise(rng: np.random.Generator, size: int, base_cells: int, octaves: int) -> np.ndarray:
-    out = np.zeros((size, size))
-    amp, total = 1.0, 0.0
-    for o in range(octaves):
-        out += amp * _tileable_noise(rng, size, min(base_cells * 2**o, size))
-        total += amp
-        amp *= 0.5
-    return out / total
+def _save_png(path: str, color: np.ndarray) -> str:
+    """Atomic write (parallel env workers may build the same file at the same time)."""
+    imageio.imwrite(f"{path}.{os.getpid()}.png", (np.clip(color, 0, 1) * 255).astype(np.uint8))
+    os.replace(f"{path}.{os.getpid()}.png", path)
+    return path
 
 
-def _stone_floor_png(path: str, size: int = 512, tiles: int = 4) -> None:
-    """Grey-beige stone tiles with dark grout, per-tile tint and grain (fixed seed: same look everywhere)."""
+def _slate_floor_png(path: str, size: int = 256, tiles: int = 2) -> str:
+    """Dark slate tiles: per-tile shade, layered grain, dark grout (mean grey about 54/255, as the paper's floor)."""
     rng = np.random.default_rng(1234)
-    tile_px = size // tiles
-    yy, xx = np.mgrid[0:size, 0:size]
-    ty, tx = yy // tile_px, xx // tile_px
-    # Per-tile base colour: warm light greys, each slab slightly different, like natural stone.
-    base = 0.58 + 0.10 * rng.random((tiles, tiles))
-    tint = np.stack([np.full((tiles, tiles), 1.0), 0.97 + 0.02 * rng.random((tiles, tiles)),
-                     0.90 + 0.04 * rng.random((tiles, tiles))], axis=-1)
-    color = (base[..., None] * tint)[ty, tx]
-    grain = _fractal_noise(rng, size, 8, 5)
-    speckle = rng.random((size, size))
-    color = color * (0.80 + 0.35 * grain)[..., None] * (0.94 + 0.06 * speckle)[..., None]
-    # Grout lines plus a soft darkening towards slab edges (worn bevel).
-    dx = np.minimum(xx % tile_px, tile_px - 1 - xx % tile_px)
-    dy = np.minimum(yy % tile_px, tile_px - 1 - yy % tile_px)
-    edge = np.minimum(dx, dy)
-    color = color * (0.85 + 0.15 * np.clip(edge / 8.0, 0, 1))[..., None]
-    grout = edge < 2
-    color[grout] = np.array([0.40, 0.39, 0.36]) * (0.8 + 0.4 * grain[grout])[:, None]
-    imageio.imwrite(path, (np.clip(color, 0, 1) * 255).astype(np.uint8))
+    yy, xx = np.mgrid[0:size, 0:size] * tiles // size
+    shade = 0.19 + 0.06 * rng.random((tiles, tiles))[yy, xx]
+    grain = _fractal_noise(rng, size, 8, 4)
+    tile = size // tiles
+    edge = np.minimum(*[np.minimum(c % tile, tile - 1 - c % tile) for c in np.mgrid[0:size, 0:size]])  # pixels to the grout
+    grey = np.where(edge < 2, 0.08, shade * (0.75 + 0.5 * grain))
+    return _save_png(path, grey[..., None] * np.array([0.7, 1.05, 1.2]))  # blue-grey slate
 
 
-def _sample_periodic(noise: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Bilinear lookup of a periodic noise image at continuous (x, y) pixel coordinates."""
-    n = noise.shape[0]
-    x0, y0 = np.floor(x).astype(int), np.floor(y).astype(int)
-    tx, ty = x - x0, y - y0
-    x0, y0 = x0 % n, y0 % n
-    x1, y1 = (x0 + 1) % n, (y0 + 1) % n
-    top = noise[y0, x0] * (1 - tx) + noise[y0, x1] * tx
-    bottom = noise[y1, x0] * (1 - tx) + noise[y1, x1] * tx
-    return top * (1 - ty) + bottom * ty
+def _brushed_metal_png(path: str, size: int = 128) -> str:
+    """Light brushed metal: fine streaks along one direction."""
+    rng = np.random.default_rng(99)
+    streaks = 0.6 * _fractal_noise(rng, size, 4, 5).mean(1, keepdims=True) + 0.4 * rng.random((size, 1))
+    return _save_png(path, np.broadcast_to((0.72 + 0.16 * streaks)[..., None], (size, size, 3)))
 
 
-# Measured MuJoCo skybox convention: face pixel (a, b) in [-1, 1] (b grows downwards) looks along
-# this world direction (x forward of the humanoid, z up).
-_SKY_FACES = {
-    "right": lambda a, b: (np.ones_like(a), a, -b),   # +x
-    "left": lambda a, b: (-np.ones_like(a), -a, -b),  # -x (what the paper camera looks at)
-    "back": lambda a, b: (-a, np.ones_like(a), -b),   # +y
-    "front": lambda a, b: (a, -np.ones_like(a), -b),  # -y
-    "up": lambda a, b: (a, -b, np.ones_like(a)),      # +z
-    "down": lambda a, b: (a, b, -np.ones_like(a)),    # -z
-}
+def _sky_pngs(folder: str, size: int = 256) -> dict[str, str]:
+    """Six skybox faces: saturated blue sky, paler at the horizon, with large white clouds.
 
-
-def _sky_pngs(folder: str, suffix: str, size: int = 512) -> dict[str, str]:
-    """Six skybox faces: blue sky paling towards a hazy horizon, with soft cumulus-like clouds."""
-    rng = np.random.default_rng(4321)
-    clouds = _fractal_noise(rng, 256, 4, 6)
-    zenith, horizon = np.array([0.20, 0.42, 0.78]), np.array([0.78, 0.86, 0.95])
-    ground_haze = np.array([0.70, 0.72, 0.72])
-    a = (np.arange(size) + 0.5) / size * 2 - 1
-    a, b = np.meshgrid(a, a)
+    MuJoCo's skybox convention, measured: face pixel (a, b) in [-1, 1] (b grows downwards) looks along the
+    world direction below (x forward of the humanoid, z up); clouds are drawn in (azimuth, elevation).
+    """
+    faces = {"right": lambda a, b: (1, a, -b), "left": lambda a, b: (-1, -a, -b), "back": lambda a, b: (-a, 1, -b),
+             "front": lambda a, b: (a, -1, -b), "up": lambda a, b: (a, -b, 1), "down": lambda a, b: (a, b, -1)}
+    clouds = torch.from_numpy(_fractal_noise(np.random.default_rng(4321), 1024, 6, 6))[None, None].float()
+    a, b = np.meshgrid(*[(np.arange(size) + 0.5) / size * 2 - 1] * 2)
     paths = {}
-    for face, direction in _SKY_FACES.items():
-        d = np.stack(np.broadcast_arrays(*direction(a, b)), axis=-1).astype(float)
+    for face, direction in faces.items():
+        d = np.stack(np.broadcast_arrays(*direction(a, b)), -1).astype(float)
         d /= np.linalg.norm(d, axis=-1, keepdims=True)
-        up = d[..., 2]
-        # Sky brightens exponentially towards the horizon (more air to look through).
-        haze = np.exp(-np.clip(up, 0, None) / 0.18)[..., None]
-        color = zenith * (1 - haze) + horizon * haze
-        # Clouds live on a flat layer overhead: project the view ray onto it (perspective for free).
-        height = np.clip(up, 0.02, None)
-        cx, cy = d[..., 0] / height * 60, d[..., 1] / height * 60
-        density = _sample_periodic(clouds, cx, cy)
-        density = np.clip((density - 0.52) / 0.18, 0, 1) ** 1.5
-        density *= np.clip((up - 0.03) / 0.15, 0, 1)  # fade into the haze where they would alias
-        shade = 0.86 + 0.14 * _sample_periodic(clouds, cx * 2 + 37, cy * 2 + 11)  # grey undersides
-        color = color * (1 - density[..., None]) + (shade * density)[..., None]  # white-grey clouds
-        # Below the horizon (past the floor's edge): blend into a neutral distant-ground haze.
-        below = np.clip(-up / 0.08, 0, 1)[..., None]
-        color = color * (1 - below) + ground_haze * below
-        path = os.path.join(folder, f"sky_{face}.png")
-        imageio.imwrite(path + suffix, (np.clip(color, 0, 1) * 255).astype(np.uint8))
-        os.replace(path + suffix, path)
-        paths[face] = path
+        up = np.clip(d[..., 2], -1, 1)
+        elevation = np.arcsin(up)
+        t = np.clip(elevation / 0.6, 0, 1)[..., None]
+        color = (1 - t) * np.array([0.10, 0.50, 0.92]) + t * np.array([0.04, 0.32, 0.80])
+        # clouds: noise looked up by (azimuth, elevation), same scale on both (the sky fills the top quarter of
+        # the noise), the azimuth seam behind the paper camera; they thin out towards the zenith
+        grid = torch.from_numpy(np.stack([np.arctan2(-d[..., 1], -d[..., 0]) / np.pi, elevation / np.pi - 1], -1))
+        c = F.grid_sample(clouds, grid[None].float(), padding_mode="reflection", align_corners=False)[0, 0].numpy()
+        density = np.clip((c - 0.6) / 0.08, 0, 1) * np.clip(1.3 - 1.3 * up, 0, 1) * (up > -0.02)
+        shade = 0.78 + 0.22 * np.clip((c - 0.6) / 0.2, 0, 1)  # grey undersides, white tops
+        color = color * (1 - density[..., None]) + (shade * density)[..., None]
+        below = np.clip(-up / 0.05, 0, 1)[..., None]  # past the floor's edge: a distant blue-grey haze
+        color = color * (1 - below) + np.array([0.35, 0.42, 0.5]) * below
+        paths[face] = _save_png(os.path.join(folder, f"sky_{face}.png"), color)
     return paths
 
 
 def textured_humanoid_xml() -> str:
     """Write Gymnasium's Humanoid-v5 model with only its look changed; return the file's path.
 
-    Only textures, materials, colours, the light and the headlight are edited: bodies, joints, geom
-    sizes, masses, contact parameters, actuators and options are untouched, so the physics is identical.
+    Only textures, materials, colours and the light are edited: bodies, joints, geom sizes, masses,
+    contact parameters, actuators and options are untouched, so the physics is identical.
     """
     stock = os.path.join(os.path.dirname(gym.envs.mujoco.__file__), "assets", "humanoid.xml")
     with open(stock, "rb") as f:
@@ -562,45 +526,27 @@ def textured_humanoid_xml() -> str:
     if os.path.exists(xml_path):
         return xml_path
     os.makedirs(cache, exist_ok=True)
-    # Unique temporary names + os.replace: parallel env workers may build the files at the same time.
-    tmp_suffix = f".{os.getpid()}.tmp"
-    floor_png = os.path.join(cache, "stone_floor.png")
-    _stone_floor_png(floor_png + tmp_suffix + ".png")
-    os.replace(floor_png + tmp_suffix + ".png", floor_png)
-
     root = ET.fromstring(stock_bytes)
     # Colours come from materials from now on: drop the stock tan default rgba and the floor's green
     # tint (a geom rgba different from MuJoCo's default overrides its material's colour).
     root.find("default/geom").attrib.pop("rgba", None)
-    floor = root.find("worldbody/geom[@name='floor']")
-    floor.attrib.pop("rgba", None)
-
+    root.find("worldbody/geom[@name='floor']").attrib.pop("rgba", None)
     asset = root.find("asset")
     for child in list(asset):
         asset.remove(child)
-    # Sky: procedural blue sky with clouds, one PNG per cube face.
-    sky = _sky_pngs(cache, tmp_suffix + ".png")
-    ET.SubElement(asset, "texture", type="skybox", **{f"file{face}": path for face, path in sky.items()})
-    ET.SubElement(asset, "texture", name="texplane", type="2d", file=floor_png)
-    # Stone is matte: no mirror reflection (reflectance 0), little specular highlight.
-    ET.SubElement(asset, "material", name="MatPlane", texture="texplane", texrepeat="20 20",
-                  reflectance="0", specular="0.15", shininess="0.1")
-    # Light grey brushed metal: strong, fairly tight highlights on a pale grey base.
-    ET.SubElement(asset, "material", name="geom", rgba="0.78 0.79 0.82 1", specular="0.9",
-                  shininess="0.7", reflectance="0")
-
-    # Bright light straight from above, as in the paper.
+    # The paper's scene: a blue sky with clouds, a dark matte slate floor, a light brushed-metal body.
+    ET.SubElement(asset, "texture", type="skybox", **{f"file{face}": p for face, p in _sky_pngs(cache).items()})
+    ET.SubElement(asset, "texture", name="texplane", type="2d", file=_slate_floor_png(os.path.join(cache, "slate.png")))
+    ET.SubElement(asset, "texture", name="texgeom", type="cube", file=_brushed_metal_png(os.path.join(cache, "metal.png")))
+    ET.SubElement(asset, "material", name="MatPlane", texture="texplane", texrepeat="60 60", reflectance="0",
+                  shininess="0", specular="0")
+    ET.SubElement(asset, "material", name="geom", texture="texgeom", texuniform="true", rgba="1 1 1 1", specular="1",
+                  shininess="1")
+    # One light from above, as in the paper; MuJoCo's default headlight stays as it is (nothing brighter added).
     light = root.find("worldbody/light")
-    light.set("diffuse", "1 1 1")
-    light.set("dir", "0 0 -1.5")
-    light.set("specular", "0.4 0.4 0.4")
-    # A little ambient fill so shadowed sides of the robot are not black.
-    visual = root.find("visual")
-    ET.SubElement(visual, "headlight", ambient="0.25 0.25 0.25", diffuse="0.35 0.35 0.35",
-                  specular="0.1 0.1 0.1")
-
-    ET.ElementTree(root).write(xml_path + tmp_suffix)
-    os.replace(xml_path + tmp_suffix, xml_path)
+    light.attrib.update(diffuse="1 1 1", pos="0 0 1", dir="0 0 -1.5", specular="0.5 0.5 0.5")
+    ET.ElementTree(root).write(xml_path + f".{os.getpid()}.tmp")
+    os.replace(xml_path + f".{os.getpid()}.tmp", xml_path)
     return xml_path
 
 
