@@ -72,23 +72,27 @@ class Args:
 
     # Environment
     env_id: str = "Humanoid-v5"
-    """a Gymnasium MuJoCo task; Humanoid-v5 gets the paper's camera and textures"""
-    episode_length: int = 100
-    """fixed episode length: no early termination, so survival alone earns nothing"""
-    render_size: Optional[int] = None
-    """square frame size; default: the CLIP model's input size (480 reproduces the paper)"""
-    render_quality: Literal["fast", "high"] = "fast"
-    """fast: no shadows or reflections (~5x faster with software rendering); high: MuJoCo's defaults"""
+    """a Gymnasium MuJoCo task (Humanoid-v5 gets the paper's camera and textures), or MountainCarContinuous-v0"""
+    episode_length: Optional[int] = None
+    """fixed episode length: no early termination, so survival alone earns nothing; default: the paper's, 100
+    (200 for MountainCarContinuous-v0)"""
+    render_size: int = 480
+    """square frame size: 480 = the paper's frames (the reward model squashes them to its input); 224 renders ~2x faster"""
+    render_quality: Literal["fast", "high"] = "high"
+    """high: MuJoCo's default shadows and reflections (the paper's frames); fast: both off (~4x faster in software)"""
     textured: bool = True
-    """Humanoid only: sky, stone floor, light-grey metallic body (CLIP rewards are far better on it)"""
+    """the realistic look CLIP rewards are far better on: Humanoid: the paper's sky, slate floor and metal body;
+    MountainCarContinuous-v0: a landscape instead of Gymnasium's line art"""
+    camera: Literal["paper", "tracking"] = "paper"
+    """Humanoid only: paper = fixed frontal camera; tracking = same distance and angles, following the torso"""
 
     # Reward
     reward: Literal["clip", "gt"] = "clip"
     """learn from the CLIP reward, or from the environment's own reward (e.g. to check SAC on Hopper)"""
     goal: tuple[str, ...] = ("a humanoid robot kneeling",)
-    """goal prompt(s)"""
+    """goal prompt(s) (MountainCarContinuous-v0's default: "a car at the peak of the mountain, next to the yellow flag")"""
     baseline: tuple[str, ...] = ("a humanoid robot",)
-    """baseline prompt(s) for the goal-baseline projection"""
+    """baseline prompt(s) for the goal-baseline projection (MountainCarContinuous-v0's default: "a car in the mountain")"""
     alpha: float = 0.0
     """regularisation strength in [0, 1]: 0 = plain cosine similarity, 1 = only the goal-baseline direction"""
     clip_model: str = "ViT-bigG-14"
@@ -151,6 +155,11 @@ class NonFiniteError(Exception):
 
 def check_args(args: Args) -> None:
     """Reject bad flags before anything expensive (model download, env spawn) happens."""
+    mountain_car = args.env_id == "MountainCarContinuous-v0"
+    if args.episode_length is None:
+        args.episode_length = 200 if mountain_car else 100
+    if mountain_car and (args.goal, args.baseline) == (Args.goal, Args.baseline):  # the humanoid's prompts: use the car's
+        args.goal, args.baseline = ("a car at the peak of the mountain, next to the yellow flag",), ("a car in the mountain",)
     if not 0.0 <= args.alpha <= 1.0:
         raise UserError(f"--alpha must be in [0, 1], got {args.alpha}.")
     if not args.goal or any(not g.strip() for g in args.goal):
@@ -181,22 +190,26 @@ def check_args(args: Args) -> None:
         raise UserError(f"--learning-starts {args.learning_starts} must be below --total-timesteps {args.total_timesteps}, or no gradient step is ever taken.")
     if args.batch_size > args.buffer_size:
         raise UserError(f"--batch-size {args.batch_size} cannot exceed --buffer-size {args.buffer_size}.")
-    if args.render_size is not None and not 16 <= args.render_size <= 2048:
+    if not 16 <= args.render_size <= 2048:
         raise UserError(f"--render-size must be between 16 and 2048 pixels, got {args.render_size}.")
     try:
         entry_point = str(gym.spec(args.env_id).entry_point)
     except gym.error.Error:
         raise UserError(f"--env-id {args.env_id} is not a registered Gymnasium environment; use e.g. Humanoid-v5, Hopper-v5 or InvertedPendulum-v5.") from None
-    if "mujoco" not in entry_point:
-        raise UserError(f"--env-id {args.env_id} is not a Gymnasium MuJoCo task; this script renders MuJoCo scenes (e.g. Humanoid-v5, Hopper-v5).")
+    if "mujoco" not in entry_point and not mountain_car:
+        raise UserError(f"--env-id {args.env_id} is not a Gymnasium MuJoCo task or MountainCarContinuous-v0; "
+                        "this script renders MuJoCo scenes (e.g. Humanoid-v5, Hopper-v5).")
+    if args.env_id == "Humanoid-v4":  # its constructor takes neither our XML nor our camera
+        raise UserError("--env-id Humanoid-v4 cannot load the textured scene or the paper's camera; "
+                        "use Humanoid-v5 (the same XML physics, a 348-d instead of 376-d observation).")
     if args.evaluate is not None and not os.path.isfile(args.evaluate):
         raise UserError(f"--evaluate {args.evaluate}: no such file; pass a checkpoint.pt written by --save-model.")
     check_writable("runs")
     if args.capture_video or args.evaluate is not None:
         check_writable("videos")
-    size = args.render_size or 224
+    frame_shape = (400, 600, 3) if mountain_car else (args.render_size, args.render_size, 3)
     probe = gym.make(args.env_id)  # cheap: no rendering, just the spaces
-    check_resources(args, probe.observation_space, probe.action_space, (size, size, 3))
+    check_resources(args, probe.observation_space, probe.action_space, frame_shape)
     if args.reward == "clip" or args.evaluate is not None:
         check_clip_args(args)
 
@@ -574,12 +587,124 @@ class RenderQuality(gym.Wrapper):
         return frame
 
 
+class TrackingCamera(gym.Wrapper):
+    """The paper camera's distance, elevation and azimuth, looking at the torso's centre of mass wherever it goes.
+
+    What MuJoCo's tracking camera does; Gymnasium's renderer resets its camera to a free one on every frame, so
+    the look-at point is moved here before each frame instead.
+    """
+
+    def render(self) -> np.ndarray:
+        base = self.env.unwrapped
+        lookat = base.data.subtree_com[base.model.body("torso").id].copy()
+        if base.mujoco_renderer.viewer is None:  # created by the first render() from this camera configuration
+            base.mujoco_renderer.default_cam_config = {**HUMANOID_CAMERA, "lookat": lookat}
+        else:
+            base.mujoco_renderer.viewer.cam.lookat[:] = lookat
+        return self.env.render()
+
+
 class NoEarlyTermination(gym.Wrapper):
     """Fixed-length episodes for any MuJoCo task: a fallen robot keeps being rendered and scored."""
 
     def step(self, action):
         obs, reward, _, truncated, info = self.env.step(action)
         return obs, reward, False, truncated, info
+
+
+# MountainCarContinuous-v0, the paper's MountainCar (trained with SAC): copied from vlmrm_dqn_classic.py
+MOUNTAINCAR_GOAL = 0.45  # the paper's flag position (Gymnasium's MountainCar-v0 uses 0.5)
+
+
+class FixedLengthMountainCar(gym.Wrapper):
+    """MountainCar that never terminates. Reward = 1 while at the flag (x >= 0.45), else 0.
+
+    `info["success"]` says whether the flag was reached at any point of the current episode.
+    """
+
+    def reset(self, **kwargs):
+        self.reached_goal = False
+        return self.env.reset(**kwargs)
+
+    def step(self, action):
+        obs, _, _, truncated, info = self.env.step(action)
+        at_goal = bool(obs[0] >= MOUNTAINCAR_GOAL)
+        self.reached_goal |= at_goal
+        info["success"] = self.reached_goal
+        return obs, float(at_goal), False, truncated, info
+
+
+class RealisticMountainCar(gym.Wrapper):
+    """Draws MountainCar as a landscape (sky, hills, road, yellow flag, a car tilted to the slope).
+
+    CLIP scores photos-like scenes far better than line art. Same world-to-pixel mapping as Gymnasium's
+    renderer; the static background is drawn once, only the car is drawn per frame.
+    """
+
+    width, height = 600, 400
+
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        import pygame
+
+        car = env.unwrapped
+        self.min_x, self.max_x = car.min_position, car.max_position
+        self.scale = self.width / (self.max_x - self.min_x)
+        rng = np.random.default_rng(0)  # fixed texture noise: every frame of every run looks the same
+        # sky: vertical gradient from deep blue to a pale horizon
+        t = np.linspace(0, 1, self.height)[:, None, None]
+        pixels = (1 - t) * np.array([70, 130, 210]) + t * np.array([200, 225, 245])
+        pixels = np.broadcast_to(pixels, (self.height, self.width, 3)).copy()
+        cols = np.arange(self.width)
+        # distant mountains: a hazy blue-grey ridge
+        ridge = 170 + 35 * np.sin(cols / 57.0) + 20 * np.sin(cols / 23.0 + 1.3) + 8 * np.sin(cols / 7.0)
+        far = np.arange(self.height)[:, None] > ridge[None, :]
+        pixels[far] = [120, 140, 165]
+        # the hill: grass below the track curve, with a darker earth layer and speckle noise
+        surface = self.height - self._pixel_height(self.min_x + cols / self.scale)
+        depth = np.arange(self.height)[:, None] - surface[None, :]
+        grass = (depth > 0)[..., None] * np.array([70, 140, 55])
+        earth = (depth > 28)[..., None] * (np.array([110, 85, 55]) - np.array([70, 140, 55]))
+        ground = depth > 0
+        noise = rng.normal(0, 12, (self.height, self.width, 1))
+        pixels[ground] = (grass + earth + noise)[ground]
+        road = (depth > -4) & (depth <= 4)  # a grey road along the curve the car drives on
+        pixels[road] = [95, 95, 100]
+        background = pygame.surfarray.make_surface(np.clip(pixels, 0, 255).astype(np.uint8).transpose(1, 0, 2))
+        # the yellow flag at the goal position
+        flag_x = int((MOUNTAINCAR_GOAL - self.min_x) * self.scale)
+        flag_y = self.height - int(self._pixel_height(MOUNTAINCAR_GOAL)) - 4
+        pygame.draw.line(background, (60, 60, 60), (flag_x, flag_y), (flag_x, flag_y - 60), 3)
+        pygame.draw.polygon(background, (250, 210, 20), [(flag_x + 2, flag_y - 60), (flag_x + 32, flag_y - 50), (flag_x + 2, flag_y - 40)])
+        self.background = background
+        # the car sprite, drawn once and rotated per frame: red body, cabin with windows, two wheels
+        sprite = pygame.Surface((56, 34), pygame.SRCALPHA)
+        pygame.draw.rect(sprite, (200, 30, 35), (0, 12, 56, 14), border_radius=5)
+        pygame.draw.rect(sprite, (175, 25, 30), (12, 2, 30, 14), border_radius=4)
+        pygame.draw.rect(sprite, (170, 210, 235), (16, 5, 10, 8))
+        pygame.draw.rect(sprite, (170, 210, 235), (29, 5, 10, 8))
+        for wheel_x in (12, 44):
+            pygame.draw.circle(sprite, (25, 25, 25), (wheel_x, 27), 7)
+            pygame.draw.circle(sprite, (160, 160, 160), (wheel_x, 27), 3)
+        self.sprite = sprite
+        self.canvas = pygame.Surface((self.width, self.height))
+
+    def _pixel_height(self, x):
+        return (0.45 * np.sin(3 * np.asarray(x)) + 0.55) * self.scale
+
+    def render(self) -> np.ndarray:
+        import pygame
+
+        x = float(self.env.unwrapped.state[0])
+        slope = math.degrees(math.atan(0.45 * 3 * math.cos(3 * x)))  # same scale on both axes
+        car = pygame.transform.rotozoom(self.sprite, slope, 1.0)
+        # stand the car on the road: centre of the sprite 10 px above the surface, along the normal
+        normal = math.radians(slope)
+        cx = (x - self.min_x) * self.scale - 10 * math.sin(normal)
+        cy = self.height - self._pixel_height(x) - 10 * math.cos(normal)
+        self.canvas.blit(self.background, (0, 0))
+        self.canvas.blit(car, car.get_rect(center=(cx, cy)))
+        return np.array(pygame.surfarray.pixels3d(self.canvas)).transpose(1, 0, 2)
 
 
 def make_env(
@@ -590,17 +715,29 @@ def make_env(
     render_size: int,
     render_quality: str,
     textured: bool,
+    camera: str = "paper",
 ) -> Callable[[], gym.Env]:
-    """CleanRL-style thunk: fixed-length episodes, square rgb_array rendering for the CLIP reward."""
+    """CleanRL-style thunk: fixed-length episodes, square rgb_array rendering for the CLIP reward.
+
+    MountainCarContinuous-v0 keeps its own 600x400 frames (the reward model squashes them to its square input).
+    """
 
     def thunk() -> gym.Env:
         # max_episode_steps makes gym.make wrap the env in TimeLimit(episode_length).
+        if env_id == "MountainCarContinuous-v0":
+            env = FixedLengthMountainCar(gym.make(env_id, render_mode="rgb_array", max_episode_steps=episode_length))
+            if textured:
+                env = RealisticMountainCar(env)
+            env.action_space.seed(seed + idx)
+            return env
         common = dict(render_mode="rgb_array", width=render_size, height=render_size,
                       max_episode_steps=episode_length)
         if env_id.startswith("Humanoid-"):  # not HumanoidStandup: its own model and arguments
             # No early termination: a fallen humanoid keeps being rendered and rewarded until the end.
             env = gym.make(env_id, terminate_when_unhealthy=False, default_camera_config=HUMANOID_CAMERA,
                            **({"xml_file": textured_humanoid_xml()} if textured else {}), **common)
+            if camera == "tracking":
+                env = TrackingCamera(env)
         else:
             env = NoEarlyTermination(gym.make(env_id, **common))
         if hasattr(env.unwrapped, "mujoco_renderer"):
@@ -754,16 +891,6 @@ def evaluate(actor: Actor, eval_envs: gym.vector.VectorEnv, args: Args, device: 
     return results
 
 
-def clip_image_size(args: Args) -> int:
-    """The CLIP input size, read from the architecture's config without loading any weights."""
-    import open_clip
-
-    if args.clip_model.endswith(".json"):
-        open_clip.add_model_config(args.clip_model)
-    size = open_clip.get_model_config(Path(args.clip_model).stem if args.clip_model.endswith(".json") else args.clip_model)["vision_cfg"]["image_size"]
-    return size if isinstance(size, int) else size[0]
-
-
 # ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
@@ -774,15 +901,13 @@ def main(args: Args) -> None:
         args = Args(**{**checkpoint["args"], "resume": args.resume})
     check_args(args)
     run_name = checkpoint["run_name"] if checkpoint else f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    if args.render_size is None:
-        args.render_size = clip_image_size(args) if args.reward == "clip" or args.evaluate is not None else 224
 
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-    make_eval_envs = lambda: gym.vector.SyncVectorEnv([make_env(args.env_id, args.seed + 10_000, 0, args.episode_length, args.render_size, args.render_quality, args.textured)])  # noqa: E731
+    make_eval_envs = lambda: gym.vector.SyncVectorEnv([make_env(args.env_id, args.seed + 10_000, 0, args.episode_length, args.render_size, args.render_quality, args.textured, args.camera)])  # noqa: E731
 
     if args.evaluate is not None:
         eval_envs = make_eval_envs()
@@ -805,7 +930,7 @@ def main(args: Args) -> None:
     handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # nothing to render with --reward gt: stepping in-process beats the pipe round trips to subprocesses
     vector_env = gym.vector.SyncVectorEnv if args.reward == "gt" else gym.vector.AsyncVectorEnv
-    envs = vector_env([make_env(args.env_id, args.seed, i, args.episode_length, args.render_size, args.render_quality, args.textured) for i in range(args.num_envs)],
+    envs = vector_env([make_env(args.env_id, args.seed, i, args.episode_length, args.render_size, args.render_quality, args.textured, args.camera) for i in range(args.num_envs)],
                                      autoreset_mode=gym.vector.AutoresetMode.DISABLED)
     signal.signal(signal.SIGINT, handlers[0])
     signal.signal(signal.SIGTERM, handlers[1])
@@ -850,7 +975,7 @@ def main(args: Args) -> None:
     # before the next gradient step, so training never samples a transition without its reward.
     pending: dict[str, list] = {k: [] for k in ("obs", "next_obs", "actions", "terminations", "dones", "gt", "frames")}
     components: list[str] = []  # the env's own reward terms (e.g. reward_forward), logged as diagnostics
-    episode = {k: np.zeros(args.num_envs) for k in ("return", "gt_return", "clip_return", "length")}
+    episode = {k: np.zeros(args.num_envs) for k in ("return", "gt_return", "clip_return", "length", "success")}
     render = args.reward == "clip"
     timing = {"env": 0.0, "render": 0.0, "reward_model": 0.0, "learning": 0.0}
 
@@ -902,7 +1027,8 @@ def main(args: Args) -> None:
             pending["actions"].append(actions)
             pending["terminations"].append(terminations)
             pending["dones"].append(dones)
-            pending["gt"].append(np.stack([gt_rewards] + [infos[k] for k in components], axis=1))
+            success = infos.get("success", np.zeros(args.num_envs))  # MountainCar: the flag reached in this episode so far
+            pending["gt"].append(np.stack([gt_rewards, success] + [infos[k] for k in components], axis=1))
             if render:
                 pending["frames"].append(frames)
 
@@ -928,7 +1054,8 @@ def main(args: Args) -> None:
                     episode["clip_return"][env_i] += clip_rewards[k]
                     episode["length"][env_i] += 1
                     for c, name in enumerate(components):
-                        episode.setdefault(name, np.zeros(args.num_envs))[env_i] += gt[k, 1 + c]
+                        episode.setdefault(name, np.zeros(args.num_envs))[env_i] += gt[k, 2 + c]
+                    episode["success"][env_i] = gt[k, 1]  # latched by the env, cleared at its reset
                     if dones_flat[k]:
                         step = global_step - (len(pending["obs"]) - 1 - k // args.num_envs) * args.num_envs  # the step it ended at
                         length = episode["length"][env_i]
@@ -936,6 +1063,8 @@ def main(args: Args) -> None:
                         writer.add_scalar("charts/episodic_return", episode["return"][env_i], step)
                         writer.add_scalar("charts/episodic_length", length, step)
                         writer.add_scalar("charts/gt_return", episode["gt_return"][env_i], step)
+                        if args.env_id == "MountainCarContinuous-v0":
+                            writer.add_scalar("charts/gt_success", episode["success"][env_i], step)
                         for name in components:
                             writer.add_scalar(f"gt/{name}", episode[name][env_i], step)
                         if args.reward == "clip":

@@ -146,6 +146,27 @@ def test_camera_is_fixed_in_the_world():
     env.close()
 
 
+def test_tracking_camera_follows_the_torso():
+    def body_column(frame: np.ndarray) -> float:  # the light-grey body against the dark floor (lower half)
+        low = frame[48:].astype(float)
+        mask = (low.min(-1) > 110) & (low.max(-1) - low.min(-1) < 40)
+        assert mask.sum() > 20
+        return float(np.nonzero(mask)[1].mean())
+
+    columns = {}
+    for camera in ("paper", "tracking"):
+        env = make_env("Humanoid-v5", seed=0, idx=0, episode_length=100, render_size=96, render_quality="fast",
+                       textured=True, camera=camera)()
+        env.reset(seed=0)
+        start = body_column(env.render())
+        _move_root(env, dy=1.0)  # one metre sideways
+        columns[camera] = start, body_column(env.render())
+        env.close()
+    assert abs(columns["paper"][1] - columns["paper"][0]) > 10  # the fixed camera sees it walk across the picture
+    assert abs(columns["tracking"][1] - columns["tracking"][0]) < 3  # the tracking camera keeps it in the middle
+    assert abs(columns["tracking"][0] - columns["paper"][0]) < 3  # same view at the start
+
+
 @pytest.mark.parametrize("size", [64, 112])
 def test_render_quality_fast_and_high(size):
     frames = {}

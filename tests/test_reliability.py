@@ -66,7 +66,8 @@ def test_same_seed_same_returns_dqn_with_clip_reward(tmp_path):
 
 def test_same_seed_same_returns_sac_with_clip_reward_in_subprocess_envs(tmp_path):
     flags = [*TINY_CLIP_FLAGS, "--num-envs", "2", "--render-size", "48", "--episode-length", "50", "--total-timesteps", "400",
-             "--learning-starts", "100", "--train-frequency", "10", "--gradient-steps", "5", "--batch-size", "32"]
+             "--learning-starts", "100", "--train-frequency", "10", "--gradient-steps", "5", "--batch-size", "32",
+             "--render-quality", "fast"]
     results = []
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
