@@ -73,7 +73,12 @@ def test_log_prob_is_the_unit_box_tanh_gaussian_one_as_in_sb3():
     torch.testing.assert_close(log_prob, expected, atol=1e-3, rtol=1e-4)
     assert action.abs().max() < 1  # the sampled action stays on the unit box (replay buffer, critics)
     torch.testing.assert_close(deterministic, 0.4 * torch.tanh(mean))  # evaluation and checkpoints: env units
-    assert sac.Args().ent_coef == 1.0 and sac.Args().autotune  # SB3's initial coefficient
+
+
+def test_defaults_are_the_papers():
+    args = sac.Args()
+    assert (args.ent_coef, args.autotune) == (1.0, True)  # SB3's automatic coefficient starts at 1.0
+    assert (args.render_size, args.render_quality, args.camera, args.textured) == (480, "high", "paper", True)
 
 
 def test_sac_learns_inverted_pendulum_from_ground_truth(in_tmp):
