@@ -22,7 +22,6 @@ frames/ (--save-frames).
 """
 
 import csv
-import logging
 import math
 import os
 import re
@@ -43,9 +42,21 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 import tyro
+
+# One source of truth: the reward model and the environments are the DQN script's own, as the agent sees them.
+from vlmrm_dqn_classic import (
+    DEFAULT_PROMPTS,
+    MOUNTAINCAR_GOAL,
+    CLIPReward,
+    UserError,
+    check_clip_args,
+    load_clip,
+    make_env,
+    resolve_negatives,
+    softmax_reward,
+    vlm_reward,
+)
 
 
 @dataclass
@@ -106,16 +117,6 @@ class ClipModelArgs:
     clip_cache_dir: Optional[str]
 
 
-DEFAULT_PROMPTS = {  # (goal, baseline) from the paper
-    "CartPole-v1": ("pole vertically upright on top of the cart", "pole and cart"),
-    "MountainCar-v0": ("a car at the peak of the mountain, next to the yellow flag", "a car in the mountain"),
-}
-
-
-class UserError(Exception):
-    """Bad input or a missing resource: reported as one sentence and exit code 2, never a traceback."""
-
-
 def check_args(args: Args) -> list[ClipModelArgs]:
     """Reject bad flags before anything expensive (model download, rendering) happens; returns one entry per model."""
     if args.env_id not in DEFAULT_PROMPTS:
@@ -160,298 +161,6 @@ def check_args(args: Args) -> list[ClipModelArgs]:
     for spec in specs:  # every model is checked before the first one is loaded
         check_clip_args(spec)
     return specs
-
-
-def check_clip_args(args: ClipModelArgs) -> None:
-    import open_clip
-
-    if args.clip_model.endswith(".json"):
-        if not os.path.isfile(args.clip_model):
-            raise UserError(f"--clip-model {args.clip_model}: no such model config file.")
-        return
-    if args.clip_model not in open_clip.list_models():
-        raise UserError(f"--clip-model {args.clip_model} is not an open_clip architecture; run `python -c \"import open_clip; print(open_clip.list_models())\"` to see them (e.g. ViT-bigG-14, ViT-L-14, RN50).")
-    if args.clip_checkpoint is not None:
-        if not os.path.isfile(args.clip_checkpoint):
-            raise UserError(f"--clip-checkpoint {args.clip_checkpoint}: no such file; pass the path of a downloaded open_clip weights file.")
-        return
-    tags = open_clip.list_pretrained_tags_by_model(args.clip_model)
-    if args.clip_pretrained != "none" and args.clip_pretrained not in tags:
-        raise UserError(f"--clip-pretrained {args.clip_pretrained} is not a pretrained tag of {args.clip_model}; its tags are: {', '.join(tags) or 'none'}.")
-
-
-# ----------------------------------------------------------------------------------------------
-# CLIP reward
-# ----------------------------------------------------------------------------------------------
-def vlm_reward(image_embeddings: torch.Tensor, goal_embeddings: torch.Tensor,
-               baseline_embeddings: torch.Tensor, alpha: float) -> torch.Tensor:
-    """R(s) = 1 - 0.5 * ||(s - g) P||^2 with P = alpha * d d^T / ||d||^2 + (1 - alpha) I, d = g - b.
-
-    Takes raw (N, D) image and (G, D) / (B, D) prompt embeddings; returns (N,) rewards in float32.
-    """
-    s = F.normalize(image_embeddings.float(), dim=-1)
-    g = F.normalize(goal_embeddings.float(), dim=-1).mean(0)  # the mean is deliberately not re-normalised
-    b = F.normalize(baseline_embeddings.float(), dim=-1).mean(0)
-    u = s - g
-    if alpha == 0:
-        return 1 - 0.5 * u.pow(2).sum(-1)
-    d = g - b
-    d_norm = d.norm()
-    if d_norm == 0:
-        raise ValueError("goal and baseline embeddings are equal: the projection direction is undefined for alpha > 0")
-    direction = d / d_norm
-    # u P = alpha * (u . d^) d^ + (1 - alpha) u: O(N D), no D x D matrix
-    projected = alpha * (u @ direction)[:, None] * direction + (1 - alpha) * u
-    return 1 - 0.5 * projected.pow(2).sum(-1)
-
-
-DEFAULT_NEGATIVES = {  # softmax family: our own negatives for the default goals (not the paper's), states the goal is not
-    ("pole vertically upright on top of the cart",): ("pole tilted to the side of the cart", "pole lying flat next to the cart"),
-    ("a car at the peak of the mountain, next to the yellow flag",): ("a car at the bottom of the valley", "a car on the slope, far from the yellow flag"),
-    ("a humanoid robot kneeling",): ("a humanoid robot standing", "a humanoid robot lying on the ground"),
-}
-
-
-def softmax_reward(image_embeddings: torch.Tensor, goal_embeddings: torch.Tensor, negative_embeddings: torch.Tensor,
-                   temperature: float, threshold: float, soft: bool = False) -> torch.Tensor:
-    """R(s) = 1 if p > threshold else 0, p = softmax_k(cos(s, e_k) / temperature)[goal] over the goal and each negative.
-
-    Takes raw (N, D) image, (G, D) goal and (K, D) negative embeddings. Several goal prompts form one class: the mean
-    of the normalised goal embeddings, re-normalised (the cosine needs a direction); every negative prompt is a class
-    of its own. Returns (N,) float32: 0 or 1, or with soft=True the probability p itself.
-    """
-    if negative_embeddings.shape[0] == 0:
-        raise ValueError("softmax_reward needs at least one negative prompt embedding")
-    if not 0 < temperature < float("inf"):  # also rejects nan
-        raise ValueError(f"temperature must be positive and finite, got {temperature}")
-    if not 0 < threshold < 1:
-        raise ValueError(f"threshold must be in (0, 1), got {threshold}")
-    s = F.normalize(image_embeddings.float(), dim=-1)
-    g = F.normalize(F.normalize(goal_embeddings.float(), dim=-1).mean(0), dim=-1)
-    prompts = torch.cat([g[None], F.normalize(negative_embeddings.float(), dim=-1)])  # (1 + K, D), the goal first
-    p = (s @ prompts.T / temperature).softmax(dim=-1)[:, 0]
-    return p if soft else (p > threshold).float()
-
-
-def resolve_negatives(goal: tuple[str, ...], negatives: Optional[tuple[str, ...]], flag: str) -> tuple[str, ...]:
-    """The softmax family's negative prompts: --negatives, else the defaults of the default goal; one-sentence errors."""
-    negatives = DEFAULT_NEGATIVES.get(tuple(goal), ()) if negatives is None else tuple(negatives)
-    if not negatives or any(not n.strip() for n in negatives):
-        raise UserError(f"{flag} needs at least one non-empty --negatives prompt describing what the goal is not (default negatives go with the default --goal only).")
-    shared = sorted(set(negatives) & set(goal))
-    if shared:
-        raise UserError(f"--negatives and --goal share the prompt {shared[0]!r}; a negative must describe something the goal is not.")
-    return negatives
-
-
-def load_clip(args: ClipModelArgs, device: torch.device) -> tuple[nn.Module, object]:
-    """The open_clip model and tokenizer named by the flags, with one-sentence errors."""
-    import open_clip
-
-    model_name = args.clip_model
-    if model_name.endswith(".json"):  # a custom architecture, e.g. the tiny test model in tests/
-        open_clip.add_model_config(model_name)
-        model_name = Path(model_name).stem
-    pretrained = args.clip_checkpoint or (None if args.clip_pretrained == "none" else args.clip_pretrained)
-    logging.disable(logging.ERROR)  # open_clip logs its own multi-line errors; we say it in one sentence
-    try:
-        model = open_clip.create_model(model_name, pretrained=pretrained, device=device, cache_dir=args.clip_cache_dir)
-    except Exception as e:  # noqa: BLE001 - every failure here has the same fixes
-        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
-        detail = detail if len(detail) <= 160 else detail[:157] + "..."
-        if args.clip_checkpoint is not None:
-            raise UserError(f"could not load --clip-checkpoint {args.clip_checkpoint} into {model_name} ({type(e).__name__}: {detail}); check that the file holds open_clip weights for that architecture.") from None
-        raise UserError(f"could not download or find the {model_name}/{pretrained} CLIP weights ({detail}); check the network connection, point --clip-cache-dir at a folder that already holds them, or pass a local weights file with --clip-checkpoint.") from None
-    finally:
-        logging.disable(logging.NOTSET)
-    if pretrained is None:
-        print(f"note: {model_name} has random weights (--clip-pretrained none): its rewards are meaningless outside tests")
-    return model.eval(), open_clip.get_tokenizer(model_name)
-
-
-class CLIPReward(nn.Module):
-    """Scores uint8 frames (N, H, W, 3) with `vlm_reward` (family "projection") or `softmax_reward` ("softmax").
-
-    Prompt embeddings (goal, baseline, negatives) are computed once.
-    """
-
-    def __init__(self, model: nn.Module, tokenizer, goal: tuple[str, ...], baseline: tuple[str, ...],
-                 alpha: float, batch_size: int, device: torch.device, family: str = "projection",
-                 negatives: tuple[str, ...] = (), temperature: float = 0.01, threshold: float = 0.5, soft: bool = False):
-        super().__init__()
-        import open_clip
-
-        if family not in ("projection", "softmax"):
-            raise ValueError(f"unknown reward family {family!r}: use 'projection' or 'softmax'")
-        if family == "softmax" and not negatives:
-            raise ValueError("the softmax reward family needs at least one negative prompt")
-        self.model, self.alpha, self.batch_size, self.device = model, alpha, batch_size, device
-        self.family, self.temperature, self.threshold, self.soft = family, temperature, threshold, soft
-        preprocess_cfg = open_clip.get_model_preprocess_cfg(model)
-        self.image_size = tuple(preprocess_cfg["size"]) if not isinstance(preprocess_cfg["size"], int) else (preprocess_cfg["size"],) * 2
-        self.register_buffer("mean", torch.tensor(preprocess_cfg["mean"], device=device).view(1, 3, 1, 1))
-        self.register_buffer("std", torch.tensor(preprocess_cfg["std"], device=device).view(1, 3, 1, 1))
-        with torch.no_grad():
-            self.register_buffer("goal_embeddings", model.encode_text(tokenizer(list(goal)).to(device)).float())
-            self.register_buffer("baseline_embeddings", model.encode_text(tokenizer(list(baseline or goal)).to(device)).float())
-            self.register_buffer("negative_embeddings", model.encode_text(tokenizer(list(negatives)).to(device)).float() if negatives
-                                 else self.goal_embeddings.new_zeros(0, self.goal_embeddings.shape[1]))
-
-    @torch.no_grad()
-    def embed_images(self, frames: torch.Tensor) -> torch.Tensor:
-        """uint8 (N, H, W, 3) -> raw image embeddings (N, D); frames travel to the device as uint8 (4x less)."""
-        x = frames.to(self.device, non_blocking=True).permute(0, 3, 1, 2).float().div_(255)
-        # squash to the model's square input, like the reference; antialias matches PIL's bicubic downscale
-        x = F.interpolate(x, size=self.image_size, mode="bicubic", align_corners=False, antialias=True).clamp_(0, 1)
-        x = (x - self.mean) / self.std
-        with torch.autocast(device_type=self.device.type, dtype=torch.float16, enabled=self.device.type == "cuda"):
-            return self.model.encode_image(x)
-
-    def rewards(self, image_embeddings: torch.Tensor) -> torch.Tensor:
-        """The chosen family's rewards (N,) of raw image embeddings (N, D)."""
-        if self.family == "softmax":
-            return softmax_reward(image_embeddings, self.goal_embeddings, self.negative_embeddings,
-                                  self.temperature, self.threshold, self.soft)
-        return vlm_reward(image_embeddings, self.goal_embeddings, self.baseline_embeddings, self.alpha)
-
-    @torch.no_grad()
-    def forward(self, frames: np.ndarray) -> np.ndarray:
-        frames = torch.from_numpy(np.ascontiguousarray(frames))
-        rewards = [self.rewards(self.embed_images(chunk)) for chunk in frames.split(self.batch_size)]
-        return torch.cat(rewards).cpu().numpy()
-
-
-
-# ----------------------------------------------------------------------------------------------
-# Environments: fixed-length episodes; the env's own reward is the ground truth (logged, not learned from)
-# ----------------------------------------------------------------------------------------------
-class FixedLengthCartPole(gym.Wrapper):
-    """CartPole that never terminates: the pole angle wraps to [-pi, pi) and the cart stops at the track ends.
-
-    Reward = 1 when the step is upright (|theta| < 12 deg and |x| < 2.4), else 0.
-    """
-
-    def step(self, action):
-        _, _, _, truncated, info = self.env.step(action)
-        cartpole = self.env.unwrapped
-        x, x_dot, theta, theta_dot = cartpole.state
-        theta = (theta + math.pi) % (2 * math.pi) - math.pi
-        if abs(x) > cartpole.x_threshold:  # the track ends are walls: stop there instead of leaving the screen
-            x, x_dot = math.copysign(cartpole.x_threshold, x), 0.0
-        cartpole.state = np.array([x, x_dot, theta, theta_dot], dtype=np.float64)
-        cartpole.steps_beyond_terminated = None  # we keep stepping on purpose: silence gym's warning
-        upright = bool(abs(theta) < cartpole.theta_threshold_radians and abs(x) < cartpole.x_threshold)
-        info["success"] = upright
-        return np.array(cartpole.state, dtype=np.float32), float(upright), False, truncated, info
-
-
-MOUNTAINCAR_GOAL = 0.45  # the paper's flag position (Gymnasium's MountainCar-v0 uses 0.5)
-
-
-class FixedLengthMountainCar(gym.Wrapper):
-    """MountainCar that never terminates. Reward = 1 while at the flag (x >= 0.45), else 0.
-
-    `info["success"]` says whether the flag was reached at any point of the current episode.
-    """
-
-    def reset(self, **kwargs):
-        self.reached_goal = False
-        return self.env.reset(**kwargs)
-
-    def step(self, action):
-        obs, _, _, truncated, info = self.env.step(action)
-        at_goal = bool(obs[0] >= MOUNTAINCAR_GOAL)
-        self.reached_goal |= at_goal
-        info["success"] = self.reached_goal
-        return obs, float(at_goal), False, truncated, info
-
-
-class RealisticMountainCar(gym.Wrapper):
-    """Draws MountainCar as a landscape (sky, hills, road, yellow flag, a car tilted to the slope).
-
-    CLIP scores photos-like scenes far better than line art. Same world-to-pixel mapping as Gymnasium's
-    renderer; the static background is drawn once, only the car is drawn per frame.
-    """
-
-    width, height = 600, 400
-
-    def __init__(self, env: gym.Env):
-        super().__init__(env)
-        import pygame
-
-        car = env.unwrapped
-        self.min_x, self.max_x = car.min_position, car.max_position
-        self.scale = self.width / (self.max_x - self.min_x)
-        rng = np.random.default_rng(0)  # fixed texture noise: every frame of every run looks the same
-        # sky: vertical gradient from deep blue to a pale horizon
-        t = np.linspace(0, 1, self.height)[:, None, None]
-        pixels = (1 - t) * np.array([70, 130, 210]) + t * np.array([200, 225, 245])
-        pixels = np.broadcast_to(pixels, (self.height, self.width, 3)).copy()
-        cols = np.arange(self.width)
-        # distant mountains: a hazy blue-grey ridge
-        ridge = 170 + 35 * np.sin(cols / 57.0) + 20 * np.sin(cols / 23.0 + 1.3) + 8 * np.sin(cols / 7.0)
-        far = np.arange(self.height)[:, None] > ridge[None, :]
-        pixels[far] = [120, 140, 165]
-        # the hill: grass below the track curve, with a darker earth layer and speckle noise
-        surface = self.height - self._pixel_height(self.min_x + cols / self.scale)
-        depth = np.arange(self.height)[:, None] - surface[None, :]
-        grass = (depth > 0)[..., None] * np.array([70, 140, 55])
-        earth = (depth > 28)[..., None] * (np.array([110, 85, 55]) - np.array([70, 140, 55]))
-        ground = depth > 0
-        noise = rng.normal(0, 12, (self.height, self.width, 1))
-        pixels[ground] = (grass + earth + noise)[ground]
-        road = (depth > -4) & (depth <= 4)  # a grey road along the curve the car drives on
-        pixels[road] = [95, 95, 100]
-        background = pygame.surfarray.make_surface(np.clip(pixels, 0, 255).astype(np.uint8).transpose(1, 0, 2))
-        # the yellow flag at the goal position
-        flag_x = int((MOUNTAINCAR_GOAL - self.min_x) * self.scale)
-        flag_y = self.height - int(self._pixel_height(MOUNTAINCAR_GOAL)) - 4
-        pygame.draw.line(background, (60, 60, 60), (flag_x, flag_y), (flag_x, flag_y - 60), 3)
-        pygame.draw.polygon(background, (250, 210, 20), [(flag_x + 2, flag_y - 60), (flag_x + 32, flag_y - 50), (flag_x + 2, flag_y - 40)])
-        self.background = background
-        # the car sprite, drawn once and rotated per frame: red body, cabin with windows, two wheels
-        sprite = pygame.Surface((56, 34), pygame.SRCALPHA)
-        pygame.draw.rect(sprite, (200, 30, 35), (0, 12, 56, 14), border_radius=5)
-        pygame.draw.rect(sprite, (175, 25, 30), (12, 2, 30, 14), border_radius=4)
-        pygame.draw.rect(sprite, (170, 210, 235), (16, 5, 10, 8))
-        pygame.draw.rect(sprite, (170, 210, 235), (29, 5, 10, 8))
-        for wheel_x in (12, 44):
-            pygame.draw.circle(sprite, (25, 25, 25), (wheel_x, 27), 7)
-            pygame.draw.circle(sprite, (160, 160, 160), (wheel_x, 27), 3)
-        self.sprite = sprite
-        self.canvas = pygame.Surface((self.width, self.height))
-
-    def _pixel_height(self, x):
-        return (0.45 * np.sin(3 * np.asarray(x)) + 0.55) * self.scale
-
-    def render(self) -> np.ndarray:
-        import pygame
-
-        x = float(self.env.unwrapped.state[0])
-        slope = math.degrees(math.atan(0.45 * 3 * math.cos(3 * x)))  # same scale on both axes
-        car = pygame.transform.rotozoom(self.sprite, slope, 1.0)
-        # stand the car on the road: centre of the sprite 10 px above the surface, along the normal
-        normal = math.radians(slope)
-        cx = (x - self.min_x) * self.scale - 10 * math.sin(normal)
-        cy = self.height - self._pixel_height(x) - 10 * math.cos(normal)
-        self.canvas.blit(self.background, (0, 0))
-        self.canvas.blit(car, car.get_rect(center=(cx, cy)))
-        return np.array(pygame.surfarray.pixels3d(self.canvas)).transpose(1, 0, 2)
-
-
-def make_env(env_id: str, seed: int, idx: int, episode_length: int, realistic: bool):
-    def thunk():
-        env = gym.make(env_id, render_mode="rgb_array", max_episode_steps=episode_length)
-        if env_id == "CartPole-v1":
-            env = FixedLengthCartPole(env)
-        else:
-            env = FixedLengthMountainCar(env)
-            if realistic:
-                env = RealisticMountainCar(env)
-        env.action_space.seed(seed + idx)
-        return env
-
-    return thunk
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""vlm_reward and softmax_reward against the closed forms of SPEC section 1, in every script that defines them."""
+"""vlm_reward and softmax_reward against the closed forms of SPEC section 1, in both training scripts (the tools import them)."""
 
 import importlib
 import inspect
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-SCRIPTS = ["vlmrm_dqn_classic", "vlmrm_sac_humanoid", "reward_shape", "epic_eval"]
+SCRIPTS = ["vlmrm_dqn_classic", "vlmrm_sac_humanoid"]  # each is copyable alone, so each has its own copy
 D = 16
 
 
@@ -202,9 +202,12 @@ def test_softmax_rejects_no_negatives(softmax_reward):
         softmax_reward(torch.randn(3, D), torch.randn(1, D), torch.zeros(0, D), 0.01, 0.5)
 
 
-@pytest.mark.parametrize("name", ["vlm_reward", "softmax_reward", "resolve_negatives", "CLIPReward"])
-def test_shared_reward_code_is_identical_in_every_script(name):
+@pytest.mark.parametrize("name", ["vlm_reward", "softmax_reward", "resolve_negatives", "CLIPReward", "load_clip"])
+def test_shared_reward_code_is_identical_in_both_training_scripts_and_the_tools_use_it(name):
     sources = {script: inspect.getsource(getattr(importlib.import_module(script), name)) for script in SCRIPTS}
     assert len(set(sources.values())) == 1, f"{name} differs between {list(sources)}"
     defaults = [importlib.import_module(script).DEFAULT_NEGATIVES for script in SCRIPTS]
     assert all(d == defaults[0] for d in defaults)
+    for tool in ["reward_shape", "epic_eval"]:  # one source of truth: the tools score with the training code itself
+        tool_object = getattr(importlib.import_module(tool), name, None)
+        assert tool_object is None or tool_object is getattr(importlib.import_module("vlmrm_dqn_classic"), name)
