@@ -235,7 +235,8 @@ def check_collect_args(args: Collect) -> Optional[dict]:
         trained_on = checkpoint["args"].get("env_id")
         if args.env_id is not None and args.env_id != trained_on:
             raise UserError(f"--policy {args.policy} was trained on {trained_on}, not --env-id {args.env_id}.")
-        supported = ("CartPole-v1", "MountainCar-v0") if "q_network" in checkpoint else ("Humanoid-v5",)
+        dqn = "q_network" in checkpoint
+        supported = ("CartPole-v1", "MountainCar-v0") if dqn else ("Humanoid-v5", "MountainCarContinuous-v0")
         if trained_on not in supported:
             raise UserError(f"--policy {args.policy} was trained on {trained_on}; collect supports its policies on {', '.join(supported)} only.")
         args.env_id = trained_on

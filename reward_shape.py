@@ -1,8 +1,9 @@
 """VLM-RM reward shape: the CLIP reward along one state axis, per alpha and per CLIP model (paper Fig. 2).
 
 Sets the environment's state directly along one axis (CartPole: pole angle in [-pi/2, pi/2] with the cart
-centred; MountainCar: car position in [-1.2, 0.6]), renders every state exactly as vlmrm_dqn_classic.py
-does, embeds all frames once per CLIP model and scores them with `vlm_reward` for every alpha. A good
+centred; MountainCar-v0 and MountainCarContinuous-v0: car position in [-1.2, 0.6], goal 0.45), renders every
+state exactly as the training script does (vlmrm_dqn_classic.py; vlmrm_sac_humanoid.py for the continuous car),
+embeds all frames once per CLIP model and scores them with `vlm_reward` for every alpha. A good
 reward model peaks at the goal state and falls off away from it. `--reward-families projection softmax` adds
 the thresholded-softmax reward (`softmax_reward`: goal against --negatives) to the same plot and tables.
 
@@ -44,7 +45,7 @@ import numpy as np
 import torch
 import tyro
 
-# One source of truth: the reward model and the environments are the DQN script's own, as the agent sees them.
+# One source of truth: the reward model and the environments are the training scripts' own, as the agent sees them.
 from vlmrm_dqn_classic import (
     DEFAULT_PROMPTS,
     MOUNTAINCAR_GOAL,
@@ -57,6 +58,7 @@ from vlmrm_dqn_classic import (
     softmax_reward,
     vlm_reward,
 )
+from vlmrm_sac_humanoid import make_env as make_sac_env  # MountainCarContinuous-v0: the paper's, trained with SAC
 
 
 @dataclass
@@ -70,7 +72,7 @@ class Args:
 
     # Environment and sweep
     env_id: str = "CartPole-v1"
-    """CartPole-v1 (sweeps the pole angle, cart centred) or MountainCar-v0 (sweeps the car position)"""
+    """CartPole-v1 (sweeps the pole angle, cart centred), MountainCar-v0 or MountainCarContinuous-v0 (the car position)"""
     realistic: bool = False
     """MountainCar only: draw a landscape (sky, hills, flag, car) instead of Gymnasium's line art"""
     num_points: int = 101
@@ -119,10 +121,11 @@ class ClipModelArgs:
 
 def check_args(args: Args) -> list[ClipModelArgs]:
     """Reject bad flags before anything expensive (model download, rendering) happens; returns one entry per model."""
-    if args.env_id not in DEFAULT_PROMPTS:
-        raise UserError(f"--env-id {args.env_id} is not supported; choose one of: {', '.join(DEFAULT_PROMPTS)}.")
-    if args.realistic and args.env_id != "MountainCar-v0":
-        raise UserError(f"--realistic only changes MountainCar-v0's drawing, not {args.env_id}'s; drop it or use --env-id MountainCar-v0.")
+    if args.env_id not in PROMPTS:
+        raise UserError(f"--env-id {args.env_id} is not supported; choose one of: {', '.join(PROMPTS)}.")
+    if args.realistic and not args.env_id.startswith("MountainCar"):
+        raise UserError(f"--realistic only changes MountainCar-v0 and MountainCarContinuous-v0 drawings, not {args.env_id}'s; "
+                        "drop it or use a MountainCar.")
     if not args.reward_families:
         raise UserError("--reward-families needs at least one of: projection, softmax.")
     projection = "projection" in args.reward_families
@@ -169,7 +172,9 @@ def check_args(args: Args) -> list[ClipModelArgs]:
 SWEEPS = {  # env -> (axis label, low, high): the paper's Fig. 2 ranges
     "CartPole-v1": ("pole angle theta (rad), cart centred", -math.pi / 2, math.pi / 2),
     "MountainCar-v0": ("car position x", -1.2, 0.6),
+    "MountainCarContinuous-v0": ("car position x", -1.2, 0.6),
 }
+PROMPTS = {**DEFAULT_PROMPTS, "MountainCarContinuous-v0": DEFAULT_PROMPTS["MountainCar-v0"]}  # the SAC script's defaults too
 EPISODE_LENGTH = 200  # make_env needs one; the sweep never steps, so it has no effect
 
 
@@ -197,7 +202,10 @@ def set_state(env: gym.Env, env_id: str, value: float) -> None:
 
 def render_states(env_id: str, realistic: bool, states: np.ndarray, seed: int) -> tuple[np.ndarray, float]:
     """uint8 frames (N, H, W, 3), one per state, through the same wrapper stack as training; and the goal state."""
-    env = make_env(env_id, seed, 0, EPISODE_LENGTH, realistic)()
+    if env_id == "MountainCarContinuous-v0":  # render size and quality only apply to MuJoCo scenes
+        env = make_sac_env(env_id, seed, 0, EPISODE_LENGTH, 480, "high", realistic)()
+    else:
+        env = make_env(env_id, seed, 0, EPISODE_LENGTH, realistic)()
     env.reset(seed=seed)  # the env renders only after a reset
     frames = []
     for value in states:
@@ -293,8 +301,8 @@ def plot_model(path: Path, label: str, states: np.ndarray, goal: float, rewards:
 
 
 def main(args: Args) -> Path:
-    if args.env_id in DEFAULT_PROMPTS:  # an unknown env is reported by check_args, in one sentence
-        default_goal, default_baseline = DEFAULT_PROMPTS[args.env_id]
+    if args.env_id in PROMPTS:  # an unknown env is reported by check_args, in one sentence
+        default_goal, default_baseline = PROMPTS[args.env_id]
         args.goal = args.goal if args.goal is not None else (default_goal,)
         args.baseline = args.baseline if args.baseline is not None else (default_baseline,)
     specs = check_args(args)

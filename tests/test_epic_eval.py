@@ -160,7 +160,7 @@ def test_unknown_env_id_is_one_sentence_error(tmp_path):
 
 @pytest.fixture(scope="module")
 def saved_policies(tmp_path_factory) -> dict[str, str]:
-    """A DQN model.pt (CartPole) and a SAC checkpoint.pt (Humanoid), each from a short --save-model run."""
+    """A DQN model.pt (CartPole), SAC checkpoint.pt files (Humanoid, MountainCarContinuous), from short --save-model runs."""
     import vlmrm_dqn_classic
     import vlmrm_sac_humanoid
 
@@ -173,14 +173,18 @@ def saved_policies(tmp_path_factory) -> dict[str, str]:
         vlmrm_sac_humanoid.main(vlmrm_sac_humanoid.Args(env_id="Humanoid-v5", reward="gt", num_envs=1, total_timesteps=100,
                                                         learning_starts=50, batch_size=16, episode_length=50, save_model=True,
                                                         cuda=False))
+        vlmrm_sac_humanoid.main(vlmrm_sac_humanoid.Args(env_id="MountainCarContinuous-v0", reward="gt", num_envs=1,
+                                                        total_timesteps=100, learning_starts=50, batch_size=16,
+                                                        episode_length=50, save_model=True, cuda=False))
     finally:
         os.chdir(cwd)
     runs = sorted((folder / "runs").iterdir())
     return {"dqn": str(next(r for r in runs if "CartPole" in r.name) / "model.pt"),
-            "sac": str(next(r for r in runs if "Humanoid" in r.name) / "checkpoint.pt")}
+            "sac": str(next(r for r in runs if "Humanoid" in r.name) / "checkpoint.pt"),
+            "sac_car": str(next(r for r in runs if "MountainCarContinuous" in r.name) / "checkpoint.pt")}
 
 
-@pytest.mark.parametrize("which", ["dqn", "sac"])
+@pytest.mark.parametrize("which", ["dqn", "sac", "sac_car"])
 def test_collect_follows_a_saved_policy(saved_policies, which, tmp_path):
     """With --policy and --epsilon 0 the states are exactly a rollout of that policy (greedy Q / the actor's mean)."""
     import gymnasium as gym
@@ -194,14 +198,15 @@ def test_collect_follows_a_saved_policy(saved_policies, which, tmp_path):
     assert args.env_id == env_id  # the environment comes from the checkpoint
     epic_eval.collect(epic_eval.Collect(out=str(tmp_path / "random"), env_id=env_id, num_frames=12, episode_length=6,
                                         render_size=32, seed=5))
-    columns = ["qpos_0", "qpos_1", "qpos_2"] if which == "sac" else ["x", "x_dot", "theta", "theta_dot"]
+    columns = {"dqn": ["x", "x_dot", "theta", "theta_dot"], "sac": ["qpos_0", "qpos_1", "qpos_2"],
+               "sac_car": ["position", "velocity"]}[which]
 
     def states(name: str) -> np.ndarray:
         with open(tmp_path / name / "states.csv", newline="") as f:
             return np.array([[float(row[c]) for c in columns] for row in csv.DictReader(f)])
 
     # the rollout, step by step, with the scripts' own env and network definitions
-    if which == "sac":
+    if which.startswith("sac"):
         envs = gym.vector.SyncVectorEnv([epic_eval.make_humanoid_env(env_id, 5, 0, 6, 32, "fast", True)])
         actor = epic_eval.Actor(envs)
         actor.load_state_dict(checkpoint["actor"])

@@ -224,14 +224,20 @@ def test_csv_png_and_frames_are_written(monkeypatch, tmp_path):
 # ------------------------------------------------------------------------------------------------
 # Same frames as the training script; same reward as its CLIPReward
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("env_id, realistic", [("CartPole-v1", False), ("MountainCar-v0", False), ("MountainCar-v0", True)])
+@pytest.mark.parametrize("env_id, realistic", [("CartPole-v1", False), ("MountainCar-v0", False), ("MountainCar-v0", True),
+                                               ("MountainCarContinuous-v0", False), ("MountainCarContinuous-v0", True)])
 def test_frames_equal_the_training_script(env_id, realistic):
     import vlmrm_dqn_classic as classic
+    import vlmrm_sac_humanoid as sac
 
     _, low, high = reward_shape.SWEEPS[env_id]
+    assert (low, high) == ((-1.2, 0.6) if env_id.startswith("MountainCar") else (-np.pi / 2, np.pi / 2))
     states = np.linspace(low, high, 7)
     frames, goal = reward_shape.render_states(env_id, realistic, states, seed=3)
-    env = classic.make_env(env_id, 0, 0, 200, realistic)()
+    if env_id == "MountainCarContinuous-v0":  # the paper's MountainCar, trained by the SAC script
+        env = sac.make_env(env_id, 0, 0, 200, 480, "high", realistic)()
+    else:
+        env = classic.make_env(env_id, 0, 0, 200, realistic)()
     env.reset(seed=0)
     for value, frame in zip(states, frames):
         if env_id == "CartPole-v1":
@@ -286,9 +292,10 @@ def run_cli(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def test_cli_tiny_model(monkeypatch, tmp_path, capsys):
+@pytest.mark.parametrize("env_id", ["MountainCar-v0", "MountainCarContinuous-v0"])
+def test_cli_tiny_model(monkeypatch, tmp_path, capsys, env_id):
     monkeypatch.chdir(tmp_path)
-    code, out, err = run_cli(monkeypatch, capsys, "--env-id", "MountainCar-v0", "--realistic", "--clip-models", TINY,
+    code, out, err = run_cli(monkeypatch, capsys, "--env-id", env_id, "--realistic", "--clip-models", TINY,
                              "--clip-pretrained", "none", "--alphas", "0", "0.5", "--num-points", "5", "--no-cuda")
     assert code == 0, err
     run_dir = next(Path("runs").iterdir())
