@@ -24,14 +24,17 @@ columns, gt), <dataset>/labels.csv (frame, label, time; append-only, the last la
 import csv
 import datetime
 import http.server
+import io
 import json
 import logging
 import math
 import os
 import random
+import shutil
 import sys
 import threading
 import time
+import urllib.parse
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -897,6 +900,12 @@ LABELS_HEADER = ["frame", "label", "time"]
 SKIP = "skip"  # a frame the labeller could not judge: kept in labels.csv, left out of every metric
 
 
+def is_plain_file_name(name: object) -> bool:
+    """A file directly inside a folder: no separators, not '.' or '..', no control characters (a CSV line each)."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\")
+            and all(ord(c) >= 32 and ord(c) != 127 for c in name))
+
+
 def load_states(dataset: str) -> list[dict]:
     """Rows of states.csv, after checking that the dataset exists, is not empty and has all its frames."""
     states_path = os.path.join(dataset, "states.csv")
@@ -913,6 +922,9 @@ def load_states(dataset: str) -> list[dict]:
     if not rows:
         raise UserError(f"{states_path} lists no frames: the dataset is empty.")
     names = [r["frame"] for r in rows]
+    bad = next((n for n in names if not is_plain_file_name(n)), None)
+    if bad is not None:  # a crafted states.csv must not reach files outside frames/ (the label page serves them)
+        raise UserError(f"{states_path} names the frame {bad!r}, which is not a plain file name in {os.path.join(dataset, 'frames')}; frame names must have no folder separators, no '..' and no control characters.")
     if len(set(names)) != len(names):
         raise UserError(f"{states_path} lists a frame more than once (e.g. {next(n for n in names if names.count(n) > 1)}).")
     missing = [n for n in names if not os.path.isfile(os.path.join(dataset, "frames", n))]
@@ -937,7 +949,8 @@ def read_labels(dataset: str, frames: set[str]) -> dict[str, str]:
     if next(csv.reader(lines[:1])) != LABELS_HEADER:
         raise UserError(f"{path} does not start with the header {','.join(LABELS_HEADER)}; it was not written by `epic_eval.py label`.")
     labels: dict[str, str] = {}
-    for line_number, row in enumerate(csv.reader(lines[1:]), start=2):
+    # one line at a time: a line cut short inside a quoted name must not swallow the next one
+    for line_number, row in enumerate((next(csv.reader([line]), []) for line in lines[1:]), start=2):
         if len(row) < 3 or not row[2]:  # a write cut short by a crash before the time: never acknowledged
             print(f"warning: ignoring the incomplete line {line_number} of {path}: {','.join(row)!r}")
             continue
@@ -997,9 +1010,12 @@ def append_label(path: str, frame: str, label: str) -> None:
             f.seek(-1, os.SEEK_END)
             if f.read(1) != b"\n":  # an earlier write was cut short: keep it on a line of its own
                 f.write(b"\n")
-        line = (",".join(LABELS_HEADER) + "\n" if new else "")
-        line += f"{frame},{label},{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}\n"
-        f.write(line.encode())
+        line = io.StringIO()  # the csv module quotes a frame name with a comma or a quote in it
+        writer = csv.writer(line, lineterminator="\n")
+        if new:
+            writer.writerow(LABELS_HEADER)
+        writer.writerow([frame, label, datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")])
+        f.write(line.getvalue().encode())
         f.flush()
         os.fsync(f.fileno())
     if new:  # make the new file's directory entry durable too
@@ -1096,6 +1112,10 @@ fetch("api/state").then(r => r.json()).then(state => {
 """
 
 
+MAX_LABEL_BODY = 4096  # bytes; a label request is about 50: a bigger one is refused before it is read
+LABEL_PAGE_CSP = "frame-ancestors 'none'"  # with X-Frame-Options: no other site can frame the page (clickjacking)
+
+
 def make_label_server(dataset: str, port: int, task: str) -> http.server.ThreadingHTTPServer:
     """A server for the label page, bound to 127.0.0.1; `port` 0 picks a free one (see server.server_port)."""
     rows = load_states(dataset)
@@ -1106,8 +1126,24 @@ def make_label_server(dataset: str, port: int, task: str) -> http.server.Threadi
     lock = threading.Lock()
 
     class Handler(http.server.BaseHTTPRequestHandler):
+        timeout = 10  # seconds per socket read or write: a stalled client never holds a handler thread
+        csp = None  # a Content-Security-Policy set by a response, merged with ours in end_headers
+
         def log_message(self, *args) -> None:  # keep the terminal for our own messages
             pass
+
+        def send_header(self, keyword: str, value: str) -> None:
+            if keyword.lower() == "content-security-policy":
+                self.csp = value
+            else:
+                super().send_header(keyword, value)
+
+        def end_headers(self) -> None:  # every response, the standard library's error pages included
+            super().send_header("X-Frame-Options", "DENY")
+            super().send_header("X-Content-Type-Options", "nosniff")
+            super().send_header("Content-Security-Policy", f"{self.csp}; {LABEL_PAGE_CSP}" if self.csp else LABEL_PAGE_CSP)
+            self.csp = None
+            super().end_headers()
 
         def _send(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
             self.send_response(code)
@@ -1125,6 +1161,11 @@ def make_label_server(dataset: str, port: int, task: str) -> http.server.Threadi
                 return False
             return True
 
+        def _frame(self, path: str) -> Optional[str]:
+            # the page asks for frames/<encodeURIComponent(name)>; no file but a listed frame is ever served
+            name = urllib.parse.unquote(path[len("/frames/"):])
+            return name if is_plain_file_name(name) and name in frame_set else None
+
         def do_GET(self) -> None:
             if not self._local():
                 return
@@ -1135,8 +1176,8 @@ def make_label_server(dataset: str, port: int, task: str) -> http.server.Threadi
                 with lock:
                     state = {"frames": frames, "labels": read_labels(dataset, frame_set), "task": task}
                 self._send(200, json.dumps(state).encode(), "application/json")
-            elif path.startswith("/frames/") and path[len("/frames/"):] in frame_set:  # no other file is served
-                with open(os.path.join(dataset, "frames", path[len("/frames/"):]), "rb") as f:
+            elif path.startswith("/frames/") and self._frame(path) is not None:
+                with open(os.path.join(dataset, "frames", self._frame(path)), "rb") as f:
                     self._send(200, f.read(), "image/png")
             else:
                 self._send(404, b"not found\n")
@@ -1151,13 +1192,34 @@ def make_label_server(dataset: str, port: int, task: str) -> http.server.Threadi
             if self.headers.get("Content-Type", "").split(";")[0].strip() != "application/json":
                 self._send(415, b"send application/json\n")
                 return
+            length = self.headers.get("Content-Length", "")
+            if not (length.isascii() and length.isdigit()):  # missing, negative or not a number: nothing to read safely
+                self.close_connection = True
+                self._send(400, b"send a Content-Length\n")
+                return
+            if int(length) > MAX_LABEL_BODY:
+                self.close_connection = True
+                self._send(413, f"a label request is at most {MAX_LABEL_BODY} bytes\n".encode())
+                return
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                data = self.rfile.read(int(length))
+            except (TimeoutError, ConnectionError):  # a stalled or vanished client: nothing acknowledged, nothing saved
+                self.close_connection = True
+                try:
+                    self._send(408, b"the request body did not arrive in time; nothing was saved\n")
+                except OSError:
+                    pass
+                return
+            if len(data) != int(length):  # the client closed before sending the whole body: it never sees an answer
+                self.close_connection = True
+                return
+            try:
+                body = json.loads(data)
                 frame, label = body["frame"], body["label"]
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 self._send(400, b"expected {\"frame\": ..., \"label\": ...}\n")
                 return
-            if frame not in frame_set or label not in ("1", "0", SKIP):
+            if not isinstance(frame, str) or frame not in frame_set or label not in ("1", "0", SKIP):
                 self._send(400, f"unknown frame or label (labels: 1, 0, {SKIP})\n".encode())
                 return
             with lock:

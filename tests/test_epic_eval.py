@@ -13,7 +13,9 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
+from http.client import HTTPConnection
 
 import numpy as np
 import pytest
@@ -492,6 +494,131 @@ def test_label_page_round_trip_over_http(cartpole_dataset, tmp_path):
         server.close()
     after = open(labels_csv).read()
     assert after.startswith(before) and after.count("\n") == before.count("\n") + 1  # appended, nothing rewritten
+
+
+def raw_request(url: str, request: bytes, timeout: float = 5.0) -> bytes:
+    """Send bytes as they are on a fresh connection; the server's whole answer (b"" when it closed without one)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(request)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def post_head(url: str, length: str) -> bytes:
+    host = url.removeprefix("http://")
+    return (f"POST /api/label HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode()
+
+
+def test_label_page_refuses_frames_outside_the_dataset(cartpole_dataset, tmp_path):
+    """A crafted states.csv naming ../file or /abs/file as a frame is refused before anything is served."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not a frame")
+    for bad in ["../secret.txt", str(secret), "..", "a\\b.png", "new\nline.png"]:
+        ds = copy_dataset(cartpole_dataset, str(tmp_path / f"ds{len(os.listdir(tmp_path))}"))
+        shutil.copyfile(secret, os.path.join(ds, "secret.txt"))  # what ../secret.txt reaches from frames/
+        with open(os.path.join(ds, "states.csv"), newline="") as f:
+            rows = list(csv.reader(f))
+        rows[1][0] = bad
+        with open(os.path.join(ds, "states.csv"), "w", newline="") as f:
+            csv.writer(f).writerows(rows)
+        with pytest.raises(UserError, match="which is not a plain file name"):
+            epic_eval.make_label_server(ds, 0, "pole upright?")
+        with pytest.raises(UserError, match="which is not a plain file name"):
+            epic_eval.label_values(ds, "gt")  # score reads frames through the same check
+
+
+def test_label_page_bad_requests_get_an_answer_and_save_nothing(cartpole_dataset, tmp_path):
+    ds = copy_dataset(cartpole_dataset, str(tmp_path / "ds"))
+    labels_csv = os.path.join(ds, "labels.csv")
+    server = LabelServer(ds)
+    server.server.RequestHandlerClass.timeout = 0.5  # the handler's socket timeout, short for the test
+    try:
+        # a frame or a label that is not a string, a body that is not an object: 400, not a dropped connection
+        for body in [{"frame": ["000000.png"], "label": "1"}, {"frame": {"a": 1}, "label": "1"}, {"frame": 3, "label": "1"},
+                     {"frame": "000000.png", "label": ["1"]}, ["000000.png", "1"], "000000.png", None]:
+            data = json.dumps(body).encode()
+            answer = raw_request(server.url, post_head(server.url, str(len(data))) + data)
+            assert answer.startswith(b"HTTP/1.0 400"), (body, answer)
+        deep = b"[" * 3000  # within the size bound, deeper than the JSON parser recurses
+        assert raw_request(server.url, post_head(server.url, str(len(deep))) + deep).startswith(b"HTTP/1.0 400")
+        # bad lengths are refused before a byte of the body is read
+        for length, code in [("-1", b"400"), ("abc", b"400"), ("", b"400"), ("1e3", b"400"), ("10000000000", b"413"),
+                             (str(epic_eval.MAX_LABEL_BODY + 1), b"413")]:
+            start = time.monotonic()
+            answer = raw_request(server.url, post_head(server.url, length))
+            assert answer.startswith(b"HTTP/1.0 " + code), (length, answer)
+            assert time.monotonic() - start < 0.4, length  # answered at once, not after the socket timeout
+        # a body shorter than its Content-Length: after the handler's timeout the connection is answered and closed
+        data = json.dumps({"frame": "000000.png", "label": "1"}).encode()
+        start = time.monotonic()
+        answer = raw_request(server.url, post_head(server.url, str(len(data) + 10)) + data, timeout=5)
+        assert answer.startswith(b"HTTP/1.0 408") and time.monotonic() - start < 3, answer
+        # the same, with the client leaving before the server gave up: never acknowledged, so never saved
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(post_head(server.url, str(len(data) + 10)) + data)
+            sock.shutdown(socket.SHUT_WR)
+            assert sock.recv(100) == b""
+        time.sleep(0.2)
+        assert not os.path.exists(labels_csv)
+        # the server is still serving
+        assert http(server.url + "/api/label", {"frame": "000000.png", "label": "1"})[0] == 200
+    finally:
+        server.close()
+    with open(labels_csv, newline="") as f:
+        assert [row[:2] for row in csv.reader(f)] == [["frame", "label"], ["000000.png", "1"]]
+
+
+def test_label_page_frame_names_with_commas_and_quotes(cartpole_dataset, tmp_path):
+    ds = copy_dataset(cartpole_dataset, str(tmp_path / "ds"))
+    with open(os.path.join(ds, "states.csv"), newline="") as f:
+        rows = list(csv.reader(f))
+    names = {1: "a,b.png", 2: 'say "hi".png', 3: "50%,x y.png"}
+    for i, name in names.items():
+        os.rename(os.path.join(ds, "frames", rows[i][0]), os.path.join(ds, "frames", name))
+        rows[i][0] = name
+    with open(os.path.join(ds, "states.csv"), "w", newline="") as f:
+        csv.writer(f).writerows(rows)
+    server = LabelServer(ds)
+    try:
+        for name in names.values():
+            status, png = http(server.url + "/frames/" + urllib.parse.quote(name, safe=""))  # as encodeURIComponent
+            assert status == 200 and png[:8] == b"\x89PNG\r\n\x1a\n", name
+            assert http(server.url + "/api/label", {"frame": name, "label": "1"})[0] == 200
+        assert http(server.url + "/api/label", {"frame": names[1], "label": "0"})[0] == 200
+        state = json.loads(http(server.url + "/api/state")[1])
+        assert state["labels"] == {names[1]: "0", names[2]: "1", names[3]: "1"}
+    finally:
+        server.close()
+    with open(os.path.join(ds, "labels.csv"), newline="") as f:
+        assert [row[:2] for row in csv.reader(f)][1:] == [[names[1], "1"], [names[2], "1"], [names[3], "1"], [names[1], "0"]]
+    frames, labels = epic_eval.label_values(ds, "human")
+    assert dict(zip(frames, labels.tolist())) == {names[1]: 0.0, names[2]: 1.0, names[3]: 1.0}
+
+
+def test_label_page_cannot_be_framed_or_sniffed(cartpole_dataset, tmp_path):
+    ds = copy_dataset(cartpole_dataset, str(tmp_path / "ds"))
+    server = LabelServer(ds)
+    try:
+        port = server.server.server_port
+        for method, path, host in [("GET", "/", None), ("GET", "/api/state", None), ("GET", "/frames/000000.png", None),
+                                   ("GET", "/nothing", None), ("GET", "/", "evil.example"), ("PUT", "/", None)]:
+            connection = HTTPConnection("127.0.0.1", port, timeout=5)
+            try:
+                connection.request(method, path, headers={"Host": host or f"127.0.0.1:{port}"})
+                response = connection.getresponse()
+                response.read()
+            finally:
+                connection.close()
+            assert response.getheader("X-Frame-Options") == "DENY", (method, path, host)
+            assert response.getheader("X-Content-Type-Options") == "nosniff", (method, path, host)
+            assert "frame-ancestors 'none'" in response.getheader("Content-Security-Policy", ""), (method, path, host)
+    finally:
+        server.close()
 
 
 # ---------------------------------------------------------------------------------------------- label page in chromium
