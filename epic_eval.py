@@ -786,17 +786,29 @@ def randomise_state(env: gym.Env, rng: np.random.Generator) -> np.ndarray:
     return np.array(base.state, dtype=np.float32)
 
 
+def check_output_folder(path: str, what: str, advice: str = "choose another path") -> None:
+    """A folder that exists or can be made: no file in the way, at the path or above it."""
+    here = os.path.abspath(path)
+    while not os.path.exists(here) and os.path.dirname(here) != here:
+        here = os.path.dirname(here)  # up to the nearest thing that exists
+    if not os.path.isdir(here):
+        raise UserError(f"{what} {path} cannot be a folder: {here} is a file; {advice}.")
+
+
 def check_collect_args(args: Collect) -> Optional[dict]:
     """Validate the flags; returns the loaded --policy checkpoint (or None) and sets args.env_id."""
     for name in ["num_frames", "every", "episode_length", "render_size"]:
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}.")
+    if not 16 <= args.render_size <= 2048:  # the training scripts' bounds: MuJoCo cannot draw much larger frames
+        raise UserError(f"--render-size must be between 16 and 2048 pixels, got {args.render_size}.")
     if not 0.0 <= args.epsilon <= 1.0:
         raise UserError(f"--epsilon must be in [0, 1], got {args.epsilon}.")
     if args.env_id is not None and args.env_id not in ENV_IDS:
         raise UserError(f"--env-id {args.env_id} is not supported; choose one of: {', '.join(ENV_IDS)}.")
     if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
         raise UserError(f"--out {args.out} already exists and is not empty; choose a new folder (a dataset and its labels are never overwritten).")
+    check_output_folder(args.out, "--out")
     checkpoint = None
     if args.policy is not None:
         which = "the model.pt of vlmrm_dqn_classic.py --save-model or the checkpoint.pt of vlmrm_sac_humanoid.py --save-model"
@@ -848,41 +860,53 @@ def collect(args: Collect) -> None:
         # greedy for the Q-network; the actor's deterministic action, as in evaluation
         policy = (lambda x: network(x).argmax(dim=1)) if name == "q_network" else (lambda x: network.get_action(x)[2])
 
-    frames_dir = os.path.join(args.out, "frames")
-    os.makedirs(frames_dir, exist_ok=True)
-    rows: list[list] = []
-    header: list[str] = []
-    episode = 0
-    while len(rows) < args.num_frames:
-        obs, _ = envs.reset(seed=args.seed + episode)
-        if args.random_init:
-            obs = randomise_state(env, rng)[None]
-        for step in range(1, args.episode_length + 1):  # never past the time limit: no autoreset step
-            if policy is not None and random.random() >= args.epsilon:
-                with torch.no_grad():
-                    actions = policy(torch.from_numpy(obs).float().to(device)).cpu().numpy()
-            else:
-                actions = np.array([envs.single_action_space.sample()])
-            obs, _, _, _, _ = envs.step(actions)
-            if step % args.every:
-                continue
-            # the frame after the step: the one that scores this transition in training
-            frame_name = f"{len(rows):06d}.png"
-            imageio.imwrite(os.path.join(frames_dir, frame_name), envs.call("render")[0])
-            names, values, success = env_state(env)
-            header = ["frame", "env_id", "episode", "step", *names, "gt"]
-            rows.append([frame_name, args.env_id, episode, step, *values, "" if success is None else success])
-            if len(rows) == args.num_frames:
-                break
-        episode += 1
-    envs.close()
-    # states.csv appears complete or not at all: a killed collect never leaves a half-written table
-    states_path = os.path.join(args.out, "states.csv")
-    with open(states_path + ".tmp", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(header)
-        writer.writerows(rows)
-    os.replace(states_path + ".tmp", states_path)
+    # the dataset is made in a hidden folder beside --out and renamed into place once complete: an error or Ctrl-C
+    # part-way never leaves a half-made dataset (which would also block the same --out)
+    out = os.path.abspath(args.out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    partial = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.partial-{os.getpid()}-{time.time_ns()}")
+    frames_dir = os.path.join(partial, "frames")
+    os.makedirs(frames_dir)
+    try:
+        rows: list[list] = []
+        header: list[str] = []
+        episode = 0
+        while len(rows) < args.num_frames:
+            obs, _ = envs.reset(seed=args.seed + episode)
+            if args.random_init:
+                obs = randomise_state(env, rng)[None]
+            for step in range(1, args.episode_length + 1):  # never past the time limit: no autoreset step
+                if policy is not None and random.random() >= args.epsilon:
+                    with torch.no_grad():
+                        actions = policy(torch.from_numpy(obs).float().to(device)).cpu().numpy()
+                else:
+                    actions = np.array([envs.single_action_space.sample()])
+                obs, _, _, _, _ = envs.step(actions)
+                if step % args.every:
+                    continue
+                # the frame after the step: the one that scores this transition in training
+                frame_name = f"{len(rows):06d}.png"
+                imageio.imwrite(os.path.join(frames_dir, frame_name), envs.call("render")[0])
+                names, values, success = env_state(env)
+                header = ["frame", "env_id", "episode", "step", *names, "gt"]
+                rows.append([frame_name, args.env_id, episode, step, *values, "" if success is None else success])
+                if len(rows) == args.num_frames:
+                    break
+            episode += 1
+        envs.close()
+        with open(os.path.join(partial, "states.csv"), "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(header)
+            writer.writerows(rows)
+    except BaseException:
+        envs.close()
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    try:
+        os.rename(partial, out)  # atomic; also replaces an empty --out folder, never a non-empty one
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise UserError(f"--out {args.out} was filled by something else while this dataset was collected; nothing was written, collect again into a new folder.") from None
     gt = [r[-1] for r in rows if r[-1] != ""]
     source = f"policy {args.policy} (epsilon {args.epsilon})" if args.policy else "random actions"
     print(f"wrote {len(rows)} frames of {args.env_id} ({episode} episodes, {source}) to {args.out}")
@@ -986,11 +1010,38 @@ def label_values(dataset: str, source: str) -> tuple[list[str], np.ndarray]:
     return frames, np.array(values)
 
 
+def unreadable_frame(dataset: str, frame: str, error: Exception) -> UserError:
+    reason = " ".join(f"{type(error).__name__}: {error}".split())[:160]
+    return UserError(f"frame {frame} of {dataset} is not a readable image ({reason}); collect the dataset again, or remove that frame's row from states.csv.")
+
+
+def check_images(dataset: str, frames: list[str]) -> None:
+    """Every frame opens as an image and all have one size; reads headers and checksums only (~0.3 ms a frame),
+    so a corrupt or truncated file is reported before any model is loaded or anything is written."""
+    from PIL import Image
+
+    first_of_size: dict[tuple[int, int], str] = {}
+    for frame in frames:
+        try:
+            with Image.open(os.path.join(dataset, "frames", frame)) as image:
+                size = image.size
+                image.verify()
+        except Exception as e:  # noqa: BLE001 - truncated, corrupt, or not an image at all: the same advice
+            raise unreadable_frame(dataset, frame, e) from None
+        first_of_size.setdefault(size, frame)
+    if len(first_of_size) > 1:
+        (a, size_a), (b, size_b) = [(frame, size) for size, frame in first_of_size.items()][:2]
+        raise UserError(f"the frames of {dataset} have different sizes ({a} is {size_a[0]}x{size_a[1]}, {b} is {size_b[0]}x{size_b[1]}); keep one environment and render size per dataset.")
+
+
 def read_frames(dataset: str, frames: list[str]) -> np.ndarray:
     """uint8 (N, H, W, 3) images, exactly as the env rendered them (PNG is lossless)."""
     images = []
     for frame in frames:
-        image = imageio.imread(os.path.join(dataset, "frames", frame))
+        try:  # check_images has passed them, but a file can change (or hide a fault) between the two reads
+            image = imageio.imread(os.path.join(dataset, "frames", frame))
+        except Exception as e:  # noqa: BLE001
+            raise unreadable_frame(dataset, frame, e) from None
         if image.ndim == 2:
             image = np.stack([image] * 3, axis=-1)
         images.append(image[..., :3])
@@ -1283,10 +1334,13 @@ def bootstrap_epic(rewards: np.ndarray, labels: np.ndarray, samples: int, confid
                    rng: np.random.Generator) -> tuple[float, float]:
     """Percentile interval of EPIC over resamples of the states (with replacement).
 
-    Resamples in which the labels or rewards happen to be constant (EPIC undefined) are left out.
+    Resamples in which the labels or rewards happen to be constant (EPIC undefined) are left out; (nan, nan) when
+    most are, and for fewer than 3 states (any 2 points correlate +1 or -1).
     """
     r, h = np.asarray(rewards, dtype=np.float64), np.asarray(labels, dtype=np.float64)
     n, values = len(r), []
+    if n < 3:  # every resample of 2 states correlates +1, -1 or not at all: no interval to speak of
+        return float("nan"), float("nan")
     for start in range(0, samples, 256):  # chunks keep memory at 256 x n
         idx = rng.integers(0, n, size=(min(256, samples - start), n))
         rs, hs = r[idx], h[idx]
@@ -1431,13 +1485,15 @@ def score(args: Score) -> str:
     clip_args = check_score_args(args)
     if is_constant(labels):
         raise UserError(f"all {len(labels)} labels ({args.labels}) of {args.dataset} are {labels[0]:g}, so the correlation (and EPIC) is undefined; label both successes and failures.")
+    check_images(args.dataset, frames)
+    check_output_folder("runs", "the output folder", "move it away or run from another folder")
     binary = bool(np.isin(labels, (0.0, 1.0)).all())
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     run_name = f"{env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = os.path.join("runs", run_name)
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "args.json"), "w") as f:
-        json.dump(asdict(args), f, indent=2)
+    run_dir = os.path.join("runs", run_name)  # made once there are results: a failed run leaves no folder behind
+    if len(labels) == 2:
+        print("warning: only 2 labelled frames: the correlation of two points is always +1 or -1, so EPIC is 0 or 1 "
+              "and its bootstrap interval is undefined (reported as nan); label more frames for a meaningful distance")
     print(f"run: {run_dir}; {len(frames)} frames of {env_id} with {args.labels} labels "
           f"({int((labels == 1).sum())} successes), goal={args.goal}, baseline={args.baseline}"
           + (f", negatives={args.negatives}" if "softmax" in args.reward_families else "") + f", on {device}")
@@ -1491,6 +1547,9 @@ def score(args: Score) -> str:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "args.json"), "w") as f:
+        json.dump(asdict(args), f, indent=2)
     columns = ["model", "family", "alpha", "epic", "epic_low", "epic_high", "pearson", "roc_auc", "pr_auc", "n", "n_success"]
     with open(os.path.join(run_dir, "epic.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)

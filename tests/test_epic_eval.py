@@ -23,6 +23,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import epic_eval  # noqa: E402
+from conftest import assert_clean_error  # noqa: E402
 from epic_eval import UserError, average_precision, bootstrap_epic, epic_distance, roc_auc  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "epic_eval.py")
@@ -412,6 +413,121 @@ def test_dataset_problems_are_one_sentence_errors(cartpole_dataset, tmp_path, mo
     # score reads datasets, never writes them
     assert file_hash(os.path.join(tmp_path / "words", "labels.csv")) == words_labels
     assert sorted(os.listdir(tmp_path / "words")) == ["frames", "labels.csv", "states.csv"]
+
+
+def valid_crc_broken_png(path: str) -> None:
+    """Corrupt the compressed pixels but keep every chunk checksum valid: only decoding the image finds it."""
+    import struct
+    import zlib
+
+    data = bytearray(open(path, "rb").read())
+    at = 8
+    while True:
+        length, kind = struct.unpack(">I4s", data[at:at + 8])
+        if kind == b"IDAT":
+            body = data[at + 8:at + 8 + length]
+            body[2:] = b"\xff" * (len(body) - 2)  # keep the zlib header, break the stream after it
+            data[at + 8:at + 8 + length] = body
+            data[at + 8 + length:at + 12 + length] = struct.pack(">I", zlib.crc32(kind + bytes(body)))
+            break
+        at += 12 + length
+    open(path, "wb").write(bytes(data))
+
+
+def test_unreadable_frames_are_one_sentence_and_leave_no_run_folder(cartpole_dataset, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ds = copy_dataset(cartpole_dataset, str(tmp_path / "truncated"))
+    frame = os.path.join(ds, "frames", "000007.png")
+    data = open(frame, "rb").read()
+    open(frame, "wb").write(data[: len(data) // 2])
+    # a real process: one sentence, exit code 2, no traceback, no runs/ (no args.json left behind)
+    result = run_cli("score", "--dataset", ds, "--labels", "gt", "--clip-models", TINY, "--clip-pretrained", "none", cwd=str(tmp_path))
+    assert_clean_error(result, "000007.png", "not a readable image")
+    assert result.returncode == 2 and not (tmp_path / "runs").exists()
+    # found before any model is loaded: a text file, an empty file, a frame of another size
+    monkeypatch.setattr(epic_eval, "load_clip", lambda *a: pytest.fail("bad frames must be refused before a model is loaded"))
+    for name, content, message in [("text", b"not a png", "not a readable image"), ("empty", b"", "not a readable image"),
+                                   ("size", None, r"different sizes \(000000.png is 600x400, 000059.png is 60x40\)")]:
+        ds = copy_dataset(cartpole_dataset, str(tmp_path / name))
+        if content is None:
+            epic_eval.imageio.imwrite(os.path.join(ds, "frames", "000059.png"), np.zeros((40, 60, 3), dtype=np.uint8))
+        else:
+            open(os.path.join(ds, "frames", "000059.png"), "wb").write(content)
+        with pytest.raises(UserError, match=message):
+            epic_eval.score(score_args(ds, labels="gt"))
+    assert not (tmp_path / "runs").exists()
+    # a fault only decoding finds (checksums intact): found later, still one sentence and still no run folder
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    ds = copy_dataset(cartpole_dataset, str(tmp_path / "broken_pixels"))
+    valid_crc_broken_png(os.path.join(ds, "frames", "000042.png"))
+    epic_eval.check_images(ds, epic_eval.label_values(ds, "gt")[0])  # passes the header/checksum check
+    with pytest.raises(UserError, match="frame 000042.png of .* is not a readable image"):
+        epic_eval.score(score_args(ds, labels="gt"))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_score_when_runs_is_a_file(cartpole_dataset, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").write_text("not a folder")
+    monkeypatch.setattr(epic_eval, "load_clip", lambda *a: pytest.fail("refused before a model is loaded"))
+    with pytest.raises(UserError, match="the output folder runs cannot be a folder: .*runs is a file"):
+        epic_eval.score(score_args(cartpole_dataset, labels="gt"))
+    assert (tmp_path / "runs").read_text() == "not a folder"
+
+
+def test_epic_on_two_labels_warns_that_the_interval_is_undefined(cartpole_dataset, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert bootstrap_epic(np.array([0.2, 0.7]), np.array([0.0, 1.0]), 1000, 0.95, np.random.default_rng(0)) == (
+        pytest.approx(float("nan"), nan_ok=True), pytest.approx(float("nan"), nan_ok=True))
+    ds = copy_dataset(cartpole_dataset, str(tmp_path / "ds"))
+    write_labels(ds, ["000000.png,1,t", "000040.png,0,t"])
+    args = score_args(ds, seed=0)
+    args.bootstrap = 1000  # with seed 0, enough resamples that the old code printed a zero-width interval
+    run_dir = epic_eval.score(args)
+    assert "warning: only 2 labelled frames" in capsys.readouterr().out
+    table, _ = read_run(run_dir)
+    for row in table:
+        assert float(row["epic"]) in (0.0, 1.0)  # two points always correlate +1 or -1
+        assert math.isnan(float(row["epic_low"])) and math.isnan(float(row["epic_high"]))
+
+
+def test_collect_refuses_bad_sizes_and_paths_up_front(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    for kwargs, message in [(dict(render_size=100000), "--render-size must be between 16 and 2048 pixels, got 100000"),
+                            (dict(render_size=8, env_id="Humanoid-v5"), "--render-size must be between 16 and 2048"),
+                            (dict(out=str(tmp_path / "a_file" / "ds")), "--out .*a_file/ds cannot be a folder: .*a_file is a file"),
+                            (dict(out=str(tmp_path / "a_file" / "sub" / "ds")), "a_file is a file")]:
+        with pytest.raises(UserError, match=message):
+            epic_eval.collect(epic_eval.Collect(**{"out": str(tmp_path / "ds"), "num_frames": 2, **kwargs}))
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]
+    result = run_cli("collect", "--env-id", "Humanoid-v5", "--render-size", "100000", "--out", "ds", cwd=str(tmp_path))
+    assert_clean_error(result, "--render-size", "100000")
+    assert result.returncode == 2 and sorted(os.listdir(tmp_path)) == ["a_file"]
+
+
+@pytest.mark.parametrize("error", [RuntimeError("renderer failed"), KeyboardInterrupt()])
+def test_collect_leaves_no_half_made_dataset(tmp_path, monkeypatch, error):
+    """A crash or Ctrl-C part-way: no --out folder and no hidden partial one; the same --out works afterwards."""
+    calls = []
+    real_env_state = epic_eval.env_state
+
+    def failing_env_state(env):
+        calls.append(1)
+        if len(calls) == 3:
+            raise error
+        return real_env_state(env)
+
+    out = str(tmp_path / "data" / "ds")
+    monkeypatch.setattr(epic_eval, "env_state", failing_env_state)
+    with pytest.raises(type(error)):
+        epic_eval.collect(epic_eval.Collect(out=out, num_frames=5))
+    assert os.listdir(tmp_path / "data") == []
+    monkeypatch.undo()
+    os.makedirs(out)  # an empty --out folder is allowed, and filled
+    epic_eval.collect(epic_eval.Collect(out=out, num_frames=5))
+    assert sorted(os.listdir(out)) == ["frames", "states.csv"] and len(os.listdir(os.path.join(out, "frames"))) == 5
+    assert os.listdir(tmp_path / "data") == ["ds"]
 
 
 def test_human_labels_use_the_last_label_per_frame_and_leave_skips_out(cartpole_dataset, tmp_path):
