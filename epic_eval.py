@@ -906,7 +906,8 @@ def collect(args: Collect) -> None:
         os.rename(partial, out)  # atomic; also replaces an empty --out folder, never a non-empty one
     except OSError:
         shutil.rmtree(partial, ignore_errors=True)
-        raise UserError(f"--out {args.out} was filled by something else while this dataset was collected; nothing was written, collect again into a new folder.") from None
+        raise UserError(f"--out {args.out} was filled by something else while this dataset was collected; "
+                        "nothing was written, collect again into a new folder.") from None
     gt = [r[-1] for r in rows if r[-1] != ""]
     source = f"policy {args.policy} (epsilon {args.epsilon})" if args.policy else "random actions"
     print(f"wrote {len(rows)} frames of {args.env_id} ({episode} episodes, {source}) to {args.out}")
@@ -948,7 +949,9 @@ def load_states(dataset: str) -> list[dict]:
     names = [r["frame"] for r in rows]
     bad = next((n for n in names if not is_plain_file_name(n)), None)
     if bad is not None:  # a crafted states.csv must not reach files outside frames/ (the label page serves them)
-        raise UserError(f"{states_path} names the frame {bad!r}, which is not a plain file name in {os.path.join(dataset, 'frames')}; frame names must have no folder separators, no '..' and no control characters.")
+        raise UserError(f"{states_path} names the frame {bad!r}, which is not a plain file name in "
+                        f"{os.path.join(dataset, 'frames')}; frame names must have no folder separators, no '..' "
+                        "and no control characters.")
     if len(set(names)) != len(names):
         raise UserError(f"{states_path} lists a frame more than once (e.g. {next(n for n in names if names.count(n) > 1)}).")
     missing = [n for n in names if not os.path.isfile(os.path.join(dataset, "frames", n))]
@@ -1012,7 +1015,8 @@ def label_values(dataset: str, source: str) -> tuple[list[str], np.ndarray]:
 
 def unreadable_frame(dataset: str, frame: str, error: Exception) -> UserError:
     reason = " ".join(f"{type(error).__name__}: {error}".split())[:160]
-    return UserError(f"frame {frame} of {dataset} is not a readable image ({reason}); collect the dataset again, or remove that frame's row from states.csv.")
+    return UserError(f"frame {frame} of {dataset} is not a readable image ({reason}); collect the dataset again, "
+                     "or remove that frame's row from states.csv.")
 
 
 def check_images(dataset: str, frames: list[str]) -> None:
@@ -1031,7 +1035,8 @@ def check_images(dataset: str, frames: list[str]) -> None:
         first_of_size.setdefault(size, frame)
     if len(first_of_size) > 1:
         (a, size_a), (b, size_b) = [(frame, size) for size, frame in first_of_size.items()][:2]
-        raise UserError(f"the frames of {dataset} have different sizes ({a} is {size_a[0]}x{size_a[1]}, {b} is {size_b[0]}x{size_b[1]}); keep one environment and render size per dataset.")
+        raise UserError(f"the frames of {dataset} have different sizes ({a} is {size_a[0]}x{size_a[1]}, {b} is "
+                        f"{size_b[0]}x{size_b[1]}); keep one environment and render size per dataset.")
 
 
 def read_frames(dataset: str, frames: list[str]) -> np.ndarray:

@@ -158,13 +158,17 @@ def check_args(args: Args) -> list[ClipModelArgs]:
     if args.num_points < 2:
         raise UserError(f"--num-points must be at least 2 to draw a curve, got {args.num_points}.")
     if args.num_points > MAX_NUM_POINTS:
-        raise UserError(f"--num-points must be at most {MAX_NUM_POINTS:,} (every point is a {FRAME_BYTES / 1e6:.2g} MB frame held in memory, and a curve needs far fewer), got {args.num_points:,}.")
+        raise UserError(f"--num-points must be at most {MAX_NUM_POINTS:,} (every point is a {FRAME_BYTES / 1e6:.2g} MB "
+                        f"frame held in memory, and a curve needs far fewer), got {args.num_points:,}.")
     frames_bytes = 2 * args.num_points * FRAME_BYTES  # the rendered frames, and their stacked copy
     available = available_memory()
     if available and frames_bytes > 0.8 * available:
-        raise UserError(f"--num-points {args.num_points:,} needs about {frames_bytes / 2**30:.1f} GiB of memory for its frames but only {available / 2**30:.1f} GiB is available; use at most {int(0.8 * available / (2 * FRAME_BYTES)):,} points.")
+        raise UserError(f"--num-points {args.num_points:,} needs about {frames_bytes / 2**30:.1f} GiB of memory for its "
+                        f"frames but only {available / 2**30:.1f} GiB is available; use at most "
+                        f"{int(0.8 * available / (2 * FRAME_BYTES)):,} points.")
     if Path("runs").exists() and not Path("runs").is_dir():
-        raise UserError("runs is a file, but the results go to the folder runs/; move the file away or run from another folder.")
+        raise UserError("runs is a file, but the results go to the folder runs/; "
+                        "move the file away or run from another folder.")
     if args.reward_batch_size < 1:
         raise UserError(f"--reward-batch-size must be a positive integer, got {args.reward_batch_size}.")
     if not args.clip_models:

@@ -441,7 +441,8 @@ def test_unreadable_frames_are_one_sentence_and_leave_no_run_folder(cartpole_dat
     data = open(frame, "rb").read()
     open(frame, "wb").write(data[: len(data) // 2])
     # a real process: one sentence, exit code 2, no traceback, no runs/ (no args.json left behind)
-    result = run_cli("score", "--dataset", ds, "--labels", "gt", "--clip-models", TINY, "--clip-pretrained", "none", cwd=str(tmp_path))
+    result = run_cli("score", "--dataset", ds, "--labels", "gt", "--clip-models", TINY, "--clip-pretrained", "none",
+                     cwd=str(tmp_path))
     assert_clean_error(result, "000007.png", "not a readable image")
     assert result.returncode == 2 and not (tmp_path / "runs").exists()
     # found before any model is loaded: a text file, an empty file, a frame of another size
@@ -496,7 +497,8 @@ def test_collect_refuses_bad_sizes_and_paths_up_front(tmp_path):
     (tmp_path / "a_file").write_text("x")
     for kwargs, message in [(dict(render_size=100000), "--render-size must be between 16 and 2048 pixels, got 100000"),
                             (dict(render_size=8, env_id="Humanoid-v5"), "--render-size must be between 16 and 2048"),
-                            (dict(out=str(tmp_path / "a_file" / "ds")), "--out .*a_file/ds cannot be a folder: .*a_file is a file"),
+                            (dict(out=str(tmp_path / "a_file" / "ds")),
+                             "--out .*a_file/ds cannot be a folder: .*a_file is a file"),
                             (dict(out=str(tmp_path / "a_file" / "sub" / "ds")), "a_file is a file")]:
         with pytest.raises(UserError, match=message):
             epic_eval.collect(epic_eval.Collect(**{"out": str(tmp_path / "ds"), "num_frames": 2, **kwargs}))

@@ -356,7 +356,8 @@ def test_num_points_must_fit_in_memory(nothing_expensive, monkeypatch):
     monkeypatch.setattr(reward_shape, "available_memory", lambda: 2**30)  # 1 GiB: 0.8 GiB / (2 x 0.72 MB) = 596 points
     assert_refused(reward_shape, ["--num-points", "1000"], "--num-points 1,000 needs about 1.3 GiB", "at most 596 points")
     with pytest.raises(pytest.fail.Exception, match="refused before any frame is rendered"):  # 500 fit
-        reward_shape.main(tyro.cli(reward_shape.Args, args=["--num-points", "500", "--clip-models", TINY, "--clip-pretrained", "none"]))
+        reward_shape.main(tyro.cli(reward_shape.Args,
+                                   args=["--num-points", "500", "--clip-models", TINY, "--clip-pretrained", "none"]))
 
 
 def test_runs_is_a_file(monkeypatch, tmp_path, capsys):
