@@ -24,13 +24,16 @@ columns, gt), <dataset>/labels.csv (frame, label, time; append-only, the last la
 import csv
 import datetime
 import http.server
+import io
 import json
 import math
 import os
 import random
+import shutil
 import sys
 import threading
 import time
+import urllib.parse
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -210,17 +213,29 @@ def randomise_state(env: gym.Env, rng: np.random.Generator) -> np.ndarray:
     return np.array(base.state, dtype=np.float32)
 
 
+def check_output_folder(path: str, what: str, advice: str = "choose another path") -> None:
+    """A folder that exists or can be made: no file in the way, at the path or above it."""
+    here = os.path.abspath(path)
+    while not os.path.exists(here) and os.path.dirname(here) != here:
+        here = os.path.dirname(here)  # up to the nearest thing that exists
+    if not os.path.isdir(here):
+        raise UserError(f"{what} {path} cannot be a folder: {here} is a file; {advice}.")
+
+
 def check_collect_args(args: Collect) -> Optional[dict]:
     """Validate the flags; returns the loaded --policy checkpoint (or None) and sets args.env_id."""
     for name in ["num_frames", "every", "episode_length", "render_size"]:
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}.")
+    if not 16 <= args.render_size <= 2048:  # the training scripts' bounds: MuJoCo cannot draw much larger frames
+        raise UserError(f"--render-size must be between 16 and 2048 pixels, got {args.render_size}.")
     if not 0.0 <= args.epsilon <= 1.0:
         raise UserError(f"--epsilon must be in [0, 1], got {args.epsilon}.")
     if args.env_id is not None and args.env_id not in ENV_IDS:
         raise UserError(f"--env-id {args.env_id} is not supported; choose one of: {', '.join(ENV_IDS)}.")
     if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
         raise UserError(f"--out {args.out} already exists and is not empty; choose a new folder (a dataset and its labels are never overwritten).")
+    check_output_folder(args.out, "--out")
     checkpoint = None
     if args.policy is not None:
         which = "the model.pt of vlmrm_dqn_classic.py --save-model or the checkpoint.pt of vlmrm_sac_humanoid.py --save-model"
@@ -273,41 +288,54 @@ def collect(args: Collect) -> None:
         # greedy for the Q-network; the actor's deterministic action, as in evaluation
         policy = (lambda x: network(x).argmax(dim=1)) if name == "q_network" else (lambda x: network.get_action(x)[2])
 
-    frames_dir = os.path.join(args.out, "frames")
-    os.makedirs(frames_dir, exist_ok=True)
-    rows: list[list] = []
-    header: list[str] = []
-    episode = 0
-    while len(rows) < args.num_frames:
-        obs, _ = envs.reset(seed=args.seed + episode)
-        if args.random_init:
-            obs = randomise_state(env, rng)[None]
-        for step in range(1, args.episode_length + 1):  # never past the time limit: no autoreset step
-            if policy is not None and random.random() >= args.epsilon:
-                with torch.no_grad():
-                    actions = policy(torch.from_numpy(obs).float().to(device)).cpu().numpy()
-            else:
-                actions = np.array([envs.single_action_space.sample()])
-            obs, _, _, _, _ = envs.step(actions)
-            if step % args.every:
-                continue
-            # the frame after the step: the one that scores this transition in training
-            frame_name = f"{len(rows):06d}.png"
-            imageio.imwrite(os.path.join(frames_dir, frame_name), envs.call("render")[0])
-            names, values, success = env_state(env)
-            header = ["frame", "env_id", "episode", "step", *names, "gt"]
-            rows.append([frame_name, args.env_id, episode, step, *values, "" if success is None else success])
-            if len(rows) == args.num_frames:
-                break
-        episode += 1
-    envs.close()
-    # states.csv appears complete or not at all: a killed collect never leaves a half-written table
-    states_path = os.path.join(args.out, "states.csv")
-    with open(states_path + ".tmp", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(header)
-        writer.writerows(rows)
-    os.replace(states_path + ".tmp", states_path)
+    # the dataset is made in a hidden folder beside --out and renamed into place once complete: an error or Ctrl-C
+    # part-way never leaves a half-made dataset (which would also block the same --out)
+    out = os.path.abspath(args.out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    partial = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.partial-{os.getpid()}-{time.time_ns()}")
+    frames_dir = os.path.join(partial, "frames")
+    os.makedirs(frames_dir)
+    try:
+        rows: list[list] = []
+        header: list[str] = []
+        episode = 0
+        while len(rows) < args.num_frames:
+            obs, _ = envs.reset(seed=args.seed + episode)
+            if args.random_init:
+                obs = randomise_state(env, rng)[None]
+            for step in range(1, args.episode_length + 1):  # never past the time limit: no autoreset step
+                if policy is not None and random.random() >= args.epsilon:
+                    with torch.no_grad():
+                        actions = policy(torch.from_numpy(obs).float().to(device)).cpu().numpy()
+                else:
+                    actions = np.array([envs.single_action_space.sample()])
+                obs, _, _, _, _ = envs.step(actions)
+                if step % args.every:
+                    continue
+                # the frame after the step: the one that scores this transition in training
+                frame_name = f"{len(rows):06d}.png"
+                imageio.imwrite(os.path.join(frames_dir, frame_name), envs.call("render")[0])
+                names, values, success = env_state(env)
+                header = ["frame", "env_id", "episode", "step", *names, "gt"]
+                rows.append([frame_name, args.env_id, episode, step, *values, "" if success is None else success])
+                if len(rows) == args.num_frames:
+                    break
+            episode += 1
+        envs.close()
+        with open(os.path.join(partial, "states.csv"), "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(header)
+            writer.writerows(rows)
+    except BaseException:
+        envs.close()
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    try:
+        os.rename(partial, out)  # atomic; also replaces an empty --out folder, never a non-empty one
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise UserError(f"--out {args.out} was filled by something else while this dataset was collected; "
+                        "nothing was written, collect again into a new folder.") from None
     gt = [r[-1] for r in rows if r[-1] != ""]
     source = f"policy {args.policy} (epsilon {args.epsilon})" if args.policy else "random actions"
     print(f"wrote {len(rows)} frames of {args.env_id} ({episode} episodes, {source}) to {args.out}")
@@ -323,6 +351,12 @@ def collect(args: Collect) -> None:
 # ----------------------------------------------------------------------------------------------
 LABELS_HEADER = ["frame", "label", "time"]
 SKIP = "skip"  # a frame the labeller could not judge: kept in labels.csv, left out of every metric
+
+
+def is_plain_file_name(name: object) -> bool:
+    """A file directly inside a folder: no separators, not '.' or '..', no control characters (a CSV line each)."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\")
+            and all(ord(c) >= 32 and ord(c) != 127 for c in name))
 
 
 def load_states(dataset: str) -> list[dict]:
@@ -341,6 +375,11 @@ def load_states(dataset: str) -> list[dict]:
     if not rows:
         raise UserError(f"{states_path} lists no frames: the dataset is empty.")
     names = [r["frame"] for r in rows]
+    bad = next((n for n in names if not is_plain_file_name(n)), None)
+    if bad is not None:  # a crafted states.csv must not reach files outside frames/ (the label page serves them)
+        raise UserError(f"{states_path} names the frame {bad!r}, which is not a plain file name in "
+                        f"{os.path.join(dataset, 'frames')}; frame names must have no folder separators, no '..' "
+                        "and no control characters.")
     if len(set(names)) != len(names):
         raise UserError(f"{states_path} lists a frame more than once (e.g. {next(n for n in names if names.count(n) > 1)}).")
     missing = [n for n in names if not os.path.isfile(os.path.join(dataset, "frames", n))]
@@ -365,7 +404,8 @@ def read_labels(dataset: str, frames: set[str]) -> dict[str, str]:
     if next(csv.reader(lines[:1])) != LABELS_HEADER:
         raise UserError(f"{path} does not start with the header {','.join(LABELS_HEADER)}; it was not written by `epic_eval.py label`.")
     labels: dict[str, str] = {}
-    for line_number, row in enumerate(csv.reader(lines[1:]), start=2):
+    # one line at a time: a line cut short inside a quoted name must not swallow the next one
+    for line_number, row in enumerate((next(csv.reader([line]), []) for line in lines[1:]), start=2):
         if len(row) < 3 or not row[2]:  # a write cut short by a crash before the time: never acknowledged
             print(f"warning: ignoring the incomplete line {line_number} of {path}: {','.join(row)!r}")
             continue
@@ -401,11 +441,40 @@ def label_values(dataset: str, source: str) -> tuple[list[str], np.ndarray]:
     return frames, np.array(values)
 
 
+def unreadable_frame(dataset: str, frame: str, error: Exception) -> UserError:
+    reason = " ".join(f"{type(error).__name__}: {error}".split())[:160]
+    return UserError(f"frame {frame} of {dataset} is not a readable image ({reason}); collect the dataset again, "
+                     "or remove that frame's row from states.csv.")
+
+
+def check_images(dataset: str, frames: list[str]) -> None:
+    """Every frame opens as an image and all have one size; reads headers and checksums only (~0.3 ms a frame),
+    so a corrupt or truncated file is reported before any model is loaded or anything is written."""
+    from PIL import Image
+
+    first_of_size: dict[tuple[int, int], str] = {}
+    for frame in frames:
+        try:
+            with Image.open(os.path.join(dataset, "frames", frame)) as image:
+                size = image.size
+                image.verify()
+        except Exception as e:  # noqa: BLE001 - truncated, corrupt, or not an image at all: the same advice
+            raise unreadable_frame(dataset, frame, e) from None
+        first_of_size.setdefault(size, frame)
+    if len(first_of_size) > 1:
+        (a, size_a), (b, size_b) = [(frame, size) for size, frame in first_of_size.items()][:2]
+        raise UserError(f"the frames of {dataset} have different sizes ({a} is {size_a[0]}x{size_a[1]}, {b} is "
+                        f"{size_b[0]}x{size_b[1]}); keep one environment and render size per dataset.")
+
+
 def read_frames(dataset: str, frames: list[str]) -> np.ndarray:
     """uint8 (N, H, W, 3) images, exactly as the env rendered them (PNG is lossless)."""
     images = []
     for frame in frames:
-        image = imageio.imread(os.path.join(dataset, "frames", frame))
+        try:  # check_images has passed them, but a file can change (or hide a fault) between the two reads
+            image = imageio.imread(os.path.join(dataset, "frames", frame))
+        except Exception as e:  # noqa: BLE001
+            raise unreadable_frame(dataset, frame, e) from None
         if image.ndim == 2:
             image = np.stack([image] * 3, axis=-1)
         images.append(image[..., :3])
@@ -425,9 +494,12 @@ def append_label(path: str, frame: str, label: str) -> None:
             f.seek(-1, os.SEEK_END)
             if f.read(1) != b"\n":  # an earlier write was cut short: keep it on a line of its own
                 f.write(b"\n")
-        line = (",".join(LABELS_HEADER) + "\n" if new else "")
-        line += f"{frame},{label},{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}\n"
-        f.write(line.encode())
+        line = io.StringIO()  # the csv module quotes a frame name with a comma or a quote in it
+        writer = csv.writer(line, lineterminator="\n")
+        if new:
+            writer.writerow(LABELS_HEADER)
+        writer.writerow([frame, label, datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")])
+        f.write(line.getvalue().encode())
         f.flush()
         os.fsync(f.fileno())
     if new:  # make the new file's directory entry durable too
@@ -524,6 +596,10 @@ fetch("api/state").then(r => r.json()).then(state => {
 """
 
 
+MAX_LABEL_BODY = 4096  # bytes; a label request is about 50: a bigger one is refused before it is read
+LABEL_PAGE_CSP = "frame-ancestors 'none'"  # with X-Frame-Options: no other site can frame the page (clickjacking)
+
+
 def make_label_server(dataset: str, port: int, task: str) -> http.server.ThreadingHTTPServer:
     """A server for the label page, bound to 127.0.0.1; `port` 0 picks a free one (see server.server_port)."""
     rows = load_states(dataset)
@@ -534,8 +610,24 @@ def make_label_server(dataset: str, port: int, task: str) -> http.server.Threadi
     lock = threading.Lock()
 
     class Handler(http.server.BaseHTTPRequestHandler):
+        timeout = 10  # seconds per socket read or write: a stalled client never holds a handler thread
+        csp = None  # a Content-Security-Policy set by a response, merged with ours in end_headers
+
         def log_message(self, *args) -> None:  # keep the terminal for our own messages
             pass
+
+        def send_header(self, keyword: str, value: str) -> None:
+            if keyword.lower() == "content-security-policy":
+                self.csp = value
+            else:
+                super().send_header(keyword, value)
+
+        def end_headers(self) -> None:  # every response, the standard library's error pages included
+            super().send_header("X-Frame-Options", "DENY")
+            super().send_header("X-Content-Type-Options", "nosniff")
+            super().send_header("Content-Security-Policy", f"{self.csp}; {LABEL_PAGE_CSP}" if self.csp else LABEL_PAGE_CSP)
+            self.csp = None
+            super().end_headers()
 
         def _send(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
             self.send_response(code)
@@ -553,6 +645,11 @@ def make_label_server(dataset: str, port: int, task: str) -> http.server.Threadi
                 return False
             return True
 
+        def _frame(self, path: str) -> Optional[str]:
+            # the page asks for frames/<encodeURIComponent(name)>; no file but a listed frame is ever served
+            name = urllib.parse.unquote(path[len("/frames/"):])
+            return name if is_plain_file_name(name) and name in frame_set else None
+
         def do_GET(self) -> None:
             if not self._local():
                 return
@@ -563,8 +660,8 @@ def make_label_server(dataset: str, port: int, task: str) -> http.server.Threadi
                 with lock:
                     state = {"frames": frames, "labels": read_labels(dataset, frame_set), "task": task}
                 self._send(200, json.dumps(state).encode(), "application/json")
-            elif path.startswith("/frames/") and path[len("/frames/"):] in frame_set:  # no other file is served
-                with open(os.path.join(dataset, "frames", path[len("/frames/"):]), "rb") as f:
+            elif path.startswith("/frames/") and self._frame(path) is not None:
+                with open(os.path.join(dataset, "frames", self._frame(path)), "rb") as f:
                     self._send(200, f.read(), "image/png")
             else:
                 self._send(404, b"not found\n")
@@ -579,13 +676,34 @@ def make_label_server(dataset: str, port: int, task: str) -> http.server.Threadi
             if self.headers.get("Content-Type", "").split(";")[0].strip() != "application/json":
                 self._send(415, b"send application/json\n")
                 return
+            length = self.headers.get("Content-Length", "")
+            if not (length.isascii() and length.isdigit()):  # missing, negative or not a number: nothing to read safely
+                self.close_connection = True
+                self._send(400, b"send a Content-Length\n")
+                return
+            if int(length) > MAX_LABEL_BODY:
+                self.close_connection = True
+                self._send(413, f"a label request is at most {MAX_LABEL_BODY} bytes\n".encode())
+                return
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                data = self.rfile.read(int(length))
+            except (TimeoutError, ConnectionError):  # a stalled or vanished client: nothing acknowledged, nothing saved
+                self.close_connection = True
+                try:
+                    self._send(408, b"the request body did not arrive in time; nothing was saved\n")
+                except OSError:
+                    pass
+                return
+            if len(data) != int(length):  # the client closed before sending the whole body: it never sees an answer
+                self.close_connection = True
+                return
+            try:
+                body = json.loads(data)
                 frame, label = body["frame"], body["label"]
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 self._send(400, b"expected {\"frame\": ..., \"label\": ...}\n")
                 return
-            if frame not in frame_set or label not in ("1", "0", SKIP):
+            if not isinstance(frame, str) or frame not in frame_set or label not in ("1", "0", SKIP):
                 self._send(400, f"unknown frame or label (labels: 1, 0, {SKIP})\n".encode())
                 return
             with lock:
@@ -649,10 +767,13 @@ def bootstrap_epic(rewards: np.ndarray, labels: np.ndarray, samples: int, confid
                    rng: np.random.Generator) -> tuple[float, float]:
     """Percentile interval of EPIC over resamples of the states (with replacement).
 
-    Resamples in which the labels or rewards happen to be constant (EPIC undefined) are left out.
+    Resamples in which the labels or rewards happen to be constant (EPIC undefined) are left out; (nan, nan) when
+    most are, and for fewer than 3 states (any 2 points correlate +1 or -1).
     """
     r, h = np.asarray(rewards, dtype=np.float64), np.asarray(labels, dtype=np.float64)
     n, values = len(r), []
+    if n < 3:  # every resample of 2 states correlates +1, -1 or not at all: no interval to speak of
+        return float("nan"), float("nan")
     for start in range(0, samples, 256):  # chunks keep memory at 256 x n
         idx = rng.integers(0, n, size=(min(256, samples - start), n))
         rs, hs = r[idx], h[idx]
@@ -797,13 +918,15 @@ def score(args: Score) -> str:
     clip_args = check_score_args(args)
     if is_constant(labels):
         raise UserError(f"all {len(labels)} labels ({args.labels}) of {args.dataset} are {labels[0]:g}, so the correlation (and EPIC) is undefined; label both successes and failures.")
+    check_images(args.dataset, frames)
+    check_output_folder("runs", "the output folder", "move it away or run from another folder")
     binary = bool(np.isin(labels, (0.0, 1.0)).all())
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     run_name = f"{env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = os.path.join("runs", run_name)
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "args.json"), "w") as f:
-        json.dump(asdict(args), f, indent=2)
+    run_dir = os.path.join("runs", run_name)  # made once there are results: a failed run leaves no folder behind
+    if len(labels) == 2:
+        print("warning: only 2 labelled frames: the correlation of two points is always +1 or -1, so EPIC is 0 or 1 "
+              "and its bootstrap interval is undefined (reported as nan); label more frames for a meaningful distance")
     print(f"run: {run_dir}; {len(frames)} frames of {env_id} with {args.labels} labels "
           f"({int((labels == 1).sum())} successes), goal={args.goal}, baseline={args.baseline}"
           + (f", negatives={args.negatives}" if "softmax" in args.reward_families else "") + f", on {device}")
@@ -857,6 +980,9 @@ def score(args: Score) -> str:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "args.json"), "w") as f:
+        json.dump(asdict(args), f, indent=2)
     columns = ["model", "family", "alpha", "epic", "epic_low", "epic_high", "pearson", "roc_auc", "pr_auc", "n", "n_success"]
     with open(os.path.join(run_dir, "epic.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)

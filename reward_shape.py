@@ -51,6 +51,7 @@ from vlmrm_dqn_classic import (
     MOUNTAINCAR_GOAL,
     CLIPReward,
     UserError,
+    available_memory,
     check_clip_args,
     load_clip,
     make_env,
@@ -119,6 +120,10 @@ class ClipModelArgs:
     clip_cache_dir: Optional[str]
 
 
+MAX_NUM_POINTS = 100_000
+FRAME_BYTES = 400 * 600 * 3  # both envs render 600x400 RGB frames (Gymnasium's drawing and the realistic one)
+
+
 def check_args(args: Args) -> list[ClipModelArgs]:
     """Reject bad flags before anything expensive (model download, rendering) happens; returns one entry per model."""
     if args.env_id not in PROMPTS:
@@ -148,6 +153,18 @@ def check_args(args: Args) -> list[ClipModelArgs]:
         args.negatives = resolve_negatives(args.goal, args.negatives, "--reward-families softmax")
     if args.num_points < 2:
         raise UserError(f"--num-points must be at least 2 to draw a curve, got {args.num_points}.")
+    if args.num_points > MAX_NUM_POINTS:
+        raise UserError(f"--num-points must be at most {MAX_NUM_POINTS:,} (every point is a {FRAME_BYTES / 1e6:.2g} MB "
+                        f"frame held in memory, and a curve needs far fewer), got {args.num_points:,}.")
+    frames_bytes = 2 * args.num_points * FRAME_BYTES  # the rendered frames, and their stacked copy
+    available = available_memory()
+    if available and frames_bytes > 0.8 * available:
+        raise UserError(f"--num-points {args.num_points:,} needs about {frames_bytes / 2**30:.1f} GiB of memory for its "
+                        f"frames but only {available / 2**30:.1f} GiB is available; use at most "
+                        f"{int(0.8 * available / (2 * FRAME_BYTES)):,} points.")
+    if Path("runs").exists() and not Path("runs").is_dir():
+        raise UserError("runs is a file, but the results go to the folder runs/; "
+                        "move the file away or run from another folder.")
     if args.reward_batch_size < 1:
         raise UserError(f"--reward-batch-size must be a positive integer, got {args.reward_batch_size}.")
     if not args.clip_models:

@@ -13,7 +13,9 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
+from http.client import HTTPConnection
 
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import epic_eval  # noqa: E402
 import vlmrm_dqn_classic  # noqa: E402
+from conftest import assert_clean_error  # noqa: E402
 from epic_eval import UserError, average_precision, bootstrap_epic, epic_distance, roc_auc  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "epic_eval.py")
@@ -415,6 +418,123 @@ def test_dataset_problems_are_one_sentence_errors(cartpole_dataset, tmp_path, mo
     assert sorted(os.listdir(tmp_path / "words")) == ["frames", "labels.csv", "states.csv"]
 
 
+def valid_crc_broken_png(path: str) -> None:
+    """Corrupt the compressed pixels but keep every chunk checksum valid: only decoding the image finds it."""
+    import struct
+    import zlib
+
+    data = bytearray(open(path, "rb").read())
+    at = 8
+    while True:
+        length, kind = struct.unpack(">I4s", data[at:at + 8])
+        if kind == b"IDAT":
+            body = data[at + 8:at + 8 + length]
+            body[2:] = b"\xff" * (len(body) - 2)  # keep the zlib header, break the stream after it
+            data[at + 8:at + 8 + length] = body
+            data[at + 8 + length:at + 12 + length] = struct.pack(">I", zlib.crc32(kind + bytes(body)))
+            break
+        at += 12 + length
+    open(path, "wb").write(bytes(data))
+
+
+def test_unreadable_frames_are_one_sentence_and_leave_no_run_folder(cartpole_dataset, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ds = copy_dataset(cartpole_dataset, str(tmp_path / "truncated"))
+    frame = os.path.join(ds, "frames", "000007.png")
+    data = open(frame, "rb").read()
+    open(frame, "wb").write(data[: len(data) // 2])
+    # a real process: one sentence, exit code 2, no traceback, no runs/ (no args.json left behind)
+    result = run_cli("score", "--dataset", ds, "--labels", "gt", "--clip-models", TINY, "--clip-pretrained", "none",
+                     cwd=str(tmp_path))
+    assert_clean_error(result, "000007.png", "not a readable image")
+    assert result.returncode == 2 and not (tmp_path / "runs").exists()
+    # found before any model is loaded: a text file, an empty file, a frame of another size
+    monkeypatch.setattr(epic_eval, "load_clip", lambda *a: pytest.fail("bad frames must be refused before a model is loaded"))
+    for name, content, message in [("text", b"not a png", "not a readable image"), ("empty", b"", "not a readable image"),
+                                   ("size", None, r"different sizes \(000000.png is 600x400, 000059.png is 60x40\)")]:
+        ds = copy_dataset(cartpole_dataset, str(tmp_path / name))
+        if content is None:
+            epic_eval.imageio.imwrite(os.path.join(ds, "frames", "000059.png"), np.zeros((40, 60, 3), dtype=np.uint8))
+        else:
+            open(os.path.join(ds, "frames", "000059.png"), "wb").write(content)
+        with pytest.raises(UserError, match=message):
+            epic_eval.score(score_args(ds, labels="gt"))
+    assert not (tmp_path / "runs").exists()
+    # a fault only decoding finds (checksums intact): found later, still one sentence and still no run folder
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    ds = copy_dataset(cartpole_dataset, str(tmp_path / "broken_pixels"))
+    valid_crc_broken_png(os.path.join(ds, "frames", "000042.png"))
+    epic_eval.check_images(ds, epic_eval.label_values(ds, "gt")[0])  # passes the header/checksum check
+    with pytest.raises(UserError, match="frame 000042.png of .* is not a readable image"):
+        epic_eval.score(score_args(ds, labels="gt"))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_score_when_runs_is_a_file(cartpole_dataset, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").write_text("not a folder")
+    monkeypatch.setattr(epic_eval, "load_clip", lambda *a: pytest.fail("refused before a model is loaded"))
+    with pytest.raises(UserError, match="the output folder runs cannot be a folder: .*runs is a file"):
+        epic_eval.score(score_args(cartpole_dataset, labels="gt"))
+    assert (tmp_path / "runs").read_text() == "not a folder"
+
+
+def test_epic_on_two_labels_warns_that_the_interval_is_undefined(cartpole_dataset, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert bootstrap_epic(np.array([0.2, 0.7]), np.array([0.0, 1.0]), 1000, 0.95, np.random.default_rng(0)) == (
+        pytest.approx(float("nan"), nan_ok=True), pytest.approx(float("nan"), nan_ok=True))
+    ds = copy_dataset(cartpole_dataset, str(tmp_path / "ds"))
+    write_labels(ds, ["000000.png,1,t", "000040.png,0,t"])
+    args = score_args(ds, seed=0)
+    args.bootstrap = 1000  # with seed 0, enough resamples that the old code printed a zero-width interval
+    run_dir = epic_eval.score(args)
+    assert "warning: only 2 labelled frames" in capsys.readouterr().out
+    table, _ = read_run(run_dir)
+    for row in table:
+        assert float(row["epic"]) in (0.0, 1.0)  # two points always correlate +1 or -1
+        assert math.isnan(float(row["epic_low"])) and math.isnan(float(row["epic_high"]))
+
+
+def test_collect_refuses_bad_sizes_and_paths_up_front(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    for kwargs, message in [(dict(render_size=100000), "--render-size must be between 16 and 2048 pixels, got 100000"),
+                            (dict(render_size=8, env_id="Humanoid-v5"), "--render-size must be between 16 and 2048"),
+                            (dict(out=str(tmp_path / "a_file" / "ds")),
+                             "--out .*a_file/ds cannot be a folder: .*a_file is a file"),
+                            (dict(out=str(tmp_path / "a_file" / "sub" / "ds")), "a_file is a file")]:
+        with pytest.raises(UserError, match=message):
+            epic_eval.collect(epic_eval.Collect(**{"out": str(tmp_path / "ds"), "num_frames": 2, **kwargs}))
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]
+    result = run_cli("collect", "--env-id", "Humanoid-v5", "--render-size", "100000", "--out", "ds", cwd=str(tmp_path))
+    assert_clean_error(result, "--render-size", "100000")
+    assert result.returncode == 2 and sorted(os.listdir(tmp_path)) == ["a_file"]
+
+
+@pytest.mark.parametrize("error", [RuntimeError("renderer failed"), KeyboardInterrupt()])
+def test_collect_leaves_no_half_made_dataset(tmp_path, monkeypatch, error):
+    """A crash or Ctrl-C part-way: no --out folder and no hidden partial one; the same --out works afterwards."""
+    calls = []
+    real_env_state = epic_eval.env_state
+
+    def failing_env_state(env):
+        calls.append(1)
+        if len(calls) == 3:
+            raise error
+        return real_env_state(env)
+
+    out = str(tmp_path / "data" / "ds")
+    monkeypatch.setattr(epic_eval, "env_state", failing_env_state)
+    with pytest.raises(type(error)):
+        epic_eval.collect(epic_eval.Collect(out=out, num_frames=5))
+    assert os.listdir(tmp_path / "data") == []
+    monkeypatch.undo()
+    os.makedirs(out)  # an empty --out folder is allowed, and filled
+    epic_eval.collect(epic_eval.Collect(out=out, num_frames=5))
+    assert sorted(os.listdir(out)) == ["frames", "states.csv"] and len(os.listdir(os.path.join(out, "frames"))) == 5
+    assert os.listdir(tmp_path / "data") == ["ds"]
+
+
 def test_human_labels_use_the_last_label_per_frame_and_leave_skips_out(cartpole_dataset, tmp_path):
     ds = copy_dataset(cartpole_dataset, str(tmp_path / "ds"))
     write_labels(ds, ["000000.png,1,t", "000001.png,0,t", "000000.png,0,t", "000002.png,skip,t", "000003.png,1,t"])
@@ -495,6 +615,131 @@ def test_label_page_round_trip_over_http(cartpole_dataset, tmp_path):
         server.close()
     after = open(labels_csv).read()
     assert after.startswith(before) and after.count("\n") == before.count("\n") + 1  # appended, nothing rewritten
+
+
+def raw_request(url: str, request: bytes, timeout: float = 5.0) -> bytes:
+    """Send bytes as they are on a fresh connection; the server's whole answer (b"" when it closed without one)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(request)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def post_head(url: str, length: str) -> bytes:
+    host = url.removeprefix("http://")
+    return (f"POST /api/label HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode()
+
+
+def test_label_page_refuses_frames_outside_the_dataset(cartpole_dataset, tmp_path):
+    """A crafted states.csv naming ../file or /abs/file as a frame is refused before anything is served."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not a frame")
+    for bad in ["../secret.txt", str(secret), "..", "a\\b.png", "new\nline.png"]:
+        ds = copy_dataset(cartpole_dataset, str(tmp_path / f"ds{len(os.listdir(tmp_path))}"))
+        shutil.copyfile(secret, os.path.join(ds, "secret.txt"))  # what ../secret.txt reaches from frames/
+        with open(os.path.join(ds, "states.csv"), newline="") as f:
+            rows = list(csv.reader(f))
+        rows[1][0] = bad
+        with open(os.path.join(ds, "states.csv"), "w", newline="") as f:
+            csv.writer(f).writerows(rows)
+        with pytest.raises(UserError, match="which is not a plain file name"):
+            epic_eval.make_label_server(ds, 0, "pole upright?")
+        with pytest.raises(UserError, match="which is not a plain file name"):
+            epic_eval.label_values(ds, "gt")  # score reads frames through the same check
+
+
+def test_label_page_bad_requests_get_an_answer_and_save_nothing(cartpole_dataset, tmp_path):
+    ds = copy_dataset(cartpole_dataset, str(tmp_path / "ds"))
+    labels_csv = os.path.join(ds, "labels.csv")
+    server = LabelServer(ds)
+    server.server.RequestHandlerClass.timeout = 0.5  # the handler's socket timeout, short for the test
+    try:
+        # a frame or a label that is not a string, a body that is not an object: 400, not a dropped connection
+        for body in [{"frame": ["000000.png"], "label": "1"}, {"frame": {"a": 1}, "label": "1"}, {"frame": 3, "label": "1"},
+                     {"frame": "000000.png", "label": ["1"]}, ["000000.png", "1"], "000000.png", None]:
+            data = json.dumps(body).encode()
+            answer = raw_request(server.url, post_head(server.url, str(len(data))) + data)
+            assert answer.startswith(b"HTTP/1.0 400"), (body, answer)
+        deep = b"[" * 3000  # within the size bound, deeper than the JSON parser recurses
+        assert raw_request(server.url, post_head(server.url, str(len(deep))) + deep).startswith(b"HTTP/1.0 400")
+        # bad lengths are refused before a byte of the body is read
+        for length, code in [("-1", b"400"), ("abc", b"400"), ("", b"400"), ("1e3", b"400"), ("10000000000", b"413"),
+                             (str(epic_eval.MAX_LABEL_BODY + 1), b"413")]:
+            start = time.monotonic()
+            answer = raw_request(server.url, post_head(server.url, length))
+            assert answer.startswith(b"HTTP/1.0 " + code), (length, answer)
+            assert time.monotonic() - start < 0.4, length  # answered at once, not after the socket timeout
+        # a body shorter than its Content-Length: after the handler's timeout the connection is answered and closed
+        data = json.dumps({"frame": "000000.png", "label": "1"}).encode()
+        start = time.monotonic()
+        answer = raw_request(server.url, post_head(server.url, str(len(data) + 10)) + data, timeout=5)
+        assert answer.startswith(b"HTTP/1.0 408") and time.monotonic() - start < 3, answer
+        # the same, with the client leaving before the server gave up: never acknowledged, so never saved
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(post_head(server.url, str(len(data) + 10)) + data)
+            sock.shutdown(socket.SHUT_WR)
+            assert sock.recv(100) == b""
+        time.sleep(0.2)
+        assert not os.path.exists(labels_csv)
+        # the server is still serving
+        assert http(server.url + "/api/label", {"frame": "000000.png", "label": "1"})[0] == 200
+    finally:
+        server.close()
+    with open(labels_csv, newline="") as f:
+        assert [row[:2] for row in csv.reader(f)] == [["frame", "label"], ["000000.png", "1"]]
+
+
+def test_label_page_frame_names_with_commas_and_quotes(cartpole_dataset, tmp_path):
+    ds = copy_dataset(cartpole_dataset, str(tmp_path / "ds"))
+    with open(os.path.join(ds, "states.csv"), newline="") as f:
+        rows = list(csv.reader(f))
+    names = {1: "a,b.png", 2: 'say "hi".png', 3: "50%,x y.png"}
+    for i, name in names.items():
+        os.rename(os.path.join(ds, "frames", rows[i][0]), os.path.join(ds, "frames", name))
+        rows[i][0] = name
+    with open(os.path.join(ds, "states.csv"), "w", newline="") as f:
+        csv.writer(f).writerows(rows)
+    server = LabelServer(ds)
+    try:
+        for name in names.values():
+            status, png = http(server.url + "/frames/" + urllib.parse.quote(name, safe=""))  # as encodeURIComponent
+            assert status == 200 and png[:8] == b"\x89PNG\r\n\x1a\n", name
+            assert http(server.url + "/api/label", {"frame": name, "label": "1"})[0] == 200
+        assert http(server.url + "/api/label", {"frame": names[1], "label": "0"})[0] == 200
+        state = json.loads(http(server.url + "/api/state")[1])
+        assert state["labels"] == {names[1]: "0", names[2]: "1", names[3]: "1"}
+    finally:
+        server.close()
+    with open(os.path.join(ds, "labels.csv"), newline="") as f:
+        assert [row[:2] for row in csv.reader(f)][1:] == [[names[1], "1"], [names[2], "1"], [names[3], "1"], [names[1], "0"]]
+    frames, labels = epic_eval.label_values(ds, "human")
+    assert dict(zip(frames, labels.tolist())) == {names[1]: 0.0, names[2]: 1.0, names[3]: 1.0}
+
+
+def test_label_page_cannot_be_framed_or_sniffed(cartpole_dataset, tmp_path):
+    ds = copy_dataset(cartpole_dataset, str(tmp_path / "ds"))
+    server = LabelServer(ds)
+    try:
+        port = server.server.server_port
+        for method, path, host in [("GET", "/", None), ("GET", "/api/state", None), ("GET", "/frames/000000.png", None),
+                                   ("GET", "/nothing", None), ("GET", "/", "evil.example"), ("PUT", "/", None)]:
+            connection = HTTPConnection("127.0.0.1", port, timeout=5)
+            try:
+                connection.request(method, path, headers={"Host": host or f"127.0.0.1:{port}"})
+                response = connection.getresponse()
+                response.read()
+            finally:
+                connection.close()
+            assert response.getheader("X-Frame-Options") == "DENY", (method, path, host)
+            assert response.getheader("X-Content-Type-Options") == "nosniff", (method, path, host)
+            assert "frame-ancestors 'none'" in response.getheader("Content-Security-Policy", ""), (method, path, host)
+    finally:
+        server.close()
 
 
 # ---------------------------------------------------------------------------------------------- label page in chromium

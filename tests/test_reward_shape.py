@@ -18,12 +18,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+import tyro
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "reward_shape.py"
 TINY = str(ROOT / "tests" / "vlmrm-tiny-test.json")
 sys.path.insert(0, str(ROOT))
 import reward_shape  # noqa: E402
+from conftest import assert_refused  # noqa: E402
 
 POLE_RGB = torch.tensor([202, 152, 101]).view(1, 3, 1, 1) / 255  # Gymnasium's pole colour
 EMBED_DIM = 8
@@ -341,3 +343,33 @@ def test_bad_env_in_a_real_process(tmp_path):
     assert result.returncode == 2
     assert result.stderr.startswith("error: --env-id Pendulum-v1 is not supported"), result.stderr
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+@pytest.fixture
+def nothing_expensive(monkeypatch, tmp_path):
+    """In a temporary folder, with rendering and model loading turned into test failures: refusals must come first."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(reward_shape, "render_states", lambda *a: pytest.fail("refused before any frame is rendered"))
+    monkeypatch.setattr(reward_shape, "load_clip", lambda *a: pytest.fail("refused before any model is loaded"))
+    return tmp_path
+
+
+@pytest.mark.parametrize("num_points", ["100001", "100000000"])
+def test_num_points_is_bounded(nothing_expensive, num_points):
+    assert_refused(reward_shape, ["--num-points", num_points], "--num-points must be at most 100,000", num_points[:3])
+
+
+def test_num_points_must_fit_in_memory(nothing_expensive, monkeypatch):
+    monkeypatch.setattr(reward_shape, "available_memory", lambda: 2**30)  # 1 GiB: 0.8 GiB / (2 x 0.72 MB) = 596 points
+    assert_refused(reward_shape, ["--num-points", "1000"], "--num-points 1,000 needs about 1.3 GiB", "at most 596 points")
+    with pytest.raises(pytest.fail.Exception, match="refused before any frame is rendered"):  # 500 fit
+        reward_shape.main(tyro.cli(reward_shape.Args,
+                                   args=["--num-points", "500", "--clip-models", TINY, "--clip-pretrained", "none"]))
+
+
+def test_runs_is_a_file(monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(tmp_path)
+    Path("runs").write_text("not a folder")
+    code, out, err = run_cli(monkeypatch, capsys, "--clip-models", TINY, "--clip-pretrained", "none", "--num-points", "3")
+    assert code == 2 and err.startswith("error: runs is a file") and err.count("\n") == 1, err
+    assert Path("runs").read_text() == "not a folder"
