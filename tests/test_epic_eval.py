@@ -254,7 +254,8 @@ def test_collect_policy_problems_are_one_sentence_errors(saved_policies, tmp_pat
         str(tmp_path / "missing.pt"): "no such file; pass the model.pt of vlmrm_dqn_classic.py",
         str(tmp_path / "text.pt"): "could not be read",
         str(tmp_path / "empty.pt"): "holds no policy",
-        str(tmp_path / "pendulum.pt"): "was trained on InvertedPendulum-v5; collect supports its policies on Humanoid-v5 only",
+        str(tmp_path / "pendulum.pt"): ("was trained on InvertedPendulum-v5; collect supports its policies on "
+                                        "Humanoid-v5, MountainCarContinuous-v0 only"),
         # CartPole's Q-network (4 inputs) under MountainCar's name (2 inputs): shapes do not fit
         str(tmp_path / "relabelled.pt"): "its q_network does not fit MountainCar-v0 .*size mismatch",
     }
