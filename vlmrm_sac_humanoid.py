@@ -940,7 +940,7 @@ def clip_image_size(args: Args) -> int:
 
     if args.clip_model.endswith(".json"):
         open_clip.add_model_config(args.clip_model)
-    size = open_clip.get_model_config(Path(args.clip_model).stem if args.clip_model.endswith(".json") else args.clip_model)["vision_cfg"]["image_size"]
+    size = open_clip.get_model_config(Path(args.clip_model).stem if args.clip_model.endswith(".json") else args.clip_model)["vision_cfg"].get("image_size", 224)  # open_clip's default
     return size if isinstance(size, int) else size[0]
 
 
