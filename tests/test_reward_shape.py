@@ -304,6 +304,7 @@ def test_cli_tiny_model(monkeypatch, tmp_path, capsys):
     (["--num-points", "0"], "--num-points must be at least 2"),
     (["--env-id", "CartPole-v1", "--realistic"], "--realistic only changes MountainCar-v0"),
     (["--goal", "a pole", "--baseline", "a pole"], "same prompts"),
+    (["--goal", "A Pole", "--baseline", "a  pole "], "same prompts"),
     (["--clip-models", "RN50", "ViT-B-32", "--clip-pretrained", "openai", "openai", "openai"], "one per --clip-models entry (2), got 3"),
     (["--clip-models", "RN50", "RN50", "--clip-pretrained", "openai"], "the same model twice"),
     (["--clip-models", "NoSuchNet"], "not an open_clip architecture"),
@@ -334,3 +335,12 @@ def test_bad_env_in_a_real_process(tmp_path):
     assert result.returncode == 2
     assert result.stderr.startswith("error: --env-id Pendulum-v1 is not supported"), result.stderr
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+def test_prompts_with_the_same_embedding_are_one_sentence(monkeypatch, tmp_path, capsys):
+    """CLIP reads at most 77 tokens: prompts that differ only after them have one embedding, so d = g - b = 0."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(monkeypatch, capsys, "--clip-models", TINY, "--clip-pretrained", "none", "--num-points", "3",
+                             "--goal", "pole " * 80 + "left", "--baseline", "pole " * 80 + "right", "--no-cuda")
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "same CLIP embedding" in err and "--alphas 0" in err
