@@ -235,3 +235,35 @@ def test_missing_weights_say_what_is_fetched_and_fail_within_seconds(tmp_path):
     (error,) = [t for t, line in lines if line.startswith("error: ")]
     assert "network" in text and "192.0.2.1" in text
     assert error - fetching < 20, (fetching, error)  # open_clip's own retries took about a minute
+
+
+def test_cached_weights_load_without_touching_the_network(in_tmp, monkeypatch, capsys):
+    """Weights already in the Hugging Face cache: nothing is fetched, no connection is opened, the weights are the cached ones."""
+    import socket
+
+    import open_clip
+
+    torch.manual_seed(0)
+    model, _ = classic.load_clip(classic.Args(clip_model=TINY_CLIP, clip_pretrained="none"), torch.device("cpu"))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = in_tmp / "cache" / "models--nobody--vlmrm-tiny" / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (in_tmp / "cache" / "models--nobody--vlmrm-tiny" / "refs").mkdir()
+    (in_tmp / "cache" / "models--nobody--vlmrm-tiny" / "refs" / "main").write_text(commit)
+    torch.save(model.state_dict(), snapshot / "open_clip_pytorch_model.bin")
+    monkeypatch.setitem(open_clip.pretrained._PRETRAINED, "vlmrm-tiny-test", {"cached": {"hf_hub": "nobody/vlmrm-tiny/"}})
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("cached weights must load without a connection")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    capsys.readouterr()
+    args = classic.Args(clip_model=TINY_CLIP, clip_pretrained="cached", clip_cache_dir=str(in_tmp / "cache"))
+    loaded, _ = classic.load_clip(args, torch.device("cpu"))
+    assert "fetching" not in capsys.readouterr().out
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor)
+    import huggingface_hub.constants
+
+    assert not huggingface_hub.constants.HF_HUB_OFFLINE  # the offline switch is only held while loading
