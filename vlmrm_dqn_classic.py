@@ -367,8 +367,9 @@ def fetch_clip_weights(args: Args) -> bool:
         import huggingface_hub
 
         repo_id, filename = os.path.split(hf_hub)
-        filename = filename or open_clip.pretrained.HF_WEIGHTS_NAME
-        names = [*open_clip.pretrained._get_safe_alternatives(filename), filename]
+        filename = filename or "open_clip_pytorch_model.bin"  # open_clip's default name on the hub
+        safe_names = getattr(open_clip.pretrained, "_get_safe_alternatives", lambda name: [])  # tried first when present
+        names = [*safe_names(filename), filename]
         if any(isinstance(huggingface_hub.try_to_load_from_cache(repo_id, name, cache_dir=args.clip_cache_dir), str)
                for name in names):
             return True

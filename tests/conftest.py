@@ -84,7 +84,8 @@ def assert_refused(module, flags: list[str], *words: str) -> None:
     assert not Path("runs").exists()  # refused before any output (tests run in a temporary folder)
 
 
-def run_timed(script: str, *args: str, cwd: Path, env: dict | None = None, timeout: int = 120) -> tuple[int, list[tuple[float, str]]]:
+def run_timed(script: str, *args: str, cwd: Path, env: dict | None = None,
+              timeout: int = 120) -> tuple[int, list[tuple[float, str]]]:
     """Run `python <script> <args>`; (exit code, [(seconds since start, line)] of stdout and stderr together)."""
     import time
 

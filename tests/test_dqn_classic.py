@@ -238,7 +238,7 @@ def test_missing_weights_say_what_is_fetched_and_fail_within_seconds(tmp_path):
 
 
 def test_cached_weights_load_without_touching_the_network(in_tmp, monkeypatch, capsys):
-    """Weights already in the Hugging Face cache: nothing is fetched, no connection is opened, the weights are the cached ones."""
+    """Weights in the Hugging Face cache: nothing is fetched, no connection is opened, the weights are the cached ones."""
     import socket
 
     import open_clip
