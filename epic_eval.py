@@ -55,9 +55,11 @@ from vlmrm_dqn_classic import (
     QNetwork,
     UserError,
     check_clip_args,
+    check_goal_direction,
     load_clip,
     make_env,
     resolve_negatives,
+    same_prompts,
     softmax_reward,
     vlm_reward,
 )
@@ -144,6 +146,8 @@ class Score:
     """softmax family: the reward is 1 when the goal's probability is above this, else 0; in (0, 1)"""
     soft: bool = False
     """softmax family: if toggled, the reward is the goal's probability itself instead of 0/1"""
+    antialias: bool = False
+    """if toggled, antialias the bicubic squash of frames to CLIP's input (default off, as in the paper's code)"""
     bootstrap: int = 1000
     """bootstrap resamples for the EPIC confidence interval"""
     confidence: float = 0.95
@@ -840,8 +844,8 @@ def check_score_args(args: Score) -> list[ClipArgs]:
         raise UserError('--goal needs at least one non-empty prompt, e.g. --goal "pole vertically upright on top of the cart".')
     if projection and max(args.alphas) > 0 and (not args.baseline or any(not b.strip() for b in args.baseline)):
         raise UserError("--baseline needs at least one non-empty prompt when an alpha is > 0.")
-    if projection and max(args.alphas) > 0 and sorted(set(args.goal)) == sorted(set(args.baseline)):
-        raise UserError(f"--goal and --baseline are the same prompts, so the goal-baseline direction is zero; change one or use only --alphas 0 (got {max(args.alphas)}).")
+    if projection and max(args.alphas) > 0 and same_prompts(args.goal, args.baseline):
+        raise UserError(f"--goal and --baseline are the same prompts (ignoring case and spaces), so the goal-baseline direction is zero; change one or use only --alphas 0 (got {max(args.alphas)}).")
     if not 0 < args.temperature < float("inf"):  # also rejects nan
         raise UserError(f"--temperature must be a positive number, got {args.temperature}.")
     if not 0 < args.threshold < 1:
@@ -942,7 +946,11 @@ def score(args: Score) -> str:
         model, tokenizer = load_clip(clip, device)
         reward_model = CLIPReward(model, tokenizer, args.goal, args.baseline, 0.0, args.reward_batch_size, device,
                                   "softmax" if SOFTMAX in curves else "projection", args.negatives or (),
-                                  args.temperature, args.threshold, args.soft)
+                                  args.temperature, args.threshold, args.soft, args.antialias)
+        projection_alphas = [alpha for alpha in curves if alpha != SOFTMAX]
+        if projection_alphas:  # prompts that differ only where CLIP cannot see (e.g. past its 77 tokens) have d = 0
+            check_goal_direction(reward_model.goal_embeddings, reward_model.baseline_embeddings, max(projection_alphas),
+                                 "only --alphas")
         # image embeddings once per model, from disk in batches; every alpha (and the softmax family) reuses them
         start = time.perf_counter()
         embeddings = torch.cat([reward_model.embed_images(torch.from_numpy(read_frames(args.dataset, frames[i:i + args.reward_batch_size]))).float().cpu()

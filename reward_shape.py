@@ -53,9 +53,11 @@ from vlmrm_dqn_classic import (
     UserError,
     available_memory,
     check_clip_args,
+    check_goal_direction,
     load_clip,
     make_env,
     resolve_negatives,
+    same_prompts,
     softmax_reward,
     vlm_reward,
 )
@@ -108,6 +110,8 @@ class Args:
     """softmax family: the reward is 1 when the goal's probability is above this, else 0; in (0, 1)"""
     soft: bool = False
     """softmax family: if toggled, the reward is the goal's probability itself instead of 0/1"""
+    antialias: bool = False
+    """if toggled, antialias the bicubic squash of frames to CLIP's input (default off, as in the paper's code)"""
 
 
 @dataclass
@@ -143,8 +147,8 @@ def check_args(args: Args) -> list[ClipModelArgs]:
         raise UserError('--goal needs at least one non-empty prompt, e.g. --goal "pole vertically upright on top of the cart".')
     if projection and max(args.alphas) > 0 and (not args.baseline or any(not b.strip() for b in args.baseline)):
         raise UserError("--baseline needs at least one non-empty prompt when an alpha is > 0.")
-    if projection and max(args.alphas) > 0 and sorted(set(args.goal)) == sorted(set(args.baseline)):
-        raise UserError(f"--goal and --baseline are the same prompts, so the goal-baseline direction is zero; change one or use --alphas 0 (got alpha {max(args.alphas)}).")
+    if projection and max(args.alphas) > 0 and same_prompts(args.goal, args.baseline):
+        raise UserError(f"--goal and --baseline are the same prompts (ignoring case and spaces), so the goal-baseline direction is zero; change one or use --alphas 0 (got alpha {max(args.alphas)}).")
     if not 0 < args.temperature < float("inf"):  # also rejects nan
         raise UserError(f"--temperature must be a positive number, got {args.temperature}.")
     if not 0 < args.threshold < 1:
@@ -353,7 +357,9 @@ def main(args: Args) -> Path:
         # alpha and family only matter in CLIPReward.forward, which we bypass to embed the frames once for all curves
         reward_model = CLIPReward(model, tokenizer, args.goal, args.baseline, 0.0, args.reward_batch_size, device,
                                   "softmax" if softmax else "projection", args.negatives or (), args.temperature,
-                                  args.threshold, args.soft)
+                                  args.threshold, args.soft, args.antialias)
+        if alphas:  # prompts that differ only where CLIP cannot see (e.g. past its 77 tokens) have d = 0
+            check_goal_direction(reward_model.goal_embeddings, reward_model.baseline_embeddings, max(alphas), "--alphas")
         start = time.perf_counter()
         results[label] = score_frames(reward_model, frames, alphas, softmax)
         print(f"{label}: scored {len(frames)} frames in {time.perf_counter() - start:.1f} s")

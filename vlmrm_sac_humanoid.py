@@ -115,6 +115,8 @@ class Args:
     """softmax family: the reward is 1 when the goal's probability is above this, else 0; in (0, 1)"""
     soft: bool = False
     """softmax family: if toggled, the reward is the goal's probability itself instead of 0/1"""
+    antialias: bool = False
+    """if toggled, antialias the bicubic squash of frames to CLIP's input (default off, as in the paper's code)"""
 
     # SAC (the paper's humanoid settings)
     total_timesteps: int = 10_000_000
@@ -166,8 +168,8 @@ def check_args(args: Args) -> None:
         raise UserError('--goal needs at least one non-empty prompt, e.g. --goal "a humanoid robot kneeling".')
     if args.alpha > 0 and (not args.baseline or any(not b.strip() for b in args.baseline)):
         raise UserError("--baseline needs at least one non-empty prompt when --alpha > 0.")
-    if args.alpha > 0 and sorted(set(args.goal)) == sorted(set(args.baseline)):
-        raise UserError(f"--goal and --baseline are the same prompts, so the goal-baseline direction is zero; change one or use --alpha 0 (got --alpha {args.alpha}).")
+    if args.alpha > 0 and same_prompts(args.goal, args.baseline):
+        raise UserError(f"--goal and --baseline are the same prompts (ignoring case and spaces), so the goal-baseline direction is zero; change one or use --alpha 0 (got --alpha {args.alpha}).")
     if not 0 < args.temperature < float("inf"):  # also rejects nan
         raise UserError(f"--temperature must be a positive number, got {args.temperature}.")
     if not 0 < args.threshold < 1:
@@ -267,6 +269,19 @@ def check_clip_args(args: Args) -> None:
     if args.clip_model.endswith(".json"):
         if not os.path.isfile(args.clip_model):
             raise UserError(f"--clip-model {args.clip_model}: no such model config file.")
+        import json
+
+        try:
+            with open(args.clip_model, encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
+            raise UserError(f"--clip-model {args.clip_model} is not a readable JSON file ({type(e).__name__}: "
+                            f"{str(e)[:120]}); pass an open_clip model config such as tests/vlmrm-tiny-test.json.") from None
+        # open_clip silently skips a config without these, and then reports an unknown model
+        required = [("embed_dim", int), ("vision_cfg", dict), ("text_cfg", dict)]
+        if not isinstance(config, dict) or not all(isinstance(config.get(k), t) for k, t in required):
+            raise UserError(f"--clip-model {args.clip_model} is JSON but not an open_clip model config (it needs an integer "
+                            "embed_dim and the objects vision_cfg and text_cfg, as in tests/vlmrm-tiny-test.json).")
         return
     if args.clip_model not in open_clip.list_models():
         raise UserError(f"--clip-model {args.clip_model} is not an open_clip architecture; run `python -c \"import open_clip; print(open_clip.list_models())\"` to see them (e.g. ViT-bigG-14, ViT-L-14, RN50).")
@@ -277,6 +292,13 @@ def check_clip_args(args: Args) -> None:
     tags = open_clip.list_pretrained_tags_by_model(args.clip_model)
     if args.clip_pretrained != "none" and args.clip_pretrained not in tags:
         raise UserError(f"--clip-pretrained {args.clip_pretrained} is not a pretrained tag of {args.clip_model}; its tags are: {', '.join(tags) or 'none'}.")
+
+
+def same_prompts(goal: tuple[str, ...], baseline: tuple[str, ...]) -> bool:
+    """Goal and baseline prompts that CLIP cannot tell apart: its tokenizer ignores case and extra spaces."""
+    def canonical(prompts):
+        return sorted({" ".join(p.lower().split()) for p in prompts})
+    return canonical(goal) == canonical(baseline)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -343,6 +365,92 @@ def resolve_negatives(goal: tuple[str, ...], negatives: Optional[tuple[str, ...]
     return negatives
 
 
+def check_goal_direction(goal_embeddings: torch.Tensor, baseline_embeddings: torch.Tensor, alpha: float,
+                         flag: str = "--alpha") -> None:
+    """d = g - b must not vanish when alpha > 0: different strings can have one embedding (e.g. past CLIP's 77 tokens)."""
+    g = F.normalize(goal_embeddings.float(), dim=-1).mean(0)
+    b = F.normalize(baseline_embeddings.float(), dim=-1).mean(0)
+    if alpha > 0 and (g - b).norm() < 1e-4:  # real prompt pairs are > 0.1 apart; float32 round-off is ~1e-6
+        raise UserError(f"--goal and --baseline have the same CLIP embedding, so the goal-baseline direction is zero; "
+                        f"change one or use {flag} 0 (got {alpha}).")
+
+
+HUB_TIMEOUT_S = 5.0  # how long to wait for the download host before saying it cannot be reached
+
+
+def fetch_clip_weights(args: Args) -> bool:
+    """Download the weights of --clip-model/--clip-pretrained into the cache, saying so first; True when they are cached.
+
+    Already cached: nothing is fetched (and load_clip then never touches the network). Not cached: one line says
+    what is fetched, and an unreachable host is one sentence within seconds instead of a minute of retries.
+    """
+    import open_clip
+
+    model_name = Path(args.clip_model).stem if args.clip_model.endswith(".json") else args.clip_model
+    if args.clip_checkpoint is not None or args.clip_pretrained == "none":
+        return False
+    cfg = open_clip.get_pretrained_cfg(model_name, args.clip_pretrained)
+    if not cfg:
+        return False  # not a known tag: create_model says so
+    hf_hub = cfg.get("hf_hub", "") if open_clip.pretrained.has_hf_hub() else ""
+    if hf_hub:
+        import huggingface_hub
+
+        repo_id, filename = os.path.split(hf_hub)
+        filename = filename or "open_clip_pytorch_model.bin"  # open_clip's default name on the hub
+        safe_names = getattr(open_clip.pretrained, "_get_safe_alternatives", lambda name: [])  # tried first when present
+        names = [*safe_names(filename), filename]
+        if any(isinstance(huggingface_hub.try_to_load_from_cache(repo_id, name, cache_dir=args.clip_cache_dir), str)
+               for name in names):
+            return True
+        url = huggingface_hub.constants.ENDPOINT
+        offline = huggingface_hub.constants.HF_HUB_OFFLINE
+    else:
+        url, offline = cfg.get("url", ""), False
+        if os.path.isfile(os.path.join(args.clip_cache_dir or os.path.expanduser("~/.cache/clip"), os.path.basename(url))):
+            return True
+    size = ""
+    try:  # parameters counted on the meta device: no memory, well under a second even for ViT-bigG-14
+        logging.disable(logging.WARNING)
+        with torch.device("meta"):
+            params = sum(p.numel() for p in open_clip.create_model(model_name, device="meta").parameters())
+        size = f" ({params / 1e6:,.0f}M parameters, about {params * 4 / 1e9:.1f} GB as float32)"
+    except Exception:  # noqa: BLE001 - the size is a courtesy
+        pass
+    finally:
+        logging.disable(logging.NOTSET)
+    print(f"fetching the {model_name}/{args.clip_pretrained} CLIP weights{size} from {url} into "
+          f"{args.clip_cache_dir or 'the Hugging Face cache'}", flush=True)
+    detail = "HF_HUB_OFFLINE is set and they are not in the cache" if offline else can_reach(url)
+    if detail is None:
+        try:
+            open_clip.download_pretrained(cfg, cache_dir=args.clip_cache_dir)
+            return True
+        except Exception as e:  # noqa: BLE001 - every failure here has the same fixes
+            detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+    detail = detail if len(detail) <= 160 else detail[:157] + "..."
+    raise UserError(f"could not download or find the {model_name}/{args.clip_pretrained} CLIP weights ({detail}); check the "
+                    "network connection, point --clip-cache-dir at a folder that already holds them, or pass a local weights "
+                    "file with --clip-checkpoint.")
+
+
+def can_reach(url: str, timeout: float = HUB_TIMEOUT_S) -> Optional[str]:
+    """None when a TCP connection to the URL's host (or the HTTPS proxy in use) opens within `timeout`, else why not."""
+    import socket
+    import urllib.parse
+    import urllib.request
+
+    host = urllib.parse.urlparse(url).hostname or ""
+    proxy = urllib.request.getproxies().get("https")
+    target = urllib.parse.urlparse(proxy if proxy and not urllib.request.proxy_bypass(host) else url)
+    try:
+        port = target.port or (443 if target.scheme == "https" else 80)
+        socket.create_connection((target.hostname, port), timeout=timeout).close()
+        return None
+    except OSError as e:
+        return f"{target.hostname} cannot be reached: {e.strerror or type(e).__name__}"
+
+
 def load_clip(args: Args, device: torch.device) -> tuple[nn.Module, object]:
     """The open_clip model and tokenizer named by the flags, with one-sentence errors."""
     import open_clip
@@ -352,6 +460,11 @@ def load_clip(args: Args, device: torch.device) -> tuple[nn.Module, object]:
         open_clip.add_model_config(model_name)
         model_name = Path(model_name).stem
     pretrained = args.clip_checkpoint or (None if args.clip_pretrained == "none" else args.clip_pretrained)
+    cached = fetch_clip_weights(args)  # says what it fetches; a missing download fails here, in seconds
+    import huggingface_hub.constants as hub
+
+    hub_offline = hub.HF_HUB_OFFLINE
+    hub.HF_HUB_OFFLINE = hub_offline or cached  # cached weights load without asking the hub (no retries when offline)
     logging.disable(logging.ERROR)  # open_clip logs its own multi-line errors; we say it in one sentence
     try:
         model = open_clip.create_model(model_name, pretrained=pretrained, device=device, cache_dir=args.clip_cache_dir)
@@ -360,9 +473,13 @@ def load_clip(args: Args, device: torch.device) -> tuple[nn.Module, object]:
         detail = detail if len(detail) <= 160 else detail[:157] + "..."
         if args.clip_checkpoint is not None:
             raise UserError(f"could not load --clip-checkpoint {args.clip_checkpoint} into {model_name} ({type(e).__name__}: {detail}); check that the file holds open_clip weights for that architecture.") from None
+        if pretrained is None:  # nothing was downloaded: the architecture itself could not be built
+            raise UserError(f"could not build {model_name} from --clip-model {args.clip_model} ({type(e).__name__}: "
+                            f"{detail}); check the values in that config file.") from None
         raise UserError(f"could not download or find the {model_name}/{pretrained} CLIP weights ({detail}); check the network connection, point --clip-cache-dir at a folder that already holds them, or pass a local weights file with --clip-checkpoint.") from None
     finally:
         logging.disable(logging.NOTSET)
+        hub.HF_HUB_OFFLINE = hub_offline
     if pretrained is None:
         print(f"note: {model_name} has random weights (--clip-pretrained none): its rewards are meaningless outside tests")
     return model.eval(), open_clip.get_tokenizer(model_name)
@@ -371,12 +488,15 @@ def load_clip(args: Args, device: torch.device) -> tuple[nn.Module, object]:
 class CLIPReward(nn.Module):
     """Scores uint8 frames (N, H, W, 3) with `vlm_reward` (family "projection") or `softmax_reward` ("softmax").
 
-    Prompt embeddings (goal, baseline, negatives) are computed once.
+    Prompt embeddings (goal, baseline, negatives) are computed once. Frames are preprocessed as the paper's code did
+    (a tensor torchvision Resize of torch 2.0): squashed to the model's square input, bicubic, no antialiasing, no
+    clamp; `antialias=True` smooths a large downscale instead (closer to PIL, not the paper).
     """
 
     def __init__(self, model: nn.Module, tokenizer, goal: tuple[str, ...], baseline: tuple[str, ...],
                  alpha: float, batch_size: int, device: torch.device, family: str = "projection",
-                 negatives: tuple[str, ...] = (), temperature: float = 0.01, threshold: float = 0.5, soft: bool = False):
+                 negatives: tuple[str, ...] = (), temperature: float = 0.01, threshold: float = 0.5, soft: bool = False,
+                 antialias: bool = False):
         super().__init__()
         import open_clip
 
@@ -386,6 +506,8 @@ class CLIPReward(nn.Module):
             raise ValueError("the softmax reward family needs at least one negative prompt")
         self.model, self.alpha, self.batch_size, self.device = model, alpha, batch_size, device
         self.family, self.temperature, self.threshold, self.soft = family, temperature, threshold, soft
+        self.antialias = antialias
+        # the model's own mean/std: the paper used OpenAI's for every model, wrong only for ViT-L-14 laion2b (0.5, 0.5)
         preprocess_cfg = open_clip.get_model_preprocess_cfg(model)
         self.image_size = tuple(preprocess_cfg["size"]) if not isinstance(preprocess_cfg["size"], int) else (preprocess_cfg["size"],) * 2
         self.register_buffer("mean", torch.tensor(preprocess_cfg["mean"], device=device).view(1, 3, 1, 1))
@@ -397,12 +519,17 @@ class CLIPReward(nn.Module):
                                  else self.goal_embeddings.new_zeros(0, self.goal_embeddings.shape[1]))
 
     @torch.no_grad()
-    def embed_images(self, frames: torch.Tensor) -> torch.Tensor:
-        """uint8 (N, H, W, 3) -> raw image embeddings (N, D); frames travel to the device as uint8 (4x less)."""
+    def preprocess(self, frames: torch.Tensor) -> torch.Tensor:
+        """uint8 (N, H, W, 3) -> the model's normalised float input (N, 3, S, S); frames travel as uint8 (4x less)."""
         x = frames.to(self.device, non_blocking=True).permute(0, 3, 1, 2).float().div_(255)
-        # squash to the model's square input, like the reference; antialias matches PIL's bicubic downscale
-        x = F.interpolate(x, size=self.image_size, mode="bicubic", align_corners=False, antialias=True).clamp_(0, 1)
-        x = (x - self.mean) / self.std
+        # bicubic overshoots [0, 1] a little near edges: the reference kept it (no clamp), and so do we
+        x = F.interpolate(x, size=self.image_size, mode="bicubic", align_corners=False, antialias=self.antialias)
+        return (x - self.mean) / self.std
+
+    @torch.no_grad()
+    def embed_images(self, frames: torch.Tensor) -> torch.Tensor:
+        """uint8 (N, H, W, 3) -> raw image embeddings (N, D)."""
+        x = self.preprocess(frames)
         with torch.autocast(device_type=self.device.type, dtype=torch.float16, enabled=self.device.type == "cuda"):
             return self.model.encode_image(x)
 
@@ -422,8 +549,12 @@ class CLIPReward(nn.Module):
 
 def make_reward_model(args: Args, device: torch.device) -> CLIPReward:
     model, tokenizer = load_clip(args, device)
-    return CLIPReward(model, tokenizer, args.goal, args.baseline, args.alpha, args.reward_batch_size, device,
-                      args.reward_family, args.negatives or (), args.temperature, args.threshold, args.soft)
+    reward_model = CLIPReward(model, tokenizer, args.goal, args.baseline, args.alpha, args.reward_batch_size, device,
+                              args.reward_family, args.negatives or (), args.temperature, args.threshold, args.soft,
+                              args.antialias)
+    if args.reward_family == "projection":
+        check_goal_direction(reward_model.goal_embeddings, reward_model.baseline_embeddings, args.alpha)
+    return reward_model
 
 
 def warn_if_slow_on_cpu(reward_model: CLIPReward, args: Args, frame_shape: tuple[int, int, int]) -> None:
@@ -923,10 +1054,20 @@ def main(args: Args) -> None:
             print(f"eval episode {episode}: clip_return={result['clip_return']:.2f} gt_return={result['gt_return']:.1f} -> {folder}.mp4")
         return
 
+    # The reward model before the env processes: what is downloaded is said at once, and a failed download or
+    # an unusable prompt is one sentence before anything else starts. On CUDA only the download happens here:
+    # the env processes are forked before CUDA starts, and the model is built on the GPU after them.
+    reward_model = None
+    if args.reward == "clip":
+        if device.type == "cuda":
+            fetch_clip_weights(args)
+        else:
+            reward_model = make_reward_model(args, device)
+
     # We reset finished envs ourselves (autoreset off): no reset step, so no reset frame or reset
     # observation can ever be stored as a transition, and episode boundaries are explicit for checkpoints.
-    # The subprocesses are forked before CUDA starts (reward model) and ignore Ctrl-C / SIGTERM: the main
-    # process decides when to stop, so a signal never kills an env mid-step.
+    # The subprocesses ignore Ctrl-C / SIGTERM: the main process decides when to stop, so a signal never
+    # kills an env mid-step.
     handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # nothing to render with --reward gt: stepping in-process beats the pipe round trips to subprocesses
     vector_env = gym.vector.SyncVectorEnv if args.reward == "gt" else gym.vector.AsyncVectorEnv
@@ -935,7 +1076,8 @@ def main(args: Args) -> None:
     signal.signal(signal.SIGINT, handlers[0])
     signal.signal(signal.SIGTERM, handlers[1])
     try:
-        reward_model = make_reward_model(args, device) if args.reward == "clip" else None
+        if args.reward == "clip" and reward_model is None:
+            reward_model = make_reward_model(args, device)
     except UserError:
         envs.close()  # env subprocesses would print tracebacks when we exit under them
         raise

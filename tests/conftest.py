@@ -82,3 +82,25 @@ def assert_refused(module, flags: list[str], *words: str) -> None:
     for word in words:
         assert word.lower() in message.lower(), (word, message)
     assert not Path("runs").exists()  # refused before any output (tests run in a temporary folder)
+
+
+def run_timed(script: str, *args: str, cwd: Path, env: dict | None = None,
+              timeout: int = 120) -> tuple[int, list[tuple[float, str]]]:
+    """Run `python <script> <args>`; (exit code, [(seconds since start, line)] of stdout and stderr together)."""
+    import time
+
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=cwd, env=full_env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append((time.monotonic() - start, line.rstrip("\n")))
+            if time.monotonic() - start > timeout:
+                break
+        return proc.wait(timeout=max(1, timeout - (time.monotonic() - start))), lines
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -8,7 +8,7 @@ import torch
 from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 
 import vlmrm_dqn_classic as classic
-from conftest import TINY_CLIP, TINY_CLIP_FLAGS, assert_clean_error, assert_refused, read_scalars, run_script
+from conftest import TINY_CLIP, TINY_CLIP_FLAGS, assert_clean_error, assert_refused, read_scalars, run_script, run_timed
 
 SCRIPT = "vlmrm_dqn_classic.py"
 
@@ -160,6 +160,7 @@ BAD_INPUT = {
     "alpha above 1": (["--alpha", "1.5"], ["--alpha"]),
     "alpha below 0": (["--alpha", "-0.1"], ["--alpha"]),
     "goal equals baseline": (["--goal", "a cart", "--baseline", "a cart", "--alpha", "0.5"], ["--goal", "--baseline"]),
+    "goal equals baseline up to case and spaces": (["--goal", "A Pole", "--baseline", "a  pole ", "--alpha", "0.5"], ["--goal", "--baseline"]),
     "empty goal": (["--goal", ""], ["--goal"]),
     "unknown model": (["--clip-model", "ViT-Nope-99"], ["ViT-Nope-99", "list_models"]),
     "unknown pretrained tag": (["--clip-model", "RN50", "--clip-pretrained", "nope"], ["nope", "openai"]),
@@ -198,3 +199,71 @@ def test_corrupt_checkpoint(in_tmp):
     (in_tmp / "weights.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(classic.UserError, match="weights.pt"):
         classic.main(classic.Args(clip_model=TINY_CLIP, clip_checkpoint="weights.pt"))
+
+
+# CLIP reads at most 77 tokens: prompts that differ only after them have one embedding, so d = g - b = 0
+SAME_EMBEDDING = ["--goal", "pole " * 80 + "left", "--baseline", "pole " * 80 + "right", "--alpha", "0.5"]
+
+
+def test_prompts_with_the_same_embedding_are_refused_after_encoding(in_tmp):
+    assert_refused(classic, [*TINY_CLIP_FLAGS, *SAME_EMBEDDING], "--goal", "--baseline", "embedding", "--alpha 0")
+
+
+@pytest.mark.parametrize("content, words", [
+    ("{not json", ["not a readable JSON file"]),
+    ('{"name": "not a model"}', ["not an open_clip model config", "embed_dim"]),
+    ('{"embed_dim": 32, "vision_cfg": {"layers": "two"}, "text_cfg": {}}', ["could not build", "config file"]),
+])
+def test_a_bad_model_config_file_is_named_as_such(in_tmp, content, words):
+    (in_tmp / "model.json").write_text(content)
+    with pytest.raises(classic.UserError) as error:
+        classic.main(classic.Args(clip_model="model.json", clip_pretrained="none", total_timesteps=20, learning_starts=10))
+    message = str(error.value)
+    assert "\n" not in message and "network" not in message, message
+    for word in words:
+        assert word in message, message
+
+
+def test_missing_weights_say_what_is_fetched_and_fail_within_seconds(tmp_path):
+    # a documentation address (RFC 5737) stands for an unreachable hub, also where the machine has a network
+    env = {"HF_ENDPOINT": "https://192.0.2.1", "HF_HUB_OFFLINE": "", "HTTPS_PROXY": "", "https_proxy": ""}
+    code, lines = run_timed(SCRIPT, "--clip-model", "RN50", "--clip-pretrained", "openai", "--clip-cache-dir",
+                            str(tmp_path / "cache"), cwd=tmp_path, env=env, timeout=120)
+    text = "\n".join(line for _, line in lines)
+    assert code == 2 and "Traceback" not in text, text
+    (fetching,) = [t for t, line in lines if line.startswith("fetching the RN50/openai CLIP weights (102M parameters")]
+    (error,) = [t for t, line in lines if line.startswith("error: ")]
+    assert "network" in text and "192.0.2.1" in text
+    assert error - fetching < 20, (fetching, error)  # open_clip's own retries took about a minute
+
+
+def test_cached_weights_load_without_touching_the_network(in_tmp, monkeypatch, capsys):
+    """Weights in the Hugging Face cache: nothing is fetched, no connection is opened, the weights are the cached ones."""
+    import socket
+
+    import open_clip
+
+    torch.manual_seed(0)
+    model, _ = classic.load_clip(classic.Args(clip_model=TINY_CLIP, clip_pretrained="none"), torch.device("cpu"))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = in_tmp / "cache" / "models--nobody--vlmrm-tiny" / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (in_tmp / "cache" / "models--nobody--vlmrm-tiny" / "refs").mkdir()
+    (in_tmp / "cache" / "models--nobody--vlmrm-tiny" / "refs" / "main").write_text(commit)
+    torch.save(model.state_dict(), snapshot / "open_clip_pytorch_model.bin")
+    monkeypatch.setitem(open_clip.pretrained._PRETRAINED, "vlmrm-tiny-test", {"cached": {"hf_hub": "nobody/vlmrm-tiny/"}})
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("cached weights must load without a connection")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    capsys.readouterr()
+    args = classic.Args(clip_model=TINY_CLIP, clip_pretrained="cached", clip_cache_dir=str(in_tmp / "cache"))
+    loaded, _ = classic.load_clip(args, torch.device("cpu"))
+    assert "fetching" not in capsys.readouterr().out
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor)
+    import huggingface_hub.constants
+
+    assert not huggingface_hub.constants.HF_HUB_OFFLINE  # the offline switch is only held while loading

@@ -826,3 +826,14 @@ def _ready(base: str) -> bool:
         return bool(webdriver("GET", f"{base}/status")["ready"])
     except OSError:
         return False
+
+
+@pytest.mark.parametrize("goal, baseline, message", [
+    ("A Pole", "a  pole ", "same prompts"),  # refused before any model is loaded
+    ("pole " * 80 + "left", "pole " * 80 + "right", "same CLIP embedding"),  # past CLIP's 77 tokens: one embedding
+])
+def test_goal_and_baseline_that_clip_cannot_tell_apart(cartpole_dataset, tmp_path, monkeypatch, goal, baseline, message):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=message) as error:
+        epic_eval.score(score_args(cartpole_dataset, labels="gt", goal=(goal,), baseline=(baseline,)))
+    assert "\n" not in str(error.value)

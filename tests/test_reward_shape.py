@@ -313,6 +313,7 @@ def test_cli_tiny_model(monkeypatch, tmp_path, capsys, env_id):
     (["--num-points", "0"], "--num-points must be at least 2"),
     (["--env-id", "CartPole-v1", "--realistic"], "--realistic only changes MountainCar-v0"),
     (["--goal", "a pole", "--baseline", "a pole"], "same prompts"),
+    (["--goal", "A Pole", "--baseline", "a  pole "], "same prompts"),
     (["--clip-models", "RN50", "ViT-B-32", "--clip-pretrained", "openai", "openai", "openai"], "one per --clip-models entry (2), got 3"),
     (["--clip-models", "RN50", "RN50", "--clip-pretrained", "openai"], "the same model twice"),
     (["--clip-models", "NoSuchNet"], "not an open_clip architecture"),
@@ -373,3 +374,12 @@ def test_runs_is_a_file(monkeypatch, tmp_path, capsys):
     code, out, err = run_cli(monkeypatch, capsys, "--clip-models", TINY, "--clip-pretrained", "none", "--num-points", "3")
     assert code == 2 and err.startswith("error: runs is a file") and err.count("\n") == 1, err
     assert Path("runs").read_text() == "not a folder"
+
+
+def test_prompts_with_the_same_embedding_are_one_sentence(monkeypatch, tmp_path, capsys):
+    """CLIP reads at most 77 tokens: prompts that differ only after them have one embedding, so d = g - b = 0."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(monkeypatch, capsys, "--clip-models", TINY, "--clip-pretrained", "none", "--num-points", "3",
+                             "--goal", "pole " * 80 + "left", "--baseline", "pole " * 80 + "right", "--no-cuda")
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "same CLIP embedding" in err and "--alphas 0" in err

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import vlmrm_sac_humanoid as sac
-from conftest import TINY_CLIP, TINY_CLIP_FLAGS, assert_clean_error, assert_refused, read_scalars, run_script
+from conftest import TINY_CLIP, TINY_CLIP_FLAGS, assert_clean_error, assert_refused, read_scalars, run_script, run_timed
 
 SCRIPT = "vlmrm_sac_humanoid.py"
 
@@ -160,6 +160,7 @@ def test_mountain_car_trains_with_the_clip_reward_and_logs_success(tmp_path):
 BAD_INPUT = {
     "alpha above 1": (["--alpha", "2"], ["--alpha"]),
     "goal equals baseline": (["--goal", "a robot", "--baseline", "a robot", "--alpha", "1"], ["--goal", "--baseline"]),
+    "goal equals baseline up to case and spaces": (["--goal", "A Pole", "--baseline", "a  pole ", "--alpha", "0.5"], ["--goal", "--baseline"]),
     "empty goal": (["--goal", " "], ["--goal"]),
     "unknown env": (["--env-id", "Humanoid-v99"], ["Humanoid-v99"]),
     "not a MuJoCo env": (["--env-id", "CartPole-v1"], ["MuJoCo"]),
@@ -192,3 +193,39 @@ def test_weights_that_cannot_be_downloaded(tmp_path):
     result = run_script(SCRIPT, "--clip-model", "RN50", "--clip-pretrained", "openai", "--clip-cache-dir", str(tmp_path / "c"),
                         "--num-envs", "1", cwd=tmp_path, env={"HF_HUB_OFFLINE": "1"})
     assert_clean_error(result, "RN50", "network", "--clip-checkpoint")
+
+
+def test_prompts_with_the_same_embedding_are_one_sentence_not_a_hang(tmp_path):
+    # CLIP reads at most 77 tokens: prompts that differ only after them have one embedding, so d = g - b = 0
+    result = run_script(SCRIPT, *TINY_CLIP_FLAGS, "--num-envs", "2", "--render-size", "32", "--goal", "pole " * 80 + "left",
+                        "--baseline", "pole " * 80 + "right", "--alpha", "0.5", cwd=tmp_path, timeout=120)
+    assert_clean_error(result, "--goal", "--baseline", "embedding", "--alpha 0")
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("content, words", [
+    ("{not json", ["not a readable JSON file"]),
+    ("[1, 2]", ["not an open_clip model config", "embed_dim"]),
+    ('{"embed_dim": 32, "vision_cfg": {"layers": "two"}, "text_cfg": {}}', ["could not build", "config file"]),
+])
+def test_a_bad_model_config_file_is_named_as_such(in_tmp, content, words):
+    (in_tmp / "model.json").write_text(content)
+    with pytest.raises(sac.UserError) as error:
+        sac.main(sac.Args(clip_model="model.json", clip_pretrained="none", num_envs=1, total_timesteps=20, learning_starts=10))
+    message = str(error.value)
+    assert "\n" not in message and "network" not in message, message
+    for word in words:
+        assert word in message, message
+
+
+def test_missing_weights_say_what_is_fetched_and_fail_within_seconds_before_the_envs_start(tmp_path):
+    # a documentation address (RFC 5737) stands for an unreachable hub, also where the machine has a network
+    env = {"HF_ENDPOINT": "https://192.0.2.1", "HF_HUB_OFFLINE": "", "HTTPS_PROXY": "", "https_proxy": ""}
+    code, lines = run_timed(SCRIPT, "--clip-model", "RN50", "--clip-pretrained", "openai", "--clip-cache-dir",
+                            str(tmp_path / "cache"), "--no-cuda", cwd=tmp_path, env=env, timeout=120)
+    text = "\n".join(line for _, line in lines)
+    assert code == 2 and "Traceback" not in text, text
+    (fetching,) = [t for t, line in lines if line.startswith("fetching the RN50/openai CLIP weights (102M parameters")]
+    (error,) = [t for t, line in lines if line.startswith("error: ")]
+    assert "network" in text and "192.0.2.1" in text
+    assert error - fetching < 20, (fetching, error)  # open_clip's own retries took about a minute

@@ -211,3 +211,47 @@ def test_shared_reward_code_is_identical_in_both_training_scripts_and_the_tools_
     for tool in ["reward_shape", "epic_eval"]:  # one source of truth: the tools score with the training code itself
         tool_object = getattr(importlib.import_module(tool), name, None)
         assert tool_object is None or tool_object is getattr(importlib.import_module("vlmrm_dqn_classic"), name)
+
+
+# ------------------------------------------------------------------------------------------------
+# Frames to the model's input, as the paper's code did (torchvision tensor Resize of torch 2.0, OpenAI-style normalise)
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(params=SCRIPTS)
+def script(request):
+    return importlib.import_module(request.param)
+
+
+def reference_preprocess(frames, size, mean, std, antialias):
+    """An independent version: torchvision's Resize to (size, size) (a squash, bicubic) then Normalize, on float/255."""
+    from torchvision.transforms import InterpolationMode, Normalize, Resize
+
+    x = torch.from_numpy(frames).permute(0, 3, 1, 2).double() / 255
+    x = Resize((size, size), interpolation=InterpolationMode.BICUBIC, antialias=antialias)(x)
+    return Normalize(mean, std)(x).float()
+
+
+@pytest.mark.parametrize("antialias", [False, True])
+def test_frames_reach_the_model_as_in_the_reference(script, antialias):
+    import numpy as np
+    import open_clip
+
+    from conftest import TINY_CLIP
+
+    args = script.Args(clip_model=TINY_CLIP, clip_pretrained="none")
+    model, tokenizer = script.load_clip(args, torch.device("cpu"))
+    # the model's own constants, here ViT-L-14 laion2b's (0.5, 0.5) that the paper replaced by OpenAI's
+    mean, std = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+    open_clip.set_model_preprocess_cfg(model, {**open_clip.get_model_preprocess_cfg(model), "mean": mean, "std": std})
+    reward_model = script.CLIPReward(model, tokenizer, ("a goal",), ("a baseline",), 0.0, 4, torch.device("cpu"),
+                                     antialias=antialias)
+    reward_model.model.encode_image = lambda x: x.flatten(1)  # the embedding path sees exactly the model's input
+    frames = np.random.default_rng(0).integers(0, 256, size=(5, 48, 100, 3), dtype=np.uint8)  # non-square, sharp
+    size = reward_model.image_size[0]
+    expected = reference_preprocess(frames, size, mean, std, antialias)
+    seen = reward_model.embed_images(torch.from_numpy(frames)).view(5, 3, size, size)
+    torch.testing.assert_close(seen, expected, atol=1e-5, rtol=0)
+    # the two settings really differ, and without a clamp bicubic overshoots [0, 1] on random pixels as the reference did
+    other = reference_preprocess(frames, size, mean, std, not antialias)
+    assert (seen - other).abs().max() > 0.05
+    if not antialias:
+        assert (seen * 0.5 + 0.5).max() > 1.01 and (seen * 0.5 + 0.5).min() < -0.01
