@@ -53,6 +53,17 @@ def test_mountaincar_success_persists_within_episode_and_resets():
     assert not info["success"]
 
 
+def test_plain_mountaincar_draws_the_flag_at_our_goal():
+    env = classic.make_env("MountainCar-v0", seed=0, idx=0, episode_length=200, realistic=False)()
+    env.reset(seed=0)
+    frame = env.render()
+    flag = np.all(frame == (204, 204, 0), axis=2)  # Gymnasium's yellow flag, drawn from its pole to the right
+    car = env.unwrapped
+    x = car.min_position + np.flatnonzero(flag.any(0)).min() / (600 / (car.max_position - car.min_position))
+    assert abs(x - classic.MOUNTAINCAR_GOAL) < 0.01, x
+    assert car.goal_position == 0.5  # the drawing only: the env itself is unchanged
+
+
 def test_realistic_mountaincar_is_a_landscape_that_shows_the_car_position():
     plain = classic.make_env("MountainCar-v0", 0, 0, 200, realistic=False)()
     real = classic.make_env("MountainCar-v0", 0, 0, 200, realistic=True)()
