@@ -100,7 +100,7 @@ class Args:
 
     # DQN (CleanRL's dqn.py defaults, except where the comment says otherwise)
     total_timesteps: int = 500000
-    """total environment steps (summed over envs)"""
+    """total environment steps (summed over envs); rounded up to a multiple of `--num-envs` (with a note)"""
     learning_rate: float = 2.5e-4
     """the learning rate of the optimizer"""
     num_envs: int = 1
@@ -122,7 +122,7 @@ class Args:
     exploration_fraction: float = 0.5
     """the fraction of `total_timesteps` it takes from start_e to end_e"""
     learning_starts: int = 10000
-    """timestep to start learning"""
+    """timestep to start learning; below `--total-timesteps` (else refused, naming a value that works)"""
     train_frequency: int = 10
     """the frequency of training"""
 
@@ -167,10 +167,13 @@ def check_args(args: Args) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be in [{low}, {high}], got {getattr(args, name)}.")
     if not args.learning_rate > 0:
         raise UserError(f"--learning-rate must be positive, got {args.learning_rate}.")
-    if args.total_timesteps % args.num_envs:
-        raise UserError(f"--total-timesteps {args.total_timesteps} must be a multiple of --num-envs {args.num_envs} (every vector step takes one step in each env).")
+    if args.total_timesteps % args.num_envs:  # every vector step takes one step in each env
+        rounded = -(-args.total_timesteps // args.num_envs) * args.num_envs
+        print(f"note: --total-timesteps {args.total_timesteps} rounded up to {rounded}, a multiple of --num-envs {args.num_envs}")
+        args.total_timesteps = rounded
     if args.learning_starts >= args.total_timesteps:
-        raise UserError(f"--learning-starts {args.learning_starts} must be below --total-timesteps {args.total_timesteps}, or no gradient step is ever taken.")
+        raise UserError(f"--learning-starts {args.learning_starts} is not below --total-timesteps {args.total_timesteps}, so no gradient step would "
+                        f"ever be taken; lower it, e.g. --learning-starts {args.total_timesteps // 4} (a quarter of the run).")
     if args.batch_size > args.buffer_size:
         raise UserError(f"--batch-size {args.batch_size} cannot exceed --buffer-size {args.buffer_size}.")
     if args.evaluate is not None and not os.path.isfile(args.evaluate):

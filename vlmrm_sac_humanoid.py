@@ -114,7 +114,7 @@ class Args:
 
     # SAC (the paper's humanoid settings)
     total_timesteps: int = 10_000_000
-    """total environment steps (summed over envs)"""
+    """total environment steps (summed over envs); rounded up to a multiple of `--num-envs` (with a note)"""
     num_envs: int = 32
     """the number of parallel environments (subprocesses)"""
     buffer_size: int = 1_000_000
@@ -126,7 +126,7 @@ class Args:
     batch_size: int = 512
     """the batch size of sample from the replay memory"""
     learning_starts: int = 50_000
-    """environment steps of random actions before learning starts"""
+    """random-action steps before learning starts; below `--total-timesteps` (else refused, naming a value that works)"""
     policy_lr: float = 6e-4
     """the learning rate of the policy network optimizer"""
     q_lr: float = 6e-4
@@ -175,10 +175,13 @@ def check_args(args: Args) -> None:
     for name in ["policy_lr", "q_lr", "ent_coef"]:
         if not getattr(args, name) > 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
-    if args.total_timesteps % args.num_envs:
-        raise UserError(f"--total-timesteps {args.total_timesteps} must be a multiple of --num-envs {args.num_envs} (every vector step takes one step in each env).")
+    if args.total_timesteps % args.num_envs:  # every vector step takes one step in each env
+        rounded = -(-args.total_timesteps // args.num_envs) * args.num_envs
+        print(f"note: --total-timesteps {args.total_timesteps} rounded up to {rounded}, a multiple of --num-envs {args.num_envs}")
+        args.total_timesteps = rounded
     if args.learning_starts >= args.total_timesteps:
-        raise UserError(f"--learning-starts {args.learning_starts} must be below --total-timesteps {args.total_timesteps}, or no gradient step is ever taken.")
+        raise UserError(f"--learning-starts {args.learning_starts} is not below --total-timesteps {args.total_timesteps}, so no gradient step would "
+                        f"ever be taken; lower it, e.g. --learning-starts {args.total_timesteps // 4} (a quarter of the run).")
     if args.batch_size > args.buffer_size:
         raise UserError(f"--batch-size {args.batch_size} cannot exceed --buffer-size {args.buffer_size}.")
     if args.render_size is not None and not 16 <= args.render_size <= 2048:

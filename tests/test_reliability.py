@@ -77,8 +77,9 @@ def test_same_seed_same_returns_sac_with_clip_reward_in_subprocess_envs(tmp_path
 
 
 BAD_RUN_FLAGS = {
-    "steps not a multiple of envs": (DQN, ["--num-envs", "3", "--total-timesteps", "1000"], ["--total-timesteps", "--num-envs"]),
-    "learning never starts": (DQN, ["--learning-starts", "500000"], ["--learning-starts"]),
+    "learning never starts": (DQN, ["--learning-starts", "500000"], ["--learning-starts 125000"]),
+    # the short run: 10,000 steps round up to 10,016 (32 envs), then learning would start at 50,000
+    "short run, default learning start": (SAC, ["--total-timesteps", "10000"], ["--learning-starts 2504", "lower"]),
     "gamma out of range": (DQN, ["--gamma", "1.5"], ["--gamma", "1.5"]),
     "batch larger than buffer": (SAC, ["--batch-size", "4096", "--buffer-size", "1000"], ["--batch-size", "--buffer-size"]),
     "negative learning rate": (SAC, ["--q-lr", "-1"], ["--q-lr"]),
@@ -91,6 +92,14 @@ BAD_RUN_FLAGS = {
 def test_bad_run_settings_are_refused_before_any_work(in_tmp, case):
     script, flags, words = BAD_RUN_FLAGS[case]
     assert_refused(classic if script == DQN else sac, flags, *words)
+
+
+@pytest.mark.parametrize("module", [classic, sac], ids=["dqn", "sac"])
+def test_total_timesteps_round_up_to_the_vector_size_with_a_note(in_tmp, module, capsys):
+    args = module.Args(reward="gt", num_envs=3, total_timesteps=1000, learning_starts=100, goal=("a pole",))
+    module.check_args(args)
+    assert args.total_timesteps == 1002
+    assert "--total-timesteps 1000 rounded up to 1002" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("module", [classic, sac], ids=["dqn", "sac"])
