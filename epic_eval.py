@@ -130,8 +130,8 @@ class Score:
     """local weights file per model (overrides --clip-pretrained); "none" for a model without one"""
     clip_cache_dir: Optional[str] = None
     """where downloaded CLIP weights are cached (default: the Hugging Face cache)"""
-    alphas: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
-    """goal-baseline regularisation strengths to evaluate, each in [0, 1]"""
+    alphas: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99)
+    """goal-baseline regularisation strengths to evaluate, each in [0, 1] (default: the paper's Fig. 4a grid)"""
     goal: Optional[tuple[str, ...]] = None
     """goal prompt(s); default: a description of the task's goal state"""
     baseline: Optional[tuple[str, ...]] = None

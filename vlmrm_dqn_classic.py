@@ -50,11 +50,12 @@ class Args:
     save_model: bool = False
     """if toggled, save checkpoints every `--checkpoint-frequency` steps, and the final Q-network to `runs/<run_name>/model.pt` (then evaluate it)"""
     checkpoint_frequency: int = 100_000
-    """environment steps between two checkpoints (taken at the next episode boundary)"""
+    """environment steps between two checkpoints (fixed-length episodes: taken at the next episode boundary)"""
     save_buffer: bool = False
     """if toggled, checkpoints include the replay buffer, so `--resume` continues exactly as if never stopped"""
     resume: Optional[str] = None
-    """path to a `checkpoint.pt`: continue that run (its flags, step, TensorBoard folder) until its `--total-timesteps`"""
+    """path to a `checkpoint.pt`: continue that run (its flags, step, TensorBoard folder) until its `--total-timesteps`;
+    exact with fixed-length episodes, while stock episodes (`--episodes stock`) restart the episodes in flight"""
     evaluate: Optional[str] = None
     """path to a saved `model.pt`: roll it out greedily instead of training"""
     eval_episodes: int = 10
@@ -63,8 +64,11 @@ class Args:
     # Environment
     env_id: Literal["CartPole-v1", "MountainCar-v0"] = "CartPole-v1"
     """the environment"""
+    episodes: Literal["auto", "fixed", "stock"] = "auto"
+    """fixed: `--episode-length` steps, no early termination (survival alone earns nothing); stock: Gymnasium's own task
+    (its reward, termination and time limit: CartPole 500 steps); auto: fixed for `--reward clip`, stock for `--reward gt`"""
     episode_length: int = 200
-    """fixed episode length: no early termination, so survival alone earns nothing"""
+    """fixed episode length (`--episodes fixed` only): no early termination, so survival alone earns nothing"""
     realistic: bool = False
     """MountainCar only: draw a landscape (sky, hills, flag, car) instead of Gymnasium's line art"""
 
@@ -102,7 +106,7 @@ class Args:
 
     # DQN (CleanRL's dqn.py defaults, except where the comment says otherwise)
     total_timesteps: int = 500000
-    """total environment steps (summed over envs)"""
+    """total environment steps (summed over envs); rounded up to a multiple of `--num-envs` (with a note)"""
     learning_rate: float = 2.5e-4
     """the learning rate of the optimizer"""
     num_envs: int = 1
@@ -124,7 +128,7 @@ class Args:
     exploration_fraction: float = 0.5
     """the fraction of `total_timesteps` it takes from start_e to end_e"""
     learning_starts: int = 10000
-    """timestep to start learning"""
+    """timestep to start learning; below `--total-timesteps` (else refused, naming a value that works)"""
     train_frequency: int = 10
     """the frequency of training"""
 
@@ -169,10 +173,13 @@ def check_args(args: Args) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be in [{low}, {high}], got {getattr(args, name)}.")
     if not args.learning_rate > 0:
         raise UserError(f"--learning-rate must be positive, got {args.learning_rate}.")
-    if args.total_timesteps % args.num_envs:
-        raise UserError(f"--total-timesteps {args.total_timesteps} must be a multiple of --num-envs {args.num_envs} (every vector step takes one step in each env).")
+    if args.total_timesteps % args.num_envs:  # every vector step takes one step in each env
+        rounded = -(-args.total_timesteps // args.num_envs) * args.num_envs
+        print(f"note: --total-timesteps {args.total_timesteps} rounded up to {rounded}, a multiple of --num-envs {args.num_envs}")
+        args.total_timesteps = rounded
     if args.learning_starts >= args.total_timesteps:
-        raise UserError(f"--learning-starts {args.learning_starts} must be below --total-timesteps {args.total_timesteps}, or no gradient step is ever taken.")
+        raise UserError(f"--learning-starts {args.learning_starts} is not below --total-timesteps {args.total_timesteps}, so no gradient step would "
+                        f"ever be taken; lower it, e.g. --learning-starts {args.total_timesteps // 4} (a quarter of the run).")
     if args.batch_size > args.buffer_size:
         raise UserError(f"--batch-size {args.batch_size} cannot exceed --buffer-size {args.buffer_size}.")
     if args.evaluate is not None and not os.path.isfile(args.evaluate):
@@ -586,6 +593,37 @@ class FixedLengthMountainCar(gym.Wrapper):
         info["success"] = self.reached_goal
         return obs, float(at_goal), False, truncated, info
 
+    def render(self):
+        # Gymnasium draws its flag at goal_position (0.5): draw it at our goal instead. Only for the drawing, so the
+        # env's own termination (which reads it too, and which step() discards anyway) keeps Gymnasium's value.
+        car = self.env.unwrapped
+        stock_goal, car.goal_position = car.goal_position, MOUNTAINCAR_GOAL
+        try:
+            return self.env.render()
+        finally:
+            car.goal_position = stock_goal
+
+
+class StockEpisodes(gym.Wrapper):
+    """Gymnasium's own task, unchanged (reward, termination, time limit), plus our ground-truth `info["success"]`:
+
+    CartPole: this step is upright; MountainCar: x >= 0.45 was reached during the episode (as in the fixed-length envs).
+    """
+
+    def reset(self, **kwargs):
+        self.reached_goal = False
+        return self.env.reset(**kwargs)
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        if self.env.unwrapped.spec.id == "CartPole-v1":
+            cartpole = self.env.unwrapped
+            info["success"] = bool(abs(obs[2]) < cartpole.theta_threshold_radians and abs(obs[0]) < cartpole.x_threshold)
+        else:
+            self.reached_goal |= bool(obs[0] >= MOUNTAINCAR_GOAL)
+            info["success"] = self.reached_goal
+        return obs, reward, terminated, truncated, info
+
 
 class RealisticMountainCar(gym.Wrapper):
     """Draws MountainCar as a landscape (sky, hills, road, yellow flag, a car tilted to the slope).
@@ -660,15 +698,16 @@ class RealisticMountainCar(gym.Wrapper):
         return np.array(pygame.surfarray.pixels3d(self.canvas)).transpose(1, 0, 2)
 
 
-def make_env(env_id: str, seed: int, idx: int, episode_length: int, realistic: bool):
+def make_env(env_id: str, seed: int, idx: int, episode_length: int, realistic: bool, fixed_length: bool = True):
     def thunk():
-        env = gym.make(env_id, render_mode="rgb_array", max_episode_steps=episode_length)
-        if env_id == "CartPole-v1":
-            env = FixedLengthCartPole(env)
+        if not fixed_length:  # the stock task: Gymnasium's reward, termination and time limit
+            env = StockEpisodes(gym.make(env_id, render_mode="rgb_array"))
+        elif env_id == "CartPole-v1":
+            env = FixedLengthCartPole(gym.make(env_id, render_mode="rgb_array", max_episode_steps=episode_length))
         else:
-            env = FixedLengthMountainCar(env)
-            if realistic:
-                env = RealisticMountainCar(env)
+            env = FixedLengthMountainCar(gym.make(env_id, render_mode="rgb_array", max_episode_steps=episode_length))
+        if realistic and env_id == "MountainCar-v0":
+            env = RealisticMountainCar(env)
         env.action_space.seed(seed + idx)
         return env
 
@@ -745,7 +784,8 @@ def save_video(frames: list[np.ndarray], path: str, fps: int = 50) -> None:
 def evaluate(model_path: str, args: Args, run_name: str, device: torch.device,
              reward_model: Optional[CLIPReward] = None) -> list[float]:
     """Greedy rollouts of a saved Q-network; logs ground-truth (and CLIP, when given) returns."""
-    envs = gym.vector.SyncVectorEnv([make_env(args.env_id, args.seed + 10_000, 0, args.episode_length, args.realistic)])
+    envs = gym.vector.SyncVectorEnv([make_env(args.env_id, args.seed + 10_000, 0, args.episode_length, args.realistic,
+                                              args.episodes == "fixed")])
     q_network = QNetwork(envs).to(device)
     q_network.load_state_dict(torch.load(model_path, map_location=device)["q_network"])
     q_network.eval()
@@ -756,10 +796,12 @@ def evaluate(model_path: str, args: Args, run_name: str, device: torch.device,
         frames, gt_return, clip_return = [], 0.0, 0.0
         if args.capture_video:
             frames.append(envs.call("render")[0])
-        for _ in range(args.episode_length):
+        done = False
+        while not done:  # fixed length: --episode-length steps; stock: until the env terminates or truncates
             with torch.no_grad():
                 actions = q_network(torch.from_numpy(obs).to(device)).argmax(dim=1).cpu().numpy()
-            obs, gt_rewards, _, _, _ = envs.step(actions)
+            obs, gt_rewards, terminations, truncations, _ = envs.step(actions)
+            done = bool(terminations[0] or truncations[0])
             gt_return += float(gt_rewards[0])
             if render:
                 frame = envs.call("render")[0]
@@ -794,7 +836,8 @@ def install_stop_handlers() -> dict:
         if stop["requested"]:
             raise KeyboardInterrupt
         stop["requested"] = True
-        print(f"\n{signal.Signals(signum).name} received: saving a checkpoint at the end of the current episodes (send it again to quit without saving)", flush=True)
+        print(f"\n{signal.Signals(signum).name} received: saving a checkpoint at the end of the current episodes "
+              "(stock episodes: at the next step; send it again to quit without saving)", flush=True)
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
@@ -808,11 +851,13 @@ def main(args: Args) -> None:
     checkpoint = None
     if args.resume is not None:  # continue the same run: its flags, step, TensorBoard folder and random streams
         checkpoint = read_checkpoint(args.resume)
-        args = Args(**{**checkpoint["args"], "resume": args.resume})
+        args = Args(**{"episodes": "fixed", **checkpoint["args"], "resume": args.resume})  # older checkpoints: fixed
     default_goal, default_baseline = DEFAULT_PROMPTS[args.env_id]
     args.goal = args.goal if args.goal is not None else (default_goal,)
     args.baseline = args.baseline if args.baseline is not None else (default_baseline,)
     check_args(args)
+    if args.episodes == "auto":  # resolved once: a checkpoint keeps the resolved value
+        args.episodes = "fixed" if args.reward == "clip" else "stock"
     run_name = checkpoint["run_name"] if checkpoint else f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
 
     random.seed(args.seed)
@@ -829,7 +874,8 @@ def main(args: Args) -> None:
     reward_model = make_reward_model(args, device) if args.reward == "clip" else None
     # We reset finished envs ourselves (autoreset off): no reset step, so no reset frame or reset
     # observation can ever be stored as a transition, and episode boundaries are explicit for checkpoints.
-    envs = gym.vector.SyncVectorEnv([make_env(args.env_id, args.seed, i, args.episode_length, args.realistic) for i in range(args.num_envs)],
+    envs = gym.vector.SyncVectorEnv([make_env(args.env_id, args.seed, i, args.episode_length, args.realistic,
+                                              args.episodes == "fixed") for i in range(args.num_envs)],
                                     autoreset_mode=gym.vector.AutoresetMode.DISABLED)
     if reward_model is not None:
         warn_if_slow_on_cpu(reward_model, args, (400, 600, 3))  # the pygame frames are 600x400
@@ -865,7 +911,9 @@ def main(args: Args) -> None:
         if checkpoint["replay_buffer"] is not None:
             rb.load_state_dict(checkpoint["replay_buffer"])
         pending, episode, video_episode = checkpoint["pending"], checkpoint["episode"], checkpoint["video_episode"]
-        # checkpoints are taken at an episode boundary, just before the reset: redo that reset with the same env RNGs
+        if args.episodes == "stock":  # saved mid-episode: the episodes in flight restart below, so drop their partial sums
+            episode = {k: np.zeros_like(v) for k, v in episode.items()}
+        # fixed-length checkpoints are taken at an episode boundary, just before the reset: redo it with the same env RNGs
         envs.set_attr("np_random", checkpoint["rng"]["envs"])
         obs, _ = envs.reset(options={"reset_mask": np.ones(args.num_envs, dtype=bool)})
         random.setstate(checkpoint["rng"]["python"])
@@ -877,6 +925,7 @@ def main(args: Args) -> None:
         video_frames.append(envs.call("render")[0])
     stop = install_stop_handlers()
     start_time = time.time()
+    time_limit = args.episode_length if args.episodes == "fixed" else gym.spec(args.env_id).max_episode_steps
     iteration, dones = start_iteration - 1, np.ones(args.num_envs, dtype=bool)  # as they stay when a resumed run has no steps left
     try:
         for iteration in range(start_iteration, num_iterations):
@@ -896,6 +945,13 @@ def main(args: Args) -> None:
             timing["env"] += t1 - t0
             timing["render"] += time.perf_counter() - t1
             dones = terminations | truncations
+            # fixed-length episodes end together: the one point where the whole run state is small. Stock episodes end
+            # at different steps: their checkpoint is taken when due, and a resume restarts the episodes in flight.
+            next_step = global_step + args.num_envs
+            stopping = stop["requested"]  # read once: a signal arriving after this is handled at the next step
+            boundary = dones.all() or args.episodes == "stock"
+            periodic = args.save_model and global_step // args.checkpoint_frequency != next_step // args.checkpoint_frequency
+            save_now = boundary and (stopping or periodic)
 
             pending["obs"].append(obs)
             pending["next_obs"].append(next_obs)
@@ -914,7 +970,9 @@ def main(args: Args) -> None:
 
             train_now = global_step >= args.learning_starts and iteration % args.train_frequency == 0
             num_pending = len(pending["obs"]) * args.num_envs
-            if train_now or num_pending >= args.reward_batch_size or iteration == num_iterations - 1:
+            # a stock-episode checkpoint holds no pending transitions: their episodes restart on resume
+            flush_now = train_now or num_pending >= args.reward_batch_size or iteration == num_iterations - 1
+            if flush_now or (save_now and args.episodes == "stock"):
                 t0 = time.perf_counter()
                 gt = np.concatenate(pending["gt"])
                 clip_rewards = reward_model(np.concatenate(pending["frames"])) if args.reward == "clip" else np.zeros(len(gt))
@@ -937,8 +995,10 @@ def main(args: Args) -> None:
                     if dones_flat[k]:
                         step = global_step - (len(pending["obs"]) - 1 - k // args.num_envs) * args.num_envs  # the step it ended at
                         length = episode["length"][env_i]
-                        # CartPole: share of upright steps; MountainCar: 1 if the flag was reached
-                        success = episode["gt_return"][env_i] / length if args.env_id == "CartPole-v1" else episode["success"][env_i]
+                        # CartPole: share of the time limit's steps spent upright (a stock episode ends when the pole falls);
+                        # MountainCar: 1 if the flag was reached
+                        cartpole = args.env_id == "CartPole-v1"
+                        success = episode["gt_return"][env_i] / time_limit if cartpole else episode["success"][env_i]
                         print(f"global_step={step}, episodic_return={episode['return'][env_i]:.2f}, gt_return={episode['gt_return'][env_i]:.0f}")
                         writer.add_scalar("charts/episodic_return", episode["return"][env_i], step)
                         writer.add_scalar("charts/episodic_length", length, step)
@@ -979,17 +1039,15 @@ def main(args: Args) -> None:
                         target_param.data.copy_(args.tau * q_param.data + (1.0 - args.tau) * target_param.data)
                 timing["learning"] += time.perf_counter() - t0
 
-            if dones.all():  # fixed-length episodes end together: the one point where the whole run state is small
-                next_step = global_step + args.num_envs
-                periodic = args.save_model and global_step // args.checkpoint_frequency != next_step // args.checkpoint_frequency
-                if stop["requested"] or periodic:
+            if boundary:
+                if save_now:
                     save_checkpoint(f"runs/{run_name}/checkpoint.pt", {
                         "run_name": run_name, "iteration": iteration + 1, "args": asdict(args),
                         "q_network": q_network.state_dict(), "target_network": target_network.state_dict(), "optimizer": optimizer.state_dict(),
                         "rng": rng_state(envs), "pending": pending, "episode": episode, "video_episode": video_episode,
                         "replay_buffer": rb.state_dict() if args.save_buffer else None})
                     print(f"checkpoint saved at step {next_step}: runs/{run_name}/checkpoint.pt" + ("" if args.save_buffer else " (without the replay buffer: pass --save-buffer for an exact resume)"))
-                if stop["requested"]:
+                if stopping:
                     print(f"stopped; continue with: python {os.path.basename(__file__)} --resume runs/{run_name}/checkpoint.pt")
                     break
             if dones.any():  # reset finished envs: their reset observations start the next episodes, never a transition

@@ -60,11 +60,12 @@ class Args:
     save_model: bool = False
     """if toggled, save checkpoints to `runs/<run_name>/` every `--checkpoint-frequency` steps and at the end"""
     checkpoint_frequency: int = 500_000
-    """environment steps between two checkpoints (taken at the next episode boundary)"""
+    """environment steps between two checkpoints (fixed-length episodes: taken at the next episode boundary)"""
     save_buffer: bool = False
     """if toggled, checkpoints include the replay buffer, so `--resume` continues exactly as if never stopped"""
     resume: Optional[str] = None
-    """path to a `checkpoint.pt`: continue that run (its flags, step, TensorBoard folder) until its `--total-timesteps`"""
+    """path to a `checkpoint.pt`: continue that run (its flags, step, TensorBoard folder) until its `--total-timesteps`;
+    exact with fixed-length episodes, while stock episodes (`--episodes stock`) restart the episodes in flight"""
     evaluate: Optional[str] = None
     """path to a saved checkpoint: roll out its deterministic policy (video + frames) instead of training"""
     eval_episodes: int = 3
@@ -73,9 +74,11 @@ class Args:
     # Environment
     env_id: str = "Humanoid-v5"
     """a Gymnasium MuJoCo task (Humanoid-v5 gets the paper's camera and textures), or MountainCarContinuous-v0"""
+    episodes: Literal["auto", "fixed", "stock"] = "auto"
+    """fixed: `--episode-length` steps, no early termination (survival alone earns nothing); stock: the task's own
+    termination and time limit (e.g. Hopper-v5 as published); auto: fixed for `--reward clip`, stock for `--reward gt`"""
     episode_length: Optional[int] = None
-    """fixed episode length: no early termination, so survival alone earns nothing; default: the paper's, 100
-    (200 for MountainCarContinuous-v0)"""
+    """fixed episode length (`--episodes fixed` only); default: the paper's, 100 (200 for MountainCarContinuous-v0)"""
     render_size: int = 480
     """square frame size: 480 = the paper's frames (the reward model squashes them to its input); 224 renders ~2x faster"""
     render_quality: Literal["fast", "high"] = "high"
@@ -120,7 +123,7 @@ class Args:
 
     # SAC (the paper's humanoid settings)
     total_timesteps: int = 10_000_000
-    """total environment steps (summed over envs)"""
+    """total environment steps (summed over envs); rounded up to a multiple of `--num-envs` (with a note)"""
     num_envs: int = 32
     """the number of parallel environments (subprocesses)"""
     buffer_size: int = 1_000_000
@@ -132,7 +135,7 @@ class Args:
     batch_size: int = 512
     """the batch size of sample from the replay memory"""
     learning_starts: int = 50_000
-    """environment steps of random actions before learning starts"""
+    """random-action steps before learning starts; below `--total-timesteps` (else refused, naming a value that works)"""
     policy_lr: float = 6e-4
     """the learning rate of the policy network optimizer"""
     q_lr: float = 6e-4
@@ -186,10 +189,13 @@ def check_args(args: Args) -> None:
     for name in ["policy_lr", "q_lr", "ent_coef"]:
         if not getattr(args, name) > 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
-    if args.total_timesteps % args.num_envs:
-        raise UserError(f"--total-timesteps {args.total_timesteps} must be a multiple of --num-envs {args.num_envs} (every vector step takes one step in each env).")
+    if args.total_timesteps % args.num_envs:  # every vector step takes one step in each env
+        rounded = -(-args.total_timesteps // args.num_envs) * args.num_envs
+        print(f"note: --total-timesteps {args.total_timesteps} rounded up to {rounded}, a multiple of --num-envs {args.num_envs}")
+        args.total_timesteps = rounded
     if args.learning_starts >= args.total_timesteps:
-        raise UserError(f"--learning-starts {args.learning_starts} must be below --total-timesteps {args.total_timesteps}, or no gradient step is ever taken.")
+        raise UserError(f"--learning-starts {args.learning_starts} is not below --total-timesteps {args.total_timesteps}, so no gradient step would "
+                        f"ever be taken; lower it, e.g. --learning-starts {args.total_timesteps // 4} (a quarter of the run).")
     if args.batch_size > args.buffer_size:
         raise UserError(f"--batch-size {args.batch_size} cannot exceed --buffer-size {args.buffer_size}.")
     if not 16 <= args.render_size <= 2048:
@@ -847,30 +853,33 @@ def make_env(
     render_quality: str,
     textured: bool,
     camera: str = "paper",
+    fixed_length: bool = True,
 ) -> Callable[[], gym.Env]:
-    """CleanRL-style thunk: fixed-length episodes, square rgb_array rendering for the CLIP reward.
+    """CleanRL-style thunk: fixed-length episodes (or the stock task), square rgb_array rendering for the CLIP reward.
 
     MountainCarContinuous-v0 keeps its own 600x400 frames (the reward model squashes them to its square input).
     """
 
     def thunk() -> gym.Env:
-        # max_episode_steps makes gym.make wrap the env in TimeLimit(episode_length).
+        # max_episode_steps makes gym.make wrap the env in TimeLimit(episode_length); stock: the task's own limit
         if env_id == "MountainCarContinuous-v0":
-            env = FixedLengthMountainCar(gym.make(env_id, render_mode="rgb_array", max_episode_steps=episode_length))
+            env = gym.make(env_id, render_mode="rgb_array", **({"max_episode_steps": episode_length} if fixed_length else {}))
+            env = FixedLengthMountainCar(env) if fixed_length else env
             if textured:
                 env = RealisticMountainCar(env)
             env.action_space.seed(seed + idx)
             return env
         common = dict(render_mode="rgb_array", width=render_size, height=render_size,
-                      max_episode_steps=episode_length)
+                      **({"max_episode_steps": episode_length} if fixed_length else {}))
         if env_id.startswith("Humanoid-"):  # not HumanoidStandup: its own model and arguments
-            # No early termination: a fallen humanoid keeps being rendered and rewarded until the end.
-            env = gym.make(env_id, terminate_when_unhealthy=False, default_camera_config=HUMANOID_CAMERA,
+            # Fixed length: no early termination, a fallen humanoid keeps being rendered and rewarded until the end.
+            env = gym.make(env_id, terminate_when_unhealthy=not fixed_length, default_camera_config=HUMANOID_CAMERA,
                            **({"xml_file": textured_humanoid_xml()} if textured else {}), **common)
             if camera == "tracking":
                 env = TrackingCamera(env)
         else:
-            env = NoEarlyTermination(gym.make(env_id, **common))
+            env = gym.make(env_id, **common)
+            env = NoEarlyTermination(env) if fixed_length else env
         if hasattr(env.unwrapped, "mujoco_renderer"):
             env = RenderQuality(env, render_quality)
         env.action_space.seed(seed + idx)
@@ -995,7 +1004,8 @@ def install_stop_handlers() -> dict:
         if stop["requested"]:
             raise KeyboardInterrupt
         stop["requested"] = True
-        print(f"\n{signal.Signals(signum).name} received: saving a checkpoint at the end of the current episodes (send it again to quit without saving)", flush=True)
+        print(f"\n{signal.Signals(signum).name} received: saving a checkpoint at the end of the current episodes "
+              "(stock episodes: at the next step; send it again to quit without saving)", flush=True)
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
@@ -1010,10 +1020,12 @@ def evaluate(actor: Actor, eval_envs: gym.vector.VectorEnv, args: Args, device: 
         obs, _ = eval_envs.reset(seed=seed + episode)
         frames = [eval_envs.call("render")[0]]
         gt_return = 0.0
-        for _ in range(args.episode_length):
+        done = False
+        while not done:  # fixed length: --episode-length steps; stock: until the env terminates or truncates
             with torch.no_grad():
                 _, _, actions = actor.get_action(torch.as_tensor(obs, dtype=torch.float32, device=device))
-            obs, gt_rewards, _, _, _ = eval_envs.step(actions.cpu().numpy())
+            obs, gt_rewards, terminations, truncations, _ = eval_envs.step(actions.cpu().numpy())
+            done = bool(terminations[0] or truncations[0])
             gt_return += float(gt_rewards[0])
             frames.append(eval_envs.call("render")[0])
         # the reset frame scores no transition: the reward of step t is the score of frame t + 1
@@ -1029,8 +1041,10 @@ def main(args: Args) -> None:
     checkpoint = None
     if args.resume is not None:  # continue the same run: its flags, step, TensorBoard folder and random streams
         checkpoint = read_checkpoint(args.resume)
-        args = Args(**{**checkpoint["args"], "resume": args.resume})
+        args = Args(**{"episodes": "fixed", **checkpoint["args"], "resume": args.resume})  # older checkpoints: fixed
     check_args(args)
+    if args.episodes == "auto":  # resolved once: a checkpoint keeps the resolved value
+        args.episodes = "fixed" if args.reward == "clip" else "stock"
     run_name = checkpoint["run_name"] if checkpoint else f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
 
     random.seed(args.seed)
@@ -1038,7 +1052,9 @@ def main(args: Args) -> None:
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-    make_eval_envs = lambda: gym.vector.SyncVectorEnv([make_env(args.env_id, args.seed + 10_000, 0, args.episode_length, args.render_size, args.render_quality, args.textured, args.camera)])  # noqa: E731
+    make_eval_envs = lambda: gym.vector.SyncVectorEnv([make_env(args.env_id, args.seed + 10_000, 0, args.episode_length,  # noqa: E731
+                                                                args.render_size, args.render_quality, args.textured,
+                                                                args.camera, args.episodes == "fixed")])
 
     if args.evaluate is not None:
         eval_envs = make_eval_envs()
@@ -1071,7 +1087,8 @@ def main(args: Args) -> None:
     handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # nothing to render with --reward gt: stepping in-process beats the pipe round trips to subprocesses
     vector_env = gym.vector.SyncVectorEnv if args.reward == "gt" else gym.vector.AsyncVectorEnv
-    envs = vector_env([make_env(args.env_id, args.seed, i, args.episode_length, args.render_size, args.render_quality, args.textured, args.camera) for i in range(args.num_envs)],
+    envs = vector_env([make_env(args.env_id, args.seed, i, args.episode_length, args.render_size, args.render_quality,
+                                args.textured, args.camera, args.episodes == "fixed") for i in range(args.num_envs)],
                                      autoreset_mode=gym.vector.AutoresetMode.DISABLED)
     signal.signal(signal.SIGINT, handlers[0])
     signal.signal(signal.SIGTERM, handlers[1])
@@ -1130,7 +1147,9 @@ def main(args: Args) -> None:
         if checkpoint["replay_buffer"] is not None:
             rb.load_state_dict(checkpoint["replay_buffer"])
         pending, episode, components = checkpoint["pending"], checkpoint["episode"], checkpoint["components"]
-        # checkpoints are taken at an episode boundary, just before the reset: redo that reset with the same env RNGs
+        if args.episodes == "stock":  # saved mid-episode: the episodes in flight restart below, so drop their partial sums
+            episode = {k: np.zeros_like(v) for k, v in episode.items()}
+        # fixed-length checkpoints are taken at an episode boundary, just before the reset: redo it with the same env RNGs
         envs.set_attr("np_random", checkpoint["rng"]["envs"])
         obs, _ = envs.reset(options={"reset_mask": np.ones(args.num_envs, dtype=bool)})
         random.setstate(checkpoint["rng"]["python"])
@@ -1161,6 +1180,13 @@ def main(args: Args) -> None:
             timing["env"] += t1 - t0
             timing["render"] += time.perf_counter() - t1
             dones = terminations | truncations
+            # fixed-length episodes end together: the one point where the whole run state is small. Stock episodes end
+            # at different steps: their checkpoint is taken when due, and a resume restarts the episodes in flight.
+            next_step = global_step + args.num_envs
+            stopping = stop["requested"]  # read once: a signal arriving after this is handled at the next step
+            boundary = dones.all() or args.episodes == "stock"
+            periodic = args.save_model and global_step // args.checkpoint_frequency != next_step // args.checkpoint_frequency
+            save_now = boundary and (stopping or periodic or (args.save_model and iteration == num_iterations - 1))
 
             if not components:
                 components = sorted(k for k in infos if k.startswith("reward_"))
@@ -1176,7 +1202,9 @@ def main(args: Args) -> None:
 
             train_now = global_step >= args.learning_starts and iteration % args.train_frequency == 0
             num_pending = len(pending["obs"]) * args.num_envs
-            if train_now or num_pending >= args.reward_batch_size or iteration == num_iterations - 1:
+            # a stock-episode checkpoint holds no pending transitions: their episodes restart on resume
+            flush_now = train_now or num_pending >= args.reward_batch_size or iteration == num_iterations - 1
+            if flush_now or (save_now and args.episodes == "stock"):
                 t0 = time.perf_counter()
                 gt = np.concatenate(pending["gt"])
                 clip_rewards = reward_model(np.concatenate(pending["frames"])) if args.reward == "clip" else np.zeros(len(gt))
@@ -1282,23 +1310,21 @@ def main(args: Args) -> None:
                     for k, v in timing.items():
                         writer.add_scalar(f"time/{k}_s", v, global_step)
 
-            next_step = global_step + args.num_envs
             if args.capture_video and (global_step // args.video_frequency != next_step // args.video_frequency or iteration == num_iterations - 1):
                 (result,) = evaluate(actor, eval_envs, args, device, reward_model, 1, args.seed + 10_000)
                 save_video(result["frames"], f"videos/{run_name}/step-{next_step}.mp4")
                 writer.add_scalar("eval/gt_return", result["gt_return"], next_step)
                 if reward_model is not None:
                     writer.add_scalar("eval/clip_return", result["clip_return"], next_step)
-            if dones.all():  # fixed-length episodes end together: the one point where the whole run state is small
-                periodic = args.save_model and global_step // args.checkpoint_frequency != next_step // args.checkpoint_frequency
-                if stop["requested"] or periodic or (args.save_model and iteration == num_iterations - 1):
+            if boundary:
+                if save_now:
                     save_checkpoint(f"runs/{run_name}/checkpoint.pt", {
                         "run_name": run_name, "iteration": iteration + 1, "global_step": next_step, "args": asdict(args),
                         **{name: module.state_dict() for name, module in learner.items()}, "log_ent_coef": log_ent_coef.detach().cpu(),
                         "rng": rng_state(envs), "pending": pending, "episode": episode, "components": components,
                         "replay_buffer": rb.state_dict() if args.save_buffer else None})
                     print(f"checkpoint saved at step {next_step}: runs/{run_name}/checkpoint.pt" + ("" if args.save_buffer else " (without the replay buffer: pass --save-buffer for an exact resume)"))
-                if stop["requested"]:
+                if stopping:
                     print(f"stopped; continue with: python {os.path.basename(__file__)} --resume runs/{run_name}/checkpoint.pt")
                     break
             if dones.any():  # reset finished envs: their reset observations start the next episodes, never a transition
@@ -1316,7 +1342,7 @@ def main(args: Args) -> None:
     print(f"done: {steps} steps in {elapsed:.0f} s ({int(steps / max(elapsed, 1e-9))} SPS); time in "
           + ", ".join(f"{k} {v:.2f} s" for k, v in timing.items()))
     if args.save_model and not stop["requested"]:
-        if not dones.all():  # the run ended mid-episode: keep the final networks (to evaluate, not to resume)
+        if args.episodes == "fixed" and not dones.all():  # ended mid-episode: the final networks, to evaluate, not resume
             save_checkpoint(f"runs/{run_name}/checkpoint.pt", {**{name: module.state_dict() for name, module in learner.items()}, "args": asdict(args), "run_name": run_name})
         print(f"roll the policy out with: python {os.path.basename(__file__)} --evaluate runs/{run_name}/checkpoint.pt")
 

@@ -67,7 +67,7 @@ def run_ours(c: dict) -> dict:
                          learning_starts=c["learning_starts"], train_frequency=c["train_frequency"],
                          gradient_steps=c["gradient_steps"], batch_size=c["batch_size"], buffer_size=c["buffer_size"],
                          gamma=c["gamma"], tau=c["tau"], policy_lr=c["lr"], q_lr=c["lr"], ent_coef=c["ent_coef"],
-                         episode_length=c["episode_length"], seed=c["seed"], cuda=c.get("cuda", True))
+                         episodes="fixed", episode_length=c["episode_length"], seed=c["seed"], cuda=c.get("cuda", True))
     else:
         import vlmrm_dqn_classic as ours
 
@@ -75,7 +75,7 @@ def run_ours(c: dict) -> dict:
                          learning_starts=c["learning_starts"], train_frequency=c["train_frequency"], batch_size=c["batch_size"],
                          buffer_size=c["buffer_size"], gamma=c["gamma"], tau=c["tau"], learning_rate=c["lr"],
                          target_network_frequency=c["target_network_frequency"], exploration_fraction=c["exploration_fraction"],
-                         start_e=c["start_e"], end_e=c["end_e"], episode_length=c["episode_length"], seed=c["seed"],
+                         start_e=c["start_e"], end_e=c["end_e"], episodes="fixed", episode_length=c["episode_length"], seed=c["seed"],
                          cuda=c.get("cuda", True))
     with profiled(c) as gemm:
         done = run_main(ours, args)

@@ -53,6 +53,17 @@ def test_mountaincar_success_persists_within_episode_and_resets():
     assert not info["success"]
 
 
+def test_plain_mountaincar_draws_the_flag_at_our_goal():
+    env = classic.make_env("MountainCar-v0", seed=0, idx=0, episode_length=200, realistic=False)()
+    env.reset(seed=0)
+    frame = env.render()
+    flag = np.all(frame == (204, 204, 0), axis=2)  # Gymnasium's yellow flag, drawn from its pole to the right
+    car = env.unwrapped
+    x = car.min_position + np.flatnonzero(flag.any(0)).min() / (600 / (car.max_position - car.min_position))
+    assert abs(x - classic.MOUNTAINCAR_GOAL) < 0.01, x
+    assert car.goal_position == 0.5  # the drawing only: the env itself is unchanged
+
+
 def test_realistic_mountaincar_is_a_landscape_that_shows_the_car_position():
     plain = classic.make_env("MountainCar-v0", 0, 0, 200, realistic=False)()
     real = classic.make_env("MountainCar-v0", 0, 0, 200, realistic=True)()
@@ -120,13 +131,63 @@ def test_reward_belongs_to_the_frame_after_the_step_across_autoresets(in_tmp, mo
 
 # ---------------------------------------------------------------------------- learning
 @pytest.mark.parametrize("seed", [1, 2])
-def test_dqn_learns_fixed_length_cartpole_from_ground_truth(in_tmp, seed):
-    args = classic.Args(reward="gt", seed=seed, total_timesteps=60_000, learning_starts=1000, exploration_fraction=0.3)
+def test_dqn_learns_stock_cartpole_from_ground_truth(in_tmp, seed):
+    # --reward gt is Gymnasium's own CartPole-v1 by default: episodes end when the pole falls, at most 500 steps
+    args = classic.Args(reward="gt", seed=seed, total_timesteps=30_000, learning_starts=1000, exploration_fraction=0.3)
     classic.main(args)
     (run_dir,) = (in_tmp / "runs").iterdir()
-    success = [v for _, v in read_scalars(run_dir)["charts/gt_success"]]
-    assert np.mean(success[:5]) < 0.5  # the random policy drops the pole
-    assert np.mean(success[-10:]) >= 0.9, success[-10:]  # >= 90% upright steps per episode
+    lengths = [v for _, v in read_scalars(run_dir)["charts/episodic_length"]]
+    assert np.mean(lengths[:10]) < 40  # the random policy drops the pole within a few dozen steps
+    assert np.mean(lengths[-20:]) > 70 and max(lengths) > 200, lengths[-20:]  # balances, past the old fixed length
+
+
+def spy_on_buffer(monkeypatch) -> list:
+    added = []
+    original_add = classic.ReplayBuffer.add
+
+    def spy_add(self, obs, next_obs, actions, rewards, terminations):
+        added.append((next_obs.copy(), np.asarray(terminations).copy()))
+        original_add(self, obs, next_obs, actions, rewards, terminations)
+
+    monkeypatch.setattr(classic.ReplayBuffer, "add", spy_add)
+    return added
+
+
+def test_ground_truth_default_is_the_stock_task_with_terminal_transitions(in_tmp, monkeypatch):
+    added = spy_on_buffer(monkeypatch)
+    classic.main(classic.Args(reward="gt", total_timesteps=1000, learning_starts=500))
+    next_obs = np.concatenate([a[0] for a in added])
+    terminations = np.concatenate([a[1] for a in added])
+    (run_dir,) = (in_tmp / "runs").iterdir()
+    lengths = [v for _, v in read_scalars(run_dir)["charts/episodic_length"]]
+    assert len(set(lengths)) > 3 and max(lengths) < 200  # the (mostly random) policy drops the pole: stock episodes vary
+    # every episode ended by the pole falling (or the cart leaving the track) is stored as terminal: no bootstrap
+    fallen = (np.abs(next_obs[:, 2]) > 12 * math.pi / 180) | (np.abs(next_obs[:, 0]) > 2.4)
+    np.testing.assert_array_equal(terminations == 1, fallen)
+    assert terminations.sum() >= len(lengths)
+
+
+def test_fixed_length_flag_keeps_fixed_episodes_with_the_ground_truth(in_tmp, monkeypatch):
+    added = spy_on_buffer(monkeypatch)
+    classic.main(classic.Args(reward="gt", episodes="fixed", total_timesteps=1000, learning_starts=500))
+    assert not np.concatenate([a[1] for a in added]).any()  # never terminal: the time limit is a truncation
+    (run_dir,) = (in_tmp / "runs").iterdir()
+    assert [v for _, v in read_scalars(run_dir)["charts/episodic_length"]] == [200] * 5
+
+
+def test_stock_cartpole_env_terminates_and_truncates_at_500():
+    env = classic.make_env("CartPole-v1", seed=0, idx=0, episode_length=200, realistic=False, fixed_length=False)()
+    env.reset(seed=0)
+    for t in range(1, 501):
+        theta, theta_dot = env.unwrapped.state[2:]
+        _, reward, terminated, truncated, info = env.step(int(theta + 0.5 * theta_dot > 0))  # a balancing controller
+        assert reward == 1.0 and not terminated and truncated == (t == 500) and info["success"]
+    env.reset(seed=0)
+    for t in range(1, 100):
+        _, reward, terminated, truncated, info = env.step(1)  # always push right: the pole falls
+        if terminated:
+            break
+    assert terminated and not truncated and not info["success"] and t < 100
 
 
 # ---------------------------------------------------------------------------- CLI

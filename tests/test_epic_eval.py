@@ -297,6 +297,10 @@ def score_args(dataset: str, **kwargs) -> "epic_eval.Score":
                            bootstrap=50, **kwargs)
 
 
+def test_score_defaults_to_the_papers_fig_4a_alphas():
+    assert epic_eval.Score(dataset="d").alphas == (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99)
+
+
 def read_run(run_dir: str) -> tuple[list[dict], list[dict]]:
     with open(os.path.join(run_dir, "epic.csv"), newline="") as f:
         table = list(csv.DictReader(f))

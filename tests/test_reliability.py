@@ -12,8 +12,9 @@ from conftest import TINY_CLIP, TINY_CLIP_FLAGS, assert_refused, interrupt_after
 
 DQN = "vlmrm_dqn_classic.py"
 SAC = "vlmrm_sac_humanoid.py"
-DQN_FLAGS = ["--reward", "gt", "--total-timesteps", "6000", "--learning-starts", "1000", "--seed", "3", "--save-buffer"]
-SAC_FLAGS = ["--env-id", "InvertedPendulum-v5", "--reward", "gt", "--num-envs", "2", "--episode-length", "50",
+# fixed-length episodes: an exact resume (stock episodes restart the episodes in flight, see below)
+DQN_FLAGS = ["--reward", "gt", "--episodes", "fixed", "--total-timesteps", "6000", "--learning-starts", "1000", "--seed", "3", "--save-buffer"]
+SAC_FLAGS = ["--env-id", "InvertedPendulum-v5", "--reward", "gt", "--episodes", "fixed", "--num-envs", "2", "--episode-length", "50",
              "--total-timesteps", "1600", "--learning-starts", "300", "--train-frequency", "10", "--gradient-steps", "10",
              "--batch-size", "64", "--seed", "3", "--save-buffer"]
 
@@ -52,6 +53,32 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path, scri
         assert len(got[tag]) == len(expected[tag]) and got[tag] == expected[tag], tag
 
 
+@pytest.mark.parametrize("script, flags", [
+    (DQN, ["--reward", "gt", "--num-envs", "4", "--total-timesteps", "4000", "--learning-starts", "500"]),
+    (SAC, ["--env-id", "InvertedPendulum-v5", "--reward", "gt", "--num-envs", "4", "--total-timesteps", "2000",
+           "--learning-starts", "300", "--train-frequency", "10", "--gradient-steps", "5", "--batch-size", "64"]),
+], ids=["dqn", "sac"])
+def test_stock_episodes_stop_at_the_next_step_and_resume_with_restarted_episodes(tmp_path, script, flags):
+    # stock episodes (the --reward gt default) end at different steps in each env: the stop cannot wait for them all
+    code, output = interrupt_after(script, *flags, "--save-buffer", cwd=tmp_path, sig=signal.SIGINT, after_lines=8)
+    assert code == 0, output[-2000:]
+    assert "checkpoint saved at step" in output and "--resume" in output
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    saved = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    assert saved["args"]["episodes"] == "stock"
+    assert all(not v for v in saved["pending"].values())  # every transition so far is in the saved buffer
+    eighth = [int(line.split(",")[0].split("=")[1]) for line in output.splitlines() if line.startswith("global_step=")][7]
+    assert 0 < saved["iteration"] * 4 - eighth < 1000, (saved["iteration"], eighth)  # soon after the signal
+    resumed = run_script(script, "--resume", str(run_dir / "checkpoint.pt"), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    total = int(flags[flags.index("--total-timesteps") + 1])
+    assert f"resumed at step {saved['iteration'] * 4}" in resumed.stdout
+    assert f"done: {total - saved['iteration'] * 4} steps" in resumed.stdout
+    # the episodes in flight restarted: none logged after the resume is longer than the steps since (no partial sums added on)
+    after = [(step, length) for step, length in read_scalars(run_dir)["charts/episodic_length"] if step >= saved["iteration"] * 4]
+    assert after and all(length <= (step - saved["iteration"] * 4) // 4 + 1 for step, length in after), after[:8]
+
+
 def test_same_seed_same_returns_dqn_with_clip_reward(tmp_path):
     flags = [*TINY_CLIP_FLAGS, "--total-timesteps", "800", "--learning-starts", "200", "--train-frequency", "4",
              "--episode-length", "100", "--alpha", "0.5"]
@@ -78,8 +105,9 @@ def test_same_seed_same_returns_sac_with_clip_reward_in_subprocess_envs(tmp_path
 
 
 BAD_RUN_FLAGS = {
-    "steps not a multiple of envs": (DQN, ["--num-envs", "3", "--total-timesteps", "1000"], ["--total-timesteps", "--num-envs"]),
-    "learning never starts": (DQN, ["--learning-starts", "500000"], ["--learning-starts"]),
+    "learning never starts": (DQN, ["--learning-starts", "500000"], ["--learning-starts 125000"]),
+    # the short run: 10,000 steps round up to 10,016 (32 envs), then learning would start at 50,000
+    "short run, default learning start": (SAC, ["--total-timesteps", "10000"], ["--learning-starts 2504", "lower"]),
     "gamma out of range": (DQN, ["--gamma", "1.5"], ["--gamma", "1.5"]),
     "batch larger than buffer": (SAC, ["--batch-size", "4096", "--buffer-size", "1000"], ["--batch-size", "--buffer-size"]),
     "negative learning rate": (SAC, ["--q-lr", "-1"], ["--q-lr"]),
@@ -92,6 +120,14 @@ BAD_RUN_FLAGS = {
 def test_bad_run_settings_are_refused_before_any_work(in_tmp, case):
     script, flags, words = BAD_RUN_FLAGS[case]
     assert_refused(classic if script == DQN else sac, flags, *words)
+
+
+@pytest.mark.parametrize("module", [classic, sac], ids=["dqn", "sac"])
+def test_total_timesteps_round_up_to_the_vector_size_with_a_note(in_tmp, module, capsys):
+    args = module.Args(reward="gt", num_envs=3, total_timesteps=1000, learning_starts=100, goal=("a pole",))
+    module.check_args(args)
+    assert args.total_timesteps == 1002
+    assert "--total-timesteps 1000 rounded up to 1002" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("module", [classic, sac], ids=["dqn", "sac"])

@@ -81,15 +81,45 @@ def test_defaults_are_the_papers():
     assert (args.render_size, args.render_quality, args.camera, args.textured) == (480, "high", "paper", True)
 
 
-def test_sac_learns_inverted_pendulum_from_ground_truth(in_tmp):
+def test_sac_learns_stock_inverted_pendulum_from_ground_truth(in_tmp):
+    # --reward gt is the stock task by default: an episode ends when the pole falls (at most 1000 steps)
     args = sac.Args(env_id="InvertedPendulum-v5", reward="gt", seed=1, num_envs=4, total_timesteps=10_000,
                     learning_starts=1000, train_frequency=25, gradient_steps=25, batch_size=256, gamma=0.99,
                     ent_coef=0.2)  # SB3's start, 1.0, needs more than these 10k steps: 79.5 here, just short of 80
     sac.main(args)
     (run_dir,) = (in_tmp / "runs").iterdir()
-    returns = [v for _, v in read_scalars(run_dir)["charts/gt_return"]]
-    assert np.mean(returns[:8]) < 30  # random actions drop the pole within a few steps
-    assert np.mean(returns[-12:]) >= 80, returns[-12:]  # of 100 (random actions: about 5); the policy still samples
+    scalars = read_scalars(run_dir)
+    lengths = [v for _, v in scalars["charts/episodic_length"]]
+    returns = [v for _, v in scalars["charts/gt_return"]]
+    assert returns == [length - 1 for length in lengths]  # stock v5 reward: 1 a step, 0 on the step the pole falls
+    assert np.mean(lengths[:8]) < 30  # random actions drop the pole within a few steps
+    assert np.mean(lengths[-12:]) >= 40, lengths[-12:]  # measured 78 (random actions: about 5); the policy still samples
+
+
+def test_ground_truth_default_is_the_stock_task_and_the_flag_restores_fixed_length(in_tmp, monkeypatch):
+    added = []
+    original_add = sac.ReplayBuffer.add
+
+    def spy_add(self, obs, next_obs, actions, rewards, terminations):
+        added.append(np.asarray(terminations).copy())
+        original_add(self, obs, next_obs, actions, rewards, terminations)
+
+    monkeypatch.setattr(sac.ReplayBuffer, "add", spy_add)
+    common = dict(env_id="InvertedPendulum-v5", reward="gt", num_envs=2, total_timesteps=400, learning_starts=200,
+                  train_frequency=10, gradient_steps=1, batch_size=32, episode_length=50)
+    for episodes in ("auto", "fixed"):
+        added.clear()
+        run_dir = in_tmp / episodes
+        run_dir.mkdir()
+        monkeypatch.chdir(run_dir)
+        sac.main(sac.Args(episodes=episodes, **common))
+        (tb_dir,) = (run_dir / "runs").iterdir()
+        lengths = [v for _, v in read_scalars(tb_dir)["charts/episodic_length"]]
+        terminations = np.concatenate(added)
+        if episodes == "auto":  # stock: the random policy drops the pole after a few steps, stored as terminal
+            assert max(lengths) < 50 and len(set(lengths)) > 3 and terminations.sum() >= len(lengths)
+        else:  # fixed: 50 steps each, the time limit a truncation (bootstrapped), never terminal
+            assert lengths == [50] * 8 and not terminations.any()
 
 
 def test_clip_rewarded_smoke_run_trains_checkpoints_records_and_rolls_out(tmp_path):
