@@ -280,7 +280,7 @@ def test_memory_check_counts_the_batch_and_the_resume_copy_and_names_the_flag(in
                                              probe.action_space, (224, 224, 3))
     per_transition = 2 * 4 * 11 + 4 * 3 + 8
     check(buffer_size=int(0.6 * 2**30 / per_transition))  # fits
-    with pytest.raises(sac.UserError, match="^--buffer-size .*--save-buffer|^--buffer-size"):
+    with pytest.raises(sac.UserError, match="^--buffer-size"):
         check(buffer_size=int(0.6 * 2**30 / per_transition), save_buffer=True)  # a resume would need the buffer twice
     with pytest.raises(sac.UserError, match="^--batch-size"):
         check(buffer_size=1_000_000, batch_size=1_000_000)
