@@ -806,6 +806,7 @@ def main(args: Args) -> None:
         optimizer.load_state_dict(checkpoint["optimizer"])
         if checkpoint["replay_buffer"] is not None:
             rb.load_state_dict(checkpoint["replay_buffer"])
+            checkpoint["replay_buffer"] = None  # frees the loaded copy (counted by the memory check)
         pending, episode, video_episode = checkpoint["pending"], checkpoint["episode"], checkpoint["video_episode"]
         # checkpoints are taken at an episode boundary, just before the reset: redo that reset with the same env RNGs
         envs.set_attr("np_random", checkpoint["rng"]["envs"])

@@ -984,6 +984,7 @@ def main(args: Args) -> None:
                 log_ent_coef.copy_(checkpoint["log_ent_coef"])
             if checkpoint["replay_buffer"] is not None:
                 rb.load_state_dict(checkpoint["replay_buffer"])
+                checkpoint["replay_buffer"] = None  # frees the loaded copy (counted by the memory check)
             pending, episode, components = checkpoint["pending"], checkpoint["episode"], checkpoint["components"]
             # checkpoints are taken at an episode boundary, just before the reset: redo that reset with the same env RNGs
             envs.set_attr("np_random", checkpoint["rng"]["envs"])
