@@ -1119,7 +1119,8 @@ def main(args: Args) -> None:
                         for param, target_param in zip(qf2.parameters(), qf2_target.parameters()):
                             target_param.lerp_(param, args.tau)
                 if not finite:
-                    saved = save_nonfinite(run_name, {**last_finite, "args": asdict(args), "run_name": run_name})
+                    saved = (save_nonfinite(run_name, {**last_finite, "args": asdict(args), "run_name": run_name}) if last_finite
+                             else "the networks were not finite already when training started")  # e.g. a resumed checkpoint
                     raise NonFiniteError(f"a SAC loss (qf_loss {qf_loss.item()}, actor_loss {actor_loss.item()}) is not finite in the training phase at step {global_step}; "
                                          f"{saved}; lower --q-lr / --policy-lr or check the rewards.")
                 timing["learning"] += time.perf_counter() - t0
