@@ -14,6 +14,7 @@ import os
 import random
 import signal
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, fields
@@ -182,14 +183,18 @@ def check_args(args: Args) -> None:
                         f"ever be taken; lower it, e.g. --learning-starts {args.total_timesteps // 4} (a quarter of the run).")
     if args.batch_size > args.buffer_size:
         raise UserError(f"--batch-size {args.batch_size} cannot exceed --buffer-size {args.buffer_size}.")
-    if args.evaluate is not None and not os.path.isfile(args.evaluate):
-        raise UserError(f"--evaluate {args.evaluate}: no such file; pass the model.pt written by --save-model.")
+    if args.evaluate is not None:  # the checks of --resume: a truncated file, the other script's, another env's
+        saved = read_checkpoint(args.evaluate, "--evaluate")
+        if "q_network" not in saved:
+            raise UserError(f"--evaluate {args.evaluate} holds no trained networks; pass a checkpoint.pt written by this script.")
+        if saved["args"].get("env_id", args.env_id) != args.env_id:
+            raise UserError(f"--evaluate {args.evaluate} was trained on {saved['args']['env_id']}, not {args.env_id}; pass --env-id {saved['args']['env_id']}.")
     check_writable("runs")
     if args.capture_video:
         check_writable("videos")
     probe = gym.make(args.env_id)  # cheap: no rendering, just the spaces
     check_resources(args, probe.observation_space, probe.action_space, (400, 600, 3))
-    if args.reward == "clip" or args.evaluate is not None:
+    if args.reward == "clip":
         check_clip_args(args)
 
 
@@ -207,12 +212,20 @@ def check_resources(args: Args, observation_space: gym.Space, action_space: gym.
     action_bytes = 8 if isinstance(action_space, gym.spaces.Discrete) else 4 * int(np.prod(action_space.shape))
     buffer_bytes = args.buffer_size * (2 * 4 * int(np.prod(observation_space.shape)) + action_bytes + 4 + 4)  # obs, next_obs, action, reward, done
     frame_bytes = (args.reward_batch_size + args.num_envs) * int(np.prod(frame_shape)) if args.reward == "clip" else 0
+    # a sampled batch: its transitions plus the activations kept for the backward pass (~16 layers of 256 floats)
+    batch_bytes = args.batch_size * (buffer_bytes // args.buffer_size + 16 * 256 * 4)
+    # --resume loads the saved buffer before copying it in: a new run needs room for both (a resumed one holds it already)
+    copy_bytes = buffer_bytes if args.save_buffer and args.resume is None else 0
     available = available_memory()
     print(f"memory: replay buffer {buffer_bytes / 2**30:.2f} GiB + pending frames {frame_bytes / 2**30:.2f} GiB"
+          + (f" + batch {batch_bytes / 2**30:.2f} GiB" if batch_bytes >= 2**29 else "")
+          + (f" + buffer copy on --resume {copy_bytes / 2**30:.2f} GiB" if copy_bytes else "")
           + (f" (available: {available / 2**30:.1f} GiB)" if available else ""))
-    if available and buffer_bytes + frame_bytes > 0.9 * available:
-        raise UserError(f"--buffer-size {args.buffer_size} needs {(buffer_bytes + frame_bytes) / 2**30:.1f} GiB of memory but only "
-                        f"{available / 2**30:.1f} GiB is available; lower --buffer-size or --reward-batch-size.")
+    needs = {"--buffer-size": buffer_bytes + copy_bytes, "--reward-batch-size": frame_bytes, "--batch-size": batch_bytes}
+    if available and sum(needs.values()) > 0.9 * available:
+        flag = max(needs, key=needs.get)
+        raise UserError(f"{flag} {getattr(args, flag[2:].replace('-', '_'))} makes the run need {sum(needs.values()) / 2**30:.1f} GiB of memory "
+                        f"({', '.join(f'{k}: {v / 2**30:.1f} GiB' for k, v in needs.items() if v)}) but only {available / 2**30:.1f} GiB is available; lower {flag}.")
 
 
 def available_memory() -> int:
@@ -224,20 +237,30 @@ def available_memory() -> int:
         return 0
 
 
-def read_checkpoint(path: str) -> dict:
-    """A resumable checkpoint of this script, or a one-sentence error."""
+def read_checkpoint(path: str, flag: str = "--resume") -> dict:
+    """A checkpoint of this script (resumable for --resume), or a one-sentence error."""
     if not os.path.isfile(path):
-        raise UserError(f"--resume {path}: no such file; pass the checkpoint.pt of the run to continue.")
+        raise UserError(f"{flag} {path}: no such file; pass a checkpoint.pt written by this script.")
     try:
         # our own file with RNG states and arrays: weights_only=False, so only resume checkpoints you trust
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file
-        raise UserError(f"--resume {path} is not a readable checkpoint ({type(e).__name__}); pass the checkpoint.pt written by this script.") from None
-    if not isinstance(checkpoint, dict) or "iteration" not in checkpoint or "rng" not in checkpoint:
+        raise UserError(f"{flag} {path} is not a readable checkpoint ({type(e).__name__}); pass the checkpoint.pt written by this script.") from None
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("args"), dict) or not set(checkpoint["args"]) <= {f.name for f in fields(Args)}:
+        raise UserError(f"{flag} {path} was written by another script; pass a checkpoint.pt of {os.path.basename(__file__)}.")
+    if flag == "--resume" and ("iteration" not in checkpoint or "rng" not in checkpoint):
         raise UserError(f"--resume {path} holds no resumable training state (a model.pt, or networks saved when training stopped on a non-finite value); pass a checkpoint.pt saved at an episode boundary.")
-    if not set(checkpoint["args"]) <= {f.name for f in fields(Args)}:
-        raise UserError(f"--resume {path} was written by another script; pass a checkpoint.pt of {os.path.basename(__file__)}.")
     return checkpoint
+
+
+def resumed_args(args: Args, checkpoint: dict) -> Args:
+    """The run's own flags; a flag given next to --resume that would change them is refused, never silently ignored."""
+    default, saved = Args(), checkpoint["args"]
+    changed = [f.name for f in fields(Args) if f.name != "resume" and getattr(args, f.name) != getattr(default, f.name)
+               and getattr(args, f.name) != saved.get(f.name, getattr(default, f.name))]
+    if changed:
+        raise UserError(f"--resume continues a run with the flags it was started with; drop {', '.join('--' + n.replace('_', '-') for n in changed)} (or start a new run).")
+    return Args(**{"episodes": "fixed", **saved, "resume": args.resume})  # older checkpoints: fixed
 
 
 def check_clip_args(args: Args) -> None:
@@ -733,6 +756,8 @@ class QNetwork(nn.Module):
 
 
 def linear_schedule(start_e: float, end_e: float, duration: int, t: int) -> float:
+    if duration <= 0:  # --exploration-fraction 0: no exploration phase
+        return end_e
     slope = (end_e - start_e) / duration
     return max(slope * t + start_e, end_e)
 
@@ -760,8 +785,8 @@ class ReplayBuffer:
 
     def state_dict(self) -> dict:
         n = len(self)
-        return {"pos": self.pos, "full": self.full, "obs": self.obs[:n], "next_obs": self.next_obs[:n], "actions": self.actions[:n],
-                "rewards": self.rewards[:n], "terminations": self.terminations[:n]}
+        return {"pos": self.pos, "full": self.full, **{name: torch.from_numpy(getattr(self, name)[:n]) for name in
+                                                         ("obs", "next_obs", "actions", "rewards", "terminations")}}
 
     def load_state_dict(self, state: dict) -> None:
         self.pos, self.full = state["pos"], state["full"]
@@ -787,7 +812,8 @@ def evaluate(model_path: str, args: Args, run_name: str, device: torch.device,
     envs = gym.vector.SyncVectorEnv([make_env(args.env_id, args.seed + 10_000, 0, args.episode_length, args.realistic,
                                               args.episodes == "fixed")])
     q_network = QNetwork(envs).to(device)
-    q_network.load_state_dict(torch.load(model_path, map_location=device)["q_network"])
+    # a model.pt or a checkpoint.pt (RNG states and arrays: weights_only=False, only evaluate files you trust)
+    q_network.load_state_dict(torch.load(model_path, map_location=device, weights_only=False)["q_network"])
     q_network.eval()
     render = reward_model is not None or args.capture_video
     gt_returns = []
@@ -817,8 +843,37 @@ def evaluate(model_path: str, args: Args, run_name: str, device: torch.device,
 
 
 def save_checkpoint(path: str, state: dict) -> None:
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)  # atomic: a crash mid-write never replaces a good checkpoint with half of one
+    """Atomic and durable: a crash, power cut or full disk mid-write never replaces a good checkpoint with half of one."""
+    folder = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")  # own temp file per write
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())  # the data is on disk before the rename makes it the checkpoint
+        os.replace(tmp, path)
+    except BaseException as e:
+        os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise UserError(f"could not write {path} ({e.strerror or e}); the previous file there is intact, the partial one was removed.") from None
+        raise
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a power cut
+    finally:
+        os.close(dir_fd)
+
+
+def make_run_folder(run_name: str) -> str:
+    """Create runs/<run_name>/ exclusively; two runs started in the same second get different folders."""
+    for suffix in range(1000):
+        name = run_name if suffix == 0 else f"{run_name}-{suffix}"
+        try:
+            os.makedirs(f"runs/{name}")
+            return name
+        except FileExistsError:
+            continue
+    raise UserError(f"runs/{run_name} and 999 variants of it exist already; remove old runs or change --exp-name.")
 
 
 def rng_state(envs: gym.vector.VectorEnv) -> dict:
@@ -826,6 +881,13 @@ def rng_state(envs: gym.vector.VectorEnv) -> dict:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             "envs": list(envs.get_attr("np_random"))}
+
+
+def save_nonfinite(run_name: str, networks: dict) -> str:
+    """Networks of a run stopped on a NaN, saved beside (never over) its resumable checkpoint; says where both are."""
+    path, checkpoint = f"runs/{run_name}/nonfinite_networks.pt", f"runs/{run_name}/checkpoint.pt"
+    save_checkpoint(path, networks)
+    return f"finite networks from before it were saved to {path}" + (f" and the last resumable checkpoint {checkpoint} is kept" if os.path.exists(checkpoint) else "")
 
 
 def install_stop_handlers() -> dict:
@@ -851,7 +913,7 @@ def main(args: Args) -> None:
     checkpoint = None
     if args.resume is not None:  # continue the same run: its flags, step, TensorBoard folder and random streams
         checkpoint = read_checkpoint(args.resume)
-        args = Args(**{"episodes": "fixed", **checkpoint["args"], "resume": args.resume})  # older checkpoints: fixed
+        args = resumed_args(args, checkpoint)
     default_goal, default_baseline = DEFAULT_PROMPTS[args.env_id]
     args.goal = args.goal if args.goal is not None else (default_goal,)
     args.baseline = args.baseline if args.baseline is not None else (default_baseline,)
@@ -867,7 +929,7 @@ def main(args: Args) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
 
     if args.evaluate is not None:
-        evaluate(args.evaluate, args, run_name, device, make_reward_model(args, device))
+        evaluate(args.evaluate, args, run_name, device, make_reward_model(args, device) if args.reward == "clip" else None)
         return
 
     # the reward model first: a failed download or an unusable prompt is one sentence before anything starts
@@ -881,8 +943,10 @@ def main(args: Args) -> None:
         warn_if_slow_on_cpu(reward_model, args, (400, 600, 3))  # the pygame frames are 600x400
     num_iterations = args.total_timesteps // args.num_envs
     start_iteration = checkpoint["iteration"] if checkpoint else 0
-    # purge_step drops whatever a crashed run logged after its checkpoint, so the curves continue cleanly
-    writer = SummaryWriter(f"runs/{run_name}", purge_step=start_iteration * args.num_envs if checkpoint else None)
+    run_name = run_name if checkpoint else make_run_folder(run_name)
+    # purge_step drops whatever a crashed run logged after its checkpoint, so the curves continue cleanly: from the first
+    # step still pending in the checkpoint (the episodes ending there were logged only after it was saved)
+    writer = SummaryWriter(f"runs/{run_name}", purge_step=(start_iteration - len(checkpoint["pending"]["obs"])) * args.num_envs if checkpoint else None)
     if checkpoint is None:
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n%s" % "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
     print(f"run: runs/{run_name} on {device}, reward: {args.reward}" + (f", goal={args.goal}, baseline={args.baseline}, alpha={args.alpha}" if args.reward == "clip" else "")
@@ -910,6 +974,7 @@ def main(args: Args) -> None:
         optimizer.load_state_dict(checkpoint["optimizer"])
         if checkpoint["replay_buffer"] is not None:
             rb.load_state_dict(checkpoint["replay_buffer"])
+            checkpoint["replay_buffer"] = None  # frees the loaded copy (counted by the memory check)
         pending, episode, video_episode = checkpoint["pending"], checkpoint["episode"], checkpoint["video_episode"]
         if args.episodes == "stock":  # saved mid-episode: the episodes in flight restart below, so drop their partial sums
             episode = {k: np.zeros_like(v) for k, v in episode.items()}
@@ -979,8 +1044,8 @@ def main(args: Args) -> None:
                 timing["reward_model"] += time.perf_counter() - t0
                 rewards = clip_rewards if args.reward == "clip" else gt[:, 0]
                 if not np.all(np.isfinite(rewards)):  # never let a NaN into the buffer: it would poison every Q-value
-                    save_checkpoint(f"runs/{run_name}/checkpoint.pt", {"q_network": q_network.state_dict(), "args": asdict(args), "run_name": run_name})
-                    raise NonFiniteError(f"the {args.reward} reward is not finite for {np.sum(~np.isfinite(rewards))} of {len(rewards)} frames at step {global_step}; the networks (still finite) were saved to runs/{run_name}/checkpoint.pt.")
+                    saved = save_nonfinite(run_name, {"q_network": q_network.state_dict(), "args": asdict(args), "run_name": run_name})
+                    raise NonFiniteError(f"the {args.reward} reward is not finite for {np.sum(~np.isfinite(rewards))} of {len(rewards)} frames at step {global_step}; {saved}.")
                 dones_flat = np.concatenate(pending["dones"])
                 rb.add(np.concatenate(pending["obs"]), np.concatenate(pending["next_obs"]), np.concatenate(pending["actions"]),
                        rewards, np.concatenate(pending["terminations"]))
@@ -1022,8 +1087,8 @@ def main(args: Args) -> None:
                     old_val = q_network(b_obs).gather(1, b_actions[:, None]).squeeze(1)
                     loss = F.mse_loss(td_target, old_val)
                     if not torch.isfinite(loss):  # checked before the update: the saved networks are the last finite ones
-                        save_checkpoint(f"runs/{run_name}/checkpoint.pt", {"q_network": q_network.state_dict(), "args": asdict(args), "run_name": run_name})
-                        raise NonFiniteError(f"losses/td_loss is {loss.item()} at step {global_step}; the networks before this update were saved to runs/{run_name}/checkpoint.pt; lower --learning-rate or check the rewards.")
+                        saved = save_nonfinite(run_name, {"q_network": q_network.state_dict(), "args": asdict(args), "run_name": run_name})
+                        raise NonFiniteError(f"losses/td_loss is {loss.item()} at step {global_step}; {saved}; lower --learning-rate or check the rewards.")
                     optimizer.zero_grad()
                     loss.backward()
                     optimizer.step()
@@ -1083,6 +1148,9 @@ if __name__ == "__main__":
         sys.exit(2)
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except OSError as e:  # the machine, not the input: a full disk, a folder removed under a running job
+        print(f"error: {e}.", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         print("interrupted without saving a checkpoint", file=sys.stderr)

@@ -210,15 +210,19 @@ def check_args(args: Args) -> None:
     if args.env_id == "Humanoid-v4":  # its constructor takes neither our XML nor our camera
         raise UserError("--env-id Humanoid-v4 cannot load the textured scene or the paper's camera; "
                         "use Humanoid-v5 (the same XML physics, a 348-d instead of 376-d observation).")
-    if args.evaluate is not None and not os.path.isfile(args.evaluate):
-        raise UserError(f"--evaluate {args.evaluate}: no such file; pass a checkpoint.pt written by --save-model.")
+    if args.evaluate is not None:  # the checks of --resume: a truncated file, the other script's, another env's
+        saved = read_checkpoint(args.evaluate, "--evaluate")
+        if "actor" not in saved:
+            raise UserError(f"--evaluate {args.evaluate} holds no trained networks; pass a checkpoint.pt written by this script.")
+        if saved["args"].get("env_id", args.env_id) != args.env_id:
+            raise UserError(f"--evaluate {args.evaluate} was trained on {saved['args']['env_id']}, not {args.env_id}; pass --env-id {saved['args']['env_id']}.")
     check_writable("runs")
     if args.capture_video or args.evaluate is not None:
         check_writable("videos")
     frame_shape = (400, 600, 3) if mountain_car else (args.render_size, args.render_size, 3)
     probe = gym.make(args.env_id)  # cheap: no rendering, just the spaces
     check_resources(args, probe.observation_space, probe.action_space, frame_shape)
-    if args.reward == "clip" or args.evaluate is not None:
+    if args.reward == "clip":
         check_clip_args(args)
 
 
@@ -236,12 +240,20 @@ def check_resources(args: Args, observation_space: gym.Space, action_space: gym.
     action_bytes = 8 if isinstance(action_space, gym.spaces.Discrete) else 4 * int(np.prod(action_space.shape))
     buffer_bytes = args.buffer_size * (2 * 4 * int(np.prod(observation_space.shape)) + action_bytes + 4 + 4)  # obs, next_obs, action, reward, done
     frame_bytes = (args.reward_batch_size + args.num_envs) * int(np.prod(frame_shape)) if args.reward == "clip" else 0
+    # a sampled batch: its transitions plus the activations kept for the backward pass (~16 layers of 256 floats)
+    batch_bytes = args.batch_size * (buffer_bytes // args.buffer_size + 16 * 256 * 4)
+    # --resume loads the saved buffer before copying it in: a new run needs room for both (a resumed one holds it already)
+    copy_bytes = buffer_bytes if args.save_buffer and args.resume is None else 0
     available = available_memory()
     print(f"memory: replay buffer {buffer_bytes / 2**30:.2f} GiB + pending frames {frame_bytes / 2**30:.2f} GiB"
+          + (f" + batch {batch_bytes / 2**30:.2f} GiB" if batch_bytes >= 2**29 else "")
+          + (f" + buffer copy on --resume {copy_bytes / 2**30:.2f} GiB" if copy_bytes else "")
           + (f" (available: {available / 2**30:.1f} GiB)" if available else ""))
-    if available and buffer_bytes + frame_bytes > 0.9 * available:
-        raise UserError(f"--buffer-size {args.buffer_size} needs {(buffer_bytes + frame_bytes) / 2**30:.1f} GiB of memory but only "
-                        f"{available / 2**30:.1f} GiB is available; lower --buffer-size or --reward-batch-size.")
+    needs = {"--buffer-size": buffer_bytes + copy_bytes, "--reward-batch-size": frame_bytes, "--batch-size": batch_bytes}
+    if available and sum(needs.values()) > 0.9 * available:
+        flag = max(needs, key=needs.get)
+        raise UserError(f"{flag} {getattr(args, flag[2:].replace('-', '_'))} makes the run need {sum(needs.values()) / 2**30:.1f} GiB of memory "
+                        f"({', '.join(f'{k}: {v / 2**30:.1f} GiB' for k, v in needs.items() if v)}) but only {available / 2**30:.1f} GiB is available; lower {flag}.")
 
 
 def available_memory() -> int:
@@ -253,20 +265,30 @@ def available_memory() -> int:
         return 0
 
 
-def read_checkpoint(path: str) -> dict:
-    """A resumable checkpoint of this script, or a one-sentence error."""
+def read_checkpoint(path: str, flag: str = "--resume") -> dict:
+    """A checkpoint of this script (resumable for --resume), or a one-sentence error."""
     if not os.path.isfile(path):
-        raise UserError(f"--resume {path}: no such file; pass the checkpoint.pt of the run to continue.")
+        raise UserError(f"{flag} {path}: no such file; pass a checkpoint.pt written by this script.")
     try:
         # our own file with RNG states and arrays: weights_only=False, so only resume checkpoints you trust
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file
-        raise UserError(f"--resume {path} is not a readable checkpoint ({type(e).__name__}); pass the checkpoint.pt written by this script.") from None
-    if not isinstance(checkpoint, dict) or "iteration" not in checkpoint or "rng" not in checkpoint:
+        raise UserError(f"{flag} {path} is not a readable checkpoint ({type(e).__name__}); pass the checkpoint.pt written by this script.") from None
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("args"), dict) or not set(checkpoint["args"]) <= {f.name for f in fields(Args)}:
+        raise UserError(f"{flag} {path} was written by another script; pass a checkpoint.pt of {os.path.basename(__file__)}.")
+    if flag == "--resume" and ("iteration" not in checkpoint or "rng" not in checkpoint):
         raise UserError(f"--resume {path} holds no resumable training state (a model.pt, or networks saved when training stopped on a non-finite value); pass a checkpoint.pt saved at an episode boundary.")
-    if not set(checkpoint["args"]) <= {f.name for f in fields(Args)}:
-        raise UserError(f"--resume {path} was written by another script; pass a checkpoint.pt of {os.path.basename(__file__)}.")
     return checkpoint
+
+
+def resumed_args(args: Args, checkpoint: dict) -> Args:
+    """The run's own flags; a flag given next to --resume that would change them is refused, never silently ignored."""
+    default, saved = Args(), checkpoint["args"]
+    changed = [f.name for f in fields(Args) if f.name != "resume" and getattr(args, f.name) != getattr(default, f.name)
+               and getattr(args, f.name) != saved.get(f.name, getattr(default, f.name))]
+    if changed:
+        raise UserError(f"--resume continues a run with the flags it was started with; drop {', '.join('--' + n.replace('_', '-') for n in changed)} (or start a new run).")
+    return Args(**{"episodes": "fixed", **saved, "resume": args.resume})  # older checkpoints: fixed
 
 
 def check_clip_args(args: Args) -> None:
@@ -965,8 +987,8 @@ class ReplayBuffer:
 
     def state_dict(self) -> dict:
         n = len(self)
-        return {"pos": self.pos, "full": self.full, "obs": self.obs[:n], "next_obs": self.next_obs[:n], "actions": self.actions[:n],
-                "rewards": self.rewards[:n], "terminations": self.terminations[:n]}
+        return {"pos": self.pos, "full": self.full, **{name: torch.from_numpy(getattr(self, name)[:n]) for name in
+                                                         ("obs", "next_obs", "actions", "rewards", "terminations")}}
 
     def load_state_dict(self, state: dict) -> None:
         self.pos, self.full = state["pos"], state["full"]
@@ -985,8 +1007,37 @@ def save_video(frames: list[np.ndarray], path: str, fps: int = 30) -> None:
 
 
 def save_checkpoint(path: str, state: dict) -> None:
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)  # atomic: a crash mid-write never replaces a good checkpoint with half of one
+    """Atomic and durable: a crash, power cut or full disk mid-write never replaces a good checkpoint with half of one."""
+    folder = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")  # own temp file per write
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())  # the data is on disk before the rename makes it the checkpoint
+        os.replace(tmp, path)
+    except BaseException as e:
+        os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise UserError(f"could not write {path} ({e.strerror or e}); the previous file there is intact, the partial one was removed.") from None
+        raise
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a power cut
+    finally:
+        os.close(dir_fd)
+
+
+def make_run_folder(run_name: str) -> str:
+    """Create runs/<run_name>/ exclusively; two runs started in the same second get different folders."""
+    for suffix in range(1000):
+        name = run_name if suffix == 0 else f"{run_name}-{suffix}"
+        try:
+            os.makedirs(f"runs/{name}")
+            return name
+        except FileExistsError:
+            continue
+    raise UserError(f"runs/{run_name} and 999 variants of it exist already; remove old runs or change --exp-name.")
 
 
 def rng_state(envs: gym.vector.VectorEnv) -> dict:
@@ -994,6 +1045,22 @@ def rng_state(envs: gym.vector.VectorEnv) -> dict:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             "envs": list(envs.get_attr("np_random"))}
+
+
+def save_nonfinite(run_name: str, networks: dict) -> str:
+    """Networks of a run stopped on a NaN, saved beside (never over) its resumable checkpoint; says where both are."""
+    path, checkpoint = f"runs/{run_name}/nonfinite_networks.pt", f"runs/{run_name}/checkpoint.pt"
+    save_checkpoint(path, networks)
+    return f"finite networks from before it were saved to {path}" + (f" and the last resumable checkpoint {checkpoint} is kept" if os.path.exists(checkpoint) else "")
+
+
+def all_finite(state) -> bool:
+    """True when every floating-point tensor of a (nested) state dict is finite."""
+    if isinstance(state, dict):
+        return all(all_finite(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return all(all_finite(v) for v in state)
+    return not (torch.is_tensor(state) and state.is_floating_point()) or bool(torch.isfinite(state).all())
 
 
 def install_stop_handlers() -> dict:
@@ -1041,7 +1108,7 @@ def main(args: Args) -> None:
     checkpoint = None
     if args.resume is not None:  # continue the same run: its flags, step, TensorBoard folder and random streams
         checkpoint = read_checkpoint(args.resume)
-        args = Args(**{"episodes": "fixed", **checkpoint["args"], "resume": args.resume})  # older checkpoints: fixed
+        args = resumed_args(args, checkpoint)
     check_args(args)
     if args.episodes == "auto":  # resolved once: a checkpoint keeps the resolved value
         args.episodes = "fixed" if args.reward == "clip" else "stock"
@@ -1060,7 +1127,8 @@ def main(args: Args) -> None:
         eval_envs = make_eval_envs()
         actor = Actor(eval_envs).to(device)
         actor.load_state_dict(torch.load(args.evaluate, map_location=device, weights_only=False)["actor"])
-        results = evaluate(actor, eval_envs, args, device, make_reward_model(args, device), args.eval_episodes, args.seed + 10_000)
+        reward_model = make_reward_model(args, device) if args.reward == "clip" else None  # --reward gt: no CLIP weights needed
+        results = evaluate(actor, eval_envs, args, device, reward_model, args.eval_episodes, args.seed + 10_000)
         for episode, result in enumerate(results):
             folder = f"videos/{run_name}/eval-episode-{episode}"
             save_video(result["frames"], folder + ".mp4")
@@ -1092,76 +1160,77 @@ def main(args: Args) -> None:
                                      autoreset_mode=gym.vector.AutoresetMode.DISABLED)
     signal.signal(signal.SIGINT, handlers[0])
     signal.signal(signal.SIGTERM, handlers[1])
-    try:
-        if args.reward == "clip" and reward_model is None:
+    writer = None
+    try:  # every exit path closes the env subprocesses: they ignore SIGTERM, so a process exiting under them would hang
+        if args.reward == "clip" and reward_model is None:  # on CUDA: built after the env processes were forked
             reward_model = make_reward_model(args, device)
-    except UserError:
-        envs.close()  # env subprocesses would print tracebacks when we exit under them
-        raise
-    if reward_model is not None:
-        warn_if_slow_on_cpu(reward_model, args, (args.render_size, args.render_size, 3))
-    eval_envs = make_eval_envs() if args.capture_video else None
-    num_iterations = args.total_timesteps // args.num_envs
-    start_iteration = checkpoint["iteration"] if checkpoint else 0
-    # purge_step drops whatever a crashed run logged after its checkpoint, so the curves continue cleanly
-    writer = SummaryWriter(f"runs/{run_name}", purge_step=start_iteration * args.num_envs if checkpoint else None)
-    if checkpoint is None:
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n%s" % "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
-    print(f"run: runs/{run_name} on {device}, reward: {args.reward}" + (f", goal={args.goal}, baseline={args.baseline}, alpha={args.alpha}" if args.reward == "clip" else "")
-          + (f", resumed at step {start_iteration * args.num_envs}" if checkpoint else ""))
+        if reward_model is not None:
+            warn_if_slow_on_cpu(reward_model, args, (args.render_size, args.render_size, 3))
+        eval_envs = make_eval_envs() if args.capture_video else None
+        num_iterations = args.total_timesteps // args.num_envs
+        start_iteration = checkpoint["iteration"] if checkpoint else 0
+        run_name = run_name if checkpoint else make_run_folder(run_name)
+        # purge_step drops whatever a crashed run logged after its checkpoint, so the curves continue cleanly: from the first
+        # step still pending in the checkpoint (the episodes ending there were logged only after it was saved)
+        writer = SummaryWriter(f"runs/{run_name}", purge_step=(start_iteration - len(checkpoint["pending"]["obs"])) * args.num_envs if checkpoint else None)
+        if checkpoint is None:
+            writer.add_text("hyperparameters", "|param|value|\n|-|-|\n%s" % "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
+        print(f"run: runs/{run_name} on {device}, reward: {args.reward}" + (f", goal={args.goal}, baseline={args.baseline}, alpha={args.alpha}" if args.reward == "clip" else "")
+              + (f", resumed at step {start_iteration * args.num_envs}" if checkpoint else ""))
 
-    actor = Actor(envs).to(device)
-    qf1, qf2 = SoftQNetwork(envs).to(device), SoftQNetwork(envs).to(device)
-    qf1_target, qf2_target = SoftQNetwork(envs).to(device), SoftQNetwork(envs).to(device)
-    qf1_target.load_state_dict(qf1.state_dict())
-    qf2_target.load_state_dict(qf2.state_dict())
-    # fused: one kernel per optimiser step instead of a loop over parameter tensors
-    q_optimizer = optim.Adam(list(qf1.parameters()) + list(qf2.parameters()), lr=args.q_lr, fused=True)
-    actor_optimizer = optim.Adam(actor.parameters(), lr=args.policy_lr, fused=True)
-    target_entropy = -float(np.prod(envs.single_action_space.shape))
-    low, high = envs.single_action_space.low, envs.single_action_space.high
-    action_scale, action_bias = (high - low) / 2.0, (high + low) / 2.0  # as the actor's, on the host: no device sync per step
-    log_ent_coef = torch.tensor([math.log(args.ent_coef)], device=device, requires_grad=args.autotune)
-    ent_coef_optimizer = optim.Adam([log_ent_coef], lr=args.q_lr, fused=True) if args.autotune else None
-    rb = ReplayBuffer(args.buffer_size, envs.single_observation_space.shape, envs.single_action_space.shape, device)
-    # everything a gradient step changes, by name: checkpointed, and snapshotted as the last finite state
-    learner = {"actor": actor, "qf1": qf1, "qf2": qf2, "qf1_target": qf1_target, "qf2_target": qf2_target,
-               "actor_optimizer": actor_optimizer, "q_optimizer": q_optimizer}
-    if args.autotune:
-        learner["ent_coef_optimizer"] = ent_coef_optimizer
+        actor = Actor(envs).to(device)
+        qf1, qf2 = SoftQNetwork(envs).to(device), SoftQNetwork(envs).to(device)
+        qf1_target, qf2_target = SoftQNetwork(envs).to(device), SoftQNetwork(envs).to(device)
+        qf1_target.load_state_dict(qf1.state_dict())
+        qf2_target.load_state_dict(qf2.state_dict())
+        # fused: one kernel per optimiser step instead of a loop over parameter tensors
+        q_optimizer = optim.Adam(list(qf1.parameters()) + list(qf2.parameters()), lr=args.q_lr, fused=True)
+        actor_optimizer = optim.Adam(actor.parameters(), lr=args.policy_lr, fused=True)
+        target_entropy = -float(np.prod(envs.single_action_space.shape))
+        low, high = envs.single_action_space.low, envs.single_action_space.high
+        action_scale, action_bias = (high - low) / 2.0, (high + low) / 2.0  # as the actor's, on the host: no device sync per step
+        log_ent_coef = torch.tensor([math.log(args.ent_coef)], device=device, requires_grad=args.autotune)
+        ent_coef_optimizer = optim.Adam([log_ent_coef], lr=args.q_lr, fused=True) if args.autotune else None
+        rb = ReplayBuffer(args.buffer_size, envs.single_observation_space.shape, envs.single_action_space.shape, device)
+        # everything a gradient step changes, by name: checkpointed, and snapshotted as the last finite state
+        learner = {"actor": actor, "qf1": qf1, "qf2": qf2, "qf1_target": qf1_target, "qf2_target": qf2_target,
+                   "actor_optimizer": actor_optimizer, "q_optimizer": q_optimizer}
+        if args.autotune:
+            learner["ent_coef_optimizer"] = ent_coef_optimizer
 
-    # Transitions wait here until their frames are scored in one batch; they reach the replay buffer
-    # before the next gradient step, so training never samples a transition without its reward.
-    pending: dict[str, list] = {k: [] for k in ("obs", "next_obs", "actions", "terminations", "dones", "gt", "frames")}
-    components: list[str] = []  # the env's own reward terms (e.g. reward_forward), logged as diagnostics
-    episode = {k: np.zeros(args.num_envs) for k in ("return", "gt_return", "clip_return", "length", "success")}
-    render = args.reward == "clip"
-    timing = {"env": 0.0, "render": 0.0, "reward_model": 0.0, "learning": 0.0}
+        # Transitions wait here until their frames are scored in one batch; they reach the replay buffer
+        # before the next gradient step, so training never samples a transition without its reward.
+        pending: dict[str, list] = {k: [] for k in ("obs", "next_obs", "actions", "terminations", "dones", "gt", "frames")}
+        components: list[str] = []  # the env's own reward terms (e.g. reward_forward), logged as diagnostics
+        episode = {k: np.zeros(args.num_envs) for k in ("return", "gt_return", "clip_return", "length", "success")}
+        render = args.reward == "clip"
+        timing = {"env": 0.0, "render": 0.0, "reward_model": 0.0, "learning": 0.0}
 
-    obs, _ = envs.reset(seed=args.seed)
-    if checkpoint is not None:
-        for name, module in learner.items():
-            module.load_state_dict(checkpoint[name])
-        with torch.no_grad():
-            log_ent_coef.copy_(checkpoint["log_ent_coef"])
-        if checkpoint["replay_buffer"] is not None:
-            rb.load_state_dict(checkpoint["replay_buffer"])
-        pending, episode, components = checkpoint["pending"], checkpoint["episode"], checkpoint["components"]
-        if args.episodes == "stock":  # saved mid-episode: the episodes in flight restart below, so drop their partial sums
-            episode = {k: np.zeros_like(v) for k, v in episode.items()}
-        # fixed-length checkpoints are taken at an episode boundary, just before the reset: redo it with the same env RNGs
-        envs.set_attr("np_random", checkpoint["rng"]["envs"])
-        obs, _ = envs.reset(options={"reset_mask": np.ones(args.num_envs, dtype=bool)})
-        random.setstate(checkpoint["rng"]["python"])
-        np.random.set_state(checkpoint["rng"]["numpy"])
-        torch.set_rng_state(checkpoint["rng"]["torch"])
-        if checkpoint["rng"]["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
-    ent_coef = log_ent_coef.exp().detach()  # kept as a tensor: no host-device sync per gradient step
-    stop = install_stop_handlers()
-    start_time = time.time()
-    iteration, dones = start_iteration - 1, np.ones(args.num_envs, dtype=bool)  # as they stay when a resumed run has no steps left
-    try:
+        obs, _ = envs.reset(seed=args.seed)
+        if checkpoint is not None:
+            for name, module in learner.items():
+                module.load_state_dict(checkpoint[name])
+            with torch.no_grad():
+                log_ent_coef.copy_(checkpoint["log_ent_coef"])
+            if checkpoint["replay_buffer"] is not None:
+                rb.load_state_dict(checkpoint["replay_buffer"])
+                checkpoint["replay_buffer"] = None  # frees the loaded copy (counted by the memory check)
+            pending, episode, components = checkpoint["pending"], checkpoint["episode"], checkpoint["components"]
+            if args.episodes == "stock":  # saved mid-episode: the episodes in flight restart below, so drop their partial sums
+                episode = {k: np.zeros_like(v) for k, v in episode.items()}
+            # fixed-length checkpoints are taken at an episode boundary, just before the reset: redo it with the same env RNGs
+            envs.set_attr("np_random", checkpoint["rng"]["envs"])
+            obs, _ = envs.reset(options={"reset_mask": np.ones(args.num_envs, dtype=bool)})
+            random.setstate(checkpoint["rng"]["python"])
+            np.random.set_state(checkpoint["rng"]["numpy"])
+            torch.set_rng_state(checkpoint["rng"]["torch"])
+            if checkpoint["rng"]["cuda"] and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
+        ent_coef = log_ent_coef.exp().detach()  # kept as a tensor: no host-device sync per gradient step
+        last_finite, steps_since_snapshot = None, math.inf
+        stop = install_stop_handlers()
+        start_time = time.time()
+        iteration, dones = start_iteration - 1, np.ones(args.num_envs, dtype=bool)  # as they stay when a resumed run has no steps left
         for iteration in range(start_iteration, num_iterations):
             global_step = iteration * args.num_envs
             # actions on the unit box (stored so); the env gets them rescaled to its bounds
@@ -1211,8 +1280,8 @@ def main(args: Args) -> None:
                 timing["reward_model"] += time.perf_counter() - t0
                 rewards = clip_rewards if args.reward == "clip" else gt[:, 0]
                 if not np.all(np.isfinite(rewards)):  # never let a NaN into the buffer: it would poison every Q-value
-                    save_checkpoint(f"runs/{run_name}/checkpoint.pt", {"actor": actor.state_dict(), "args": asdict(args), "run_name": run_name})
-                    raise NonFiniteError(f"the {args.reward} reward is not finite for {np.sum(~np.isfinite(rewards))} of {len(rewards)} frames at step {global_step}; the networks (still finite) were saved to runs/{run_name}/checkpoint.pt.")
+                    saved = save_nonfinite(run_name, {"actor": actor.state_dict(), "args": asdict(args), "run_name": run_name})
+                    raise NonFiniteError(f"the {args.reward} reward is not finite for {np.sum(~np.isfinite(rewards))} of {len(rewards)} frames at step {global_step}; {saved}.")
                 dones_flat = np.concatenate(pending["dones"])
                 rb.add(np.concatenate(pending["obs"]), np.concatenate(pending["next_obs"]), np.concatenate(pending["actions"]),
                        rewards, np.concatenate(pending["terminations"]))
@@ -1246,9 +1315,14 @@ def main(args: Args) -> None:
 
             if train_now:
                 t0 = time.perf_counter()
-                # the last finite state, kept on the device (a cheap copy): saved if this phase produces a NaN
-                last_finite = {name: copy.deepcopy(module.state_dict()) for name, module in learner.items()}
-                last_finite["log_ent_coef"] = log_ent_coef.detach().clone()
+                # a finite state, kept on the device and saved if a phase produces a NaN: copied about every 100 gradient
+                # steps, not before every phase (a copy per phase cost ~12% of the time at one gradient step per phase)
+                if steps_since_snapshot >= 100:
+                    snapshot = {name: copy.deepcopy(module.state_dict()) for name, module in learner.items()}
+                    snapshot["log_ent_coef"] = log_ent_coef.detach().clone()
+                    if all_finite(snapshot):  # the last update of a phase has no loss that checks it: check the copy
+                        last_finite, steps_since_snapshot = snapshot, 0
+                steps_since_snapshot += args.gradient_steps
                 finite = torch.ones((), dtype=torch.bool, device=device)  # checked once per phase: no per-step sync
                 for _ in range(args.gradient_steps):
                     b_obs, b_actions, b_rewards, b_next_obs, b_terminations = rb.sample(args.batch_size)
@@ -1291,9 +1365,10 @@ def main(args: Args) -> None:
                         for param, target_param in zip(qf2.parameters(), qf2_target.parameters()):
                             target_param.lerp_(param, args.tau)
                 if not finite:
-                    save_checkpoint(f"runs/{run_name}/checkpoint.pt", {**last_finite, "args": asdict(args), "run_name": run_name})
+                    saved = (save_nonfinite(run_name, {**last_finite, "args": asdict(args), "run_name": run_name}) if last_finite
+                             else "the networks were not finite already when training started")  # e.g. a resumed checkpoint
                     raise NonFiniteError(f"a SAC loss (qf_loss {qf_loss.item()}, actor_loss {actor_loss.item()}) is not finite in the training phase at step {global_step}; "
-                                         f"the networks before that phase were saved to runs/{run_name}/checkpoint.pt; lower --q-lr / --policy-lr or check the rewards.")
+                                         f"{saved}; lower --q-lr / --policy-lr or check the rewards.")
                 timing["learning"] += time.perf_counter() - t0
 
                 if iteration % (10 * args.train_frequency) == 0:
@@ -1334,7 +1409,8 @@ def main(args: Args) -> None:
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        writer.close()  # flushes TensorBoard, also on an error or a second Ctrl-C
+        if writer is not None:
+            writer.close()  # flushes TensorBoard, also on an error or a second Ctrl-C
         envs.close()
 
     elapsed = time.time() - start_time
@@ -1356,6 +1432,9 @@ if __name__ == "__main__":
         sys.exit(2)
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except OSError as e:  # the machine, not the input: a full disk, a folder removed under a running job
+        print(f"error: {e}.", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         print("interrupted without saving a checkpoint", file=sys.stderr)

@@ -1,14 +1,22 @@
 """Interruption, resume, determinism, validation, numerical safety and memory checks of both training scripts."""
 
+import errno
+import os
+import shutil
 import signal
+import subprocess
+import sys
+import textwrap
+import time
 
 import numpy as np
 import pytest
 import torch
+import tyro
 
 import vlmrm_dqn_classic as classic
 import vlmrm_sac_humanoid as sac
-from conftest import TINY_CLIP, TINY_CLIP_FLAGS, assert_refused, interrupt_after, read_scalars, run_script
+from conftest import ROOT, TINY_CLIP, TINY_CLIP_FLAGS, assert_clean_error, assert_refused, interrupt_after, read_scalars, run_script
 
 DQN = "vlmrm_dqn_classic.py"
 SAC = "vlmrm_sac_humanoid.py"
@@ -146,19 +154,21 @@ def test_corrupt_or_foreign_checkpoints_are_refused(in_tmp):
     assert_refused(classic, ["--resume", "model.pt"], "no resumable training state")
 
 
-def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+def test_checkpoint_write_is_atomic_and_a_full_disk_is_one_sentence(tmp_path, monkeypatch):
     path = str(tmp_path / "checkpoint.pt")
     classic.save_checkpoint(path, {"good": torch.ones(3)})
 
-    def crash_mid_write(obj, f):
-        with open(f, "wb") as handle:
-            handle.write(b"half a checkpoint")
-        raise OSError("disk full")
+    def disk_full_mid_write(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(torch, "save", crash_mid_write)
-    with pytest.raises(OSError):
-        sac.save_checkpoint(path, {"good": torch.zeros(3)})
+    monkeypatch.setattr(torch, "save", disk_full_mid_write)
+    for module in (classic, sac):
+        with pytest.raises(module.UserError, match="No space left on device.*intact"):
+            module.save_checkpoint(path, {"good": torch.zeros(3)})
+    monkeypatch.undo()
     assert torch.equal(torch.load(path)["good"], torch.ones(3))  # the good checkpoint is still in place
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # the partial temp file is gone
 
 
 def test_nan_reward_stops_training_and_saves_the_networks(in_tmp, monkeypatch):
@@ -172,13 +182,14 @@ def test_nan_reward_stops_training_and_saves_the_networks(in_tmp, monkeypatch):
     monkeypatch.setattr(classic, "warn_if_slow_on_cpu", lambda *a: None)
     added = []
     monkeypatch.setattr(classic.ReplayBuffer, "add", lambda self, *a: added.append(a[3]))
-    with pytest.raises(classic.NonFiniteError, match="not finite .* at step"):
+    with pytest.raises(classic.NonFiniteError, match="not finite .* at step") as error:
         classic.main(classic.Args(clip_model=TINY_CLIP, clip_pretrained="none", total_timesteps=2000, learning_starts=100,
-                                  reward_batch_size=16))
+                                  reward_batch_size=16, save_model=True, checkpoint_frequency=200))
     assert len(added) == 2 and all(np.isfinite(r).all() for r in added)  # the NaN batch never reached the buffer
     (run_dir,) = (in_tmp / "runs").iterdir()
-    saved = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    saved = torch.load(run_dir / "nonfinite_networks.pt", weights_only=False)
     assert all(torch.isfinite(t).all() for t in saved["q_network"].values())
+    assert "nonfinite_networks.pt" in str(error.value) and "checkpoint.pt" not in str(error.value)  # none was taken yet
 
 
 def test_nan_loss_stops_sac_and_saves_the_last_finite_networks(in_tmp, monkeypatch):
@@ -193,10 +204,138 @@ def test_nan_loss_stops_sac_and_saves_the_last_finite_networks(in_tmp, monkeypat
         return batch
 
     monkeypatch.setattr(sac.ReplayBuffer, "sample", poisoned_sample)
-    with pytest.raises(sac.NonFiniteError, match="loss"):
+    with pytest.raises(sac.NonFiniteError, match="loss") as error:
         sac.main(sac.Args(env_id="InvertedPendulum-v5", reward="gt", num_envs=2, total_timesteps=2000, learning_starts=200,
-                          train_frequency=10, gradient_steps=10, batch_size=32))
+                          train_frequency=10, gradient_steps=10, batch_size=32, save_model=True, checkpoint_frequency=200))
     (run_dir,) = (in_tmp / "runs").iterdir()
-    saved = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    saved = torch.load(run_dir / "nonfinite_networks.pt", weights_only=False)
     for name in ("actor", "qf1", "qf2"):
         assert all(torch.isfinite(t).all() for t in saved[name].values()), name
+    # the checkpoint taken at step 200, before the NaN, is still resumable, and the message names both files
+    assert sac.read_checkpoint(str(run_dir / "checkpoint.pt"))["global_step"] == 200
+    assert "nonfinite_networks.pt" in str(error.value) and "checkpoint.pt" in str(error.value)
+
+
+def run_with_failing_writer(tmp_path, failure: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """SAC with the CLIP reward (env subprocesses), `failure` run where the TensorBoard writer starts: after the envs exist."""
+    (tmp_path / "run.py").write_text(textwrap.dedent(f"""
+        import errno, os, runpy, signal, sys, time
+        import torch.utils.tensorboard as tb
+        def fail(*args, **kwargs):
+            {failure}
+        tb.SummaryWriter.__init__ = fail
+        sys.argv = sys.argv[1:]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    """))
+    flags = [*TINY_CLIP_FLAGS, "--num-envs", "2", "--render-size", "48", "--total-timesteps", "400", "--learning-starts", "100"]
+    # a session of its own: the Ctrl-C goes to the script's process group only; Python's own SIGINT handling restored
+    return subprocess.run([sys.executable, str(tmp_path / "run.py"), str(ROOT / SAC), *flags], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def test_sac_error_after_the_env_workers_start_ends_at_once_in_one_sentence(tmp_path):
+    result = run_with_failing_writer(tmp_path, 'raise OSError(errno.ENOSPC, "No space left on device")')  # hung forever before
+    assert_clean_error(result, "No space left on device")
+
+
+def test_ctrl_c_during_sac_start_up_quits_without_worker_tracebacks(tmp_path):
+    result = run_with_failing_writer(tmp_path, "os.killpg(0, signal.SIGINT); time.sleep(10)")
+    assert result.returncode == 130 and "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+def test_clip_config_that_is_not_json_is_one_sentence(in_tmp):
+    (in_tmp / "broken.json").write_text("{not json")
+    assert_refused(sac, ["--clip-model", "broken.json", "--clip-pretrained", "none", "--render-size", "48"], "broken.json", "JSON")
+    assert_refused(classic, ["--clip-model", "broken.json", "--clip-pretrained", "none"], "broken.json", "JSON")
+
+
+def test_runs_started_in_the_same_second_get_their_own_folders(in_tmp, monkeypatch):
+    monkeypatch.setattr(time, "time", lambda: 1_800_000_000.0)
+    for _ in range(2):
+        classic.main(classic.Args(reward="gt", total_timesteps=300, learning_starts=100))
+    names = sorted(p.name for p in (in_tmp / "runs").iterdir())
+    assert names == ["CartPole-v1__vlmrm_dqn_classic__1__1800000000", "CartPole-v1__vlmrm_dqn_classic__1__1800000000-1"]
+    assert all(len(read_scalars(in_tmp / "runs" / name)["charts/episodic_return"]) == 1 for name in names)
+
+
+def test_resume_purges_the_episodes_logged_after_the_checkpoint(in_tmp, monkeypatch):
+    """A run that crashed after its checkpoint had logged episodes still pending in it: the resumed run logs them once."""
+    saved, original = [], classic.save_checkpoint
+
+    def keep_first_checkpoint(path, state):
+        original(path, state)
+        if path.endswith("checkpoint.pt") and not saved:
+            original(path.replace("checkpoint.pt", "first.pt"), state)
+            saved.append(path)
+
+    monkeypatch.setattr(classic, "save_checkpoint", keep_first_checkpoint)
+    args = classic.Args(reward="gt", total_timesteps=800, learning_starts=300, save_model=True, checkpoint_frequency=400,
+                        eval_episodes=1, save_buffer=True)
+    classic.main(args)  # plays the crashed run: it went on logging after the checkpoint at step 400
+    (run_dir,) = (in_tmp / "runs").iterdir()
+    assert len(torch.load(run_dir / "first.pt", weights_only=False)["pending"]["obs"]) > 0  # the episode ending at 399
+    classic.main(classic.Args(resume=str(run_dir / "first.pt")))
+    steps = [s for s, _ in read_scalars(run_dir)["charts/episodic_return"]]
+    assert steps == [199, 399, 599, 799]
+
+
+def test_flags_next_to_resume_that_would_change_the_run_are_refused(in_tmp):
+    classic.main(classic.Args(reward="gt", total_timesteps=400, learning_starts=300, save_model=True, checkpoint_frequency=200,
+                              eval_episodes=1))
+    (checkpoint,) = (in_tmp / "runs").glob("*/checkpoint.pt")
+    with pytest.raises(classic.UserError, match="drop --learning-rate"):
+        classic.main(tyro.cli(classic.Args, args=["--resume", str(checkpoint), "--learning-rate", "0.1", "--reward", "gt"]))
+
+
+def test_evaluate_has_the_checks_of_resume_and_needs_no_clip_weights_for_gt(in_tmp):
+    classic.main(classic.Args(reward="gt", total_timesteps=400, learning_starts=300, save_model=True, checkpoint_frequency=200,
+                              eval_episodes=1))
+    (checkpoint,) = (in_tmp / "runs").glob("*/checkpoint.pt")
+    checkpoint = checkpoint.rename(in_tmp / "checkpoint.pt")  # an interrupted run's
+    (in_tmp / "truncated.pt").write_bytes(checkpoint.read_bytes()[:1000])
+    torch.save({"actor": {}, "args": {"policy_lr": 1.0, "env_id": "Hopper-v5"}, "run_name": "x"}, in_tmp / "sac.pt")
+    shutil.rmtree(in_tmp / "runs")  # assert_refused checks that nothing is written
+    assert_refused(classic, ["--evaluate", "truncated.pt"], "truncated.pt", "readable")
+    assert_refused(classic, ["--evaluate", "sac.pt"], "another script")
+    assert_refused(classic, ["--evaluate", str(checkpoint), "--env-id", "MountainCar-v0"], "CartPole-v1", "--env-id")
+    assert_refused(sac, ["--evaluate", "sac.pt", "--reward", "gt"], "Hopper-v5", "--env-id")
+    assert_refused(sac, ["--evaluate", str(checkpoint), "--reward", "gt"], "another script")
+    # an interrupted run's checkpoint.pt, ground truth only: no CLIP model is looked at (this one does not even exist)
+    classic.main(tyro.cli(classic.Args, args=["--evaluate", str(checkpoint), "--reward", "gt", "--eval-episodes", "1",
+                                              "--clip-model", "no-such-config.json"]))
+
+
+def test_exploration_fraction_zero_is_greedy_from_the_start(in_tmp):
+    classic.main(classic.Args(reward="gt", total_timesteps=300, learning_starts=100, exploration_fraction=0.0))
+
+
+def test_memory_check_counts_the_batch_and_the_resume_copy_and_names_the_flag(in_tmp, monkeypatch):
+    monkeypatch.setattr(sac, "available_memory", lambda: 2**30)
+    probe = sac.gym.make("Hopper-v5")
+    check = lambda **kw: sac.check_resources(sac.Args(env_id="Hopper-v5", reward="gt", **kw), probe.observation_space,  # noqa: E731
+                                             probe.action_space, (224, 224, 3))
+    per_transition = 2 * 4 * 11 + 4 * 3 + 8
+    check(buffer_size=int(0.6 * 2**30 / per_transition))  # fits
+    with pytest.raises(sac.UserError, match="^--buffer-size"):
+        check(buffer_size=int(0.6 * 2**30 / per_transition), save_buffer=True)  # a resume would need the buffer twice
+    with pytest.raises(sac.UserError, match="^--batch-size"):
+        check(buffer_size=1_000_000, batch_size=1_000_000)
+    with pytest.raises(sac.UserError, match="^--reward-batch-size"):
+        sac.check_resources(sac.Args(reward_batch_size=100_000), probe.observation_space, probe.action_space, (224, 224, 3))
+
+
+def test_saving_the_replay_buffer_makes_no_copy_of_it(tmp_path):
+    code = textwrap.dedent(f"""
+        import resource, sys, numpy as np
+        sys.path.insert(0, {str(ROOT)!r})
+        import vlmrm_sac_humanoid as sac
+        rb = sac.ReplayBuffer(400_000, (60,), (4,), "cpu")
+        rb.add(*(np.ones((400_000, *s), np.float32) for s in [(60,), (60,), (4,), (), ()]))  # ~200 MB, all touched
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        sac.save_checkpoint({str(tmp_path / "c.pt")!r}, {{"replay_buffer": rb.state_dict()}})
+        print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert int(result.stdout.split()[-1]) < 50, result.stdout  # MiB above the peak before saving (numpy arrays: ~5x the buffer)
