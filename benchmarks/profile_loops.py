@@ -17,7 +17,7 @@ import tempfile
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import machine, table  # noqa: E402
+from _common import machine, pin_threads, table  # noqa: E402
 
 
 def build(which: str, steps: int, env_id: str | None = None):
@@ -42,10 +42,7 @@ def main() -> None:
     p.add_argument("--env-id", default=None, help="SAC only: the MuJoCo task (default Hopper-v5)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     a = p.parse_args()
-    if a.threads:
-        import torch
-
-        torch.set_num_threads(a.threads)
+    pin_threads(a.threads)
     print(f"machine: {machine()}")
     ours, args = build(a.which, a.steps or (1600 if a.which == "sac" else 8000), a.env_id)
     os.chdir(tempfile.mkdtemp(prefix="bench_prof_"))
