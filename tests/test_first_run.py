@@ -8,10 +8,11 @@ import sys
 
 import pytest
 import torch
+import tyro
 
 import vlmrm_dqn_classic as classic
 import vlmrm_sac_humanoid as sac
-from conftest import ROOT, TINY_CLIP, run_script
+from conftest import ROOT, TINY_CLIP, assert_refused, run_script
 
 SCRIPTS = {classic: "vlmrm_dqn_classic.py", sac: "vlmrm_sac_humanoid.py"}
 SHORT_RUNS = {  # ground truth, a few seconds: 10 episodes (DQN), 8 episodes (SAC, 2 envs)
@@ -20,7 +21,8 @@ SHORT_RUNS = {  # ground truth, a few seconds: 10 episodes (DQN), 8 episodes (SA
           "--total-timesteps", "400", "--learning-starts", "200", "--train-frequency", "10", "--gradient-steps", "2",
           "--batch-size", "32"],
 }
-PROGRESS = re.compile(r"^step (\d+)/(\d+) \(\d+%\) \| \d+ steps/s \| elapsed \S+ \| left \S+ \| last (\d+) episodes: gt_return \S+$")
+PROGRESS = re.compile(r"^step (\d+)/(\d+) \(\d+%\) \| \d+ steps/s \| elapsed \S+ \| left \S+"
+                      r" \| last (\d+) episodes: gt_return \S+$")
 
 
 @pytest.mark.parametrize("module", SCRIPTS, ids=["dqn", "sac"])
@@ -38,16 +40,12 @@ def test_one_torch_thread_on_cpu_by_default_and_gpu_runs_left_alone(module, monk
 def test_training_applies_the_thread_setting_before_any_work(module, in_tmp, monkeypatch):
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
-    import tyro
-
     module.main(tyro.cli(module.Args, args=[*SHORT_RUNS[module], "--no-cuda"]))
     assert calls == [1]
 
 
 @pytest.mark.parametrize("module", SCRIPTS, ids=["dqn", "sac"])
 def test_negative_torch_threads_is_refused(module, in_tmp):
-    from conftest import assert_refused
-
     flags = ["--torch-threads", "-1"] + (["--goal", "x"] if module is classic else [])
     assert_refused(module, flags, "--torch-threads")
 
