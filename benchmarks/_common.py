@@ -65,14 +65,21 @@ def run_worker(script: str, payload: dict, timeout: float = 1800) -> dict:
     return json.loads(lines[-1])
 
 
+def pin_threads(threads: int) -> None:
+    """torch intra-op threads for this process (0: torch's default), kept even when a script's `main` would set its own
+    (their `--torch-threads` default is 1 on CPU): the benchmark's flag decides, for every version of the scripts."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    torch.set_num_threads = lambda n: None
+
+
 def worker_payload() -> dict | None:
     """The JSON payload when this process was started as a worker, else None."""
     if len(sys.argv) >= 3 and sys.argv[1] == "--worker":
         payload = json.loads(sys.argv[2])
-        if payload.get("threads"):  # torch intra-op threads, the same for every contender (0: torch's default)
-            import torch
-
-            torch.set_num_threads(payload["threads"])
+        pin_threads(payload.get("threads", 0))  # the same for every contender (0: torch's default)
         return payload
     return None
 

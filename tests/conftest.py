@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_CLIP = str(ROOT / "tests" / "vlmrm-tiny-test.json")
@@ -14,6 +15,10 @@ TINY_CLIP_FLAGS = ["--clip-model", TINY_CLIP, "--clip-pretrained", "none"]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("MUJOCO_GL", "egl")
 os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+# one torch thread, here and in every script the tests start: the small networks gain nothing from more, and on a
+# shared CPU more threads make them several times slower (the scripts also default to 1: --torch-threads)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 
 def run_script(script: str, *args: str, cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -50,11 +55,13 @@ def in_tmp(tmp_path, monkeypatch) -> Path:
 
 
 def interrupt_after(script: str, *args: str, cwd: Path, sig: int, after_lines: int, timeout: int = 300) -> tuple[int, str]:
-    """Start `python <script> <args>`, send `sig` once it has printed `after_lines` episode lines; (exit code, stdout)."""
+    """Start `python <script> <args> --log-episodes`, send `sig` once it has printed `after_lines` episode lines.
+
+    Returns (exit code, stdout)."""
     import signal as _signal  # noqa: F401  (callers pass signal.SIGINT / SIGTERM)
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=cwd, env=env, text=True,
+    proc = subprocess.Popen([sys.executable, str(ROOT / script), *args, "--log-episodes"], cwd=cwd, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     lines, seen = [], 0
     for line in proc.stdout:
@@ -104,3 +111,12 @@ def run_timed(script: str, *args: str, cwd: Path, env: dict | None = None,
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Say why tests were skipped even without -rs: a skip is a check that did not run (e.g. no Chromium)."""
+    if "s" in getattr(terminalreporter, "reportchars", ""):
+        return  # pytest lists them itself
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        terminalreporter.write_line(f"SKIPPED {report.nodeid}: {reason.removeprefix('Skipped: ')}", yellow=True)

@@ -1,0 +1,123 @@
+"""What a new user sees first in both training scripts: torch threads, the progress line, the memory estimate."""
+
+import io
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import tyro
+
+import vlmrm_dqn_classic as classic
+import vlmrm_sac_humanoid as sac
+from conftest import ROOT, TINY_CLIP, assert_refused, run_script
+
+SCRIPTS = {classic: "vlmrm_dqn_classic.py", sac: "vlmrm_sac_humanoid.py"}
+SHORT_RUNS = {  # ground truth, a few seconds: 10 episodes (DQN), 8 episodes (SAC, 2 envs)
+    classic: ["--reward", "gt", "--total-timesteps", "2000", "--learning-starts", "500"],
+    sac: ["--env-id", "InvertedPendulum-v5", "--reward", "gt", "--num-envs", "2", "--episode-length", "50",
+          "--total-timesteps", "400", "--learning-starts", "200", "--train-frequency", "10", "--gradient-steps", "2",
+          "--batch-size", "32"],
+}
+PROGRESS = re.compile(r"^step (\d+)/(\d+) \(\d+%\) \| \d+ steps/s \| elapsed \S+ \| left \S+"
+                      r" \| last (\d+) episodes: gt_return \S+$")
+
+
+@pytest.mark.parametrize("module", SCRIPTS, ids=["dqn", "sac"])
+def test_one_torch_thread_on_cpu_by_default_and_gpu_runs_left_alone(module, monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    module.set_torch_threads(module.Args(), torch.device("cpu"))  # default on CPU: 1
+    module.set_torch_threads(module.Args(), torch.device("cuda"))  # default on GPU: untouched
+    module.set_torch_threads(module.Args(torch_threads=0), torch.device("cpu"))  # 0: torch's default, untouched
+    module.set_torch_threads(module.Args(torch_threads=3), torch.device("cuda"))  # asked for: applied
+    assert calls == [1, 3]
+
+
+@pytest.mark.parametrize("module", SCRIPTS, ids=["dqn", "sac"])
+def test_training_applies_the_thread_setting_before_any_work(module, in_tmp, monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    module.main(tyro.cli(module.Args, args=[*SHORT_RUNS[module], "--no-cuda"]))
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("module", SCRIPTS, ids=["dqn", "sac"])
+def test_negative_torch_threads_is_refused(module, in_tmp):
+    flags = ["--torch-threads", "-1"] + (["--goal", "x"] if module is classic else [])
+    assert_refused(module, flags, "--torch-threads")
+
+
+@pytest.mark.parametrize("module", SCRIPTS, ids=["dqn", "sac"])
+def test_short_run_prints_a_few_lines_with_progress_and_episode_lines_on_request(module, tmp_path):
+    quiet = run_script(SCRIPTS[module], *SHORT_RUNS[module], cwd=tmp_path)
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    lines = quiet.stdout.splitlines()
+    assert len(lines) <= 6 and not any(line.startswith("global_step=") for line in lines), quiet.stdout
+    progress = [m for m in map(PROGRESS.match, lines) if m]
+    assert progress, quiet.stdout
+    step, total, recent = map(int, progress[-1].groups())
+    assert step == total and recent == (10 if module is classic else 8)  # the last 10 episodes, or all of them
+    assert sum(line.startswith("memory:") for line in lines) == 1
+
+    verbose = run_script(SCRIPTS[module], *SHORT_RUNS[module], "--log-episodes", cwd=tmp_path)
+    assert verbose.returncode == 0, verbose.stderr[-2000:]
+    episodes = [line for line in verbose.stdout.splitlines() if line.startswith("global_step=")]
+    assert len(episodes) == (10 if module is classic else 8)
+    assert "episodic_return=" in episodes[0] and "gt_return=" in episodes[0]
+
+
+@pytest.mark.parametrize("module", SCRIPTS, ids=["dqn", "sac"])
+def test_progress_line_is_redrawn_in_place_on_a_terminal(module, monkeypatch):
+    out = io.StringIO()
+    out.isatty = lambda: True
+    monkeypatch.setattr(sys, "stdout", out)
+    progress = module.Progress(1000, 0, clip=True, recent=2)
+    for gt_return, clip_return in [(10, 1.0), (20, 2.0), (30, 3.0)]:
+        progress.episode(gt_return, clip_return)
+    progress.update(500)  # too soon after the start: nothing
+    assert out.getvalue() == ""
+    progress.last -= 1
+    progress.update(500)
+    text = out.getvalue()
+    assert text.startswith("\r") and text.endswith("\r") and "\n" not in text
+    assert "step 500/1000 (50%)" in text and "left" in text and "last 2 episodes: gt_return 25.0, clip_return 2.50" in text
+    progress.update(1000, final=True)  # the last update ends the line
+    assert out.getvalue().endswith("\n") and out.getvalue().count("\n") == 1
+
+
+@pytest.mark.parametrize("module", SCRIPTS, ids=["dqn", "sac"])
+def test_progress_in_a_log_is_one_line_every_interval(module, monkeypatch):
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    progress = module.Progress(1000, 0, clip=False, recent=10, interval=10.0)
+    progress.update(100)
+    progress.last -= 9
+    progress.update(200)  # 9 s after the last line: nothing
+    progress.last -= 2
+    progress.update(300)
+    assert out.getvalue().splitlines() == [out.getvalue().splitlines()[0]] and "step 300/1000 (30%)" in out.getvalue()
+    assert "gt_return" not in out.getvalue()  # no episode finished yet
+
+
+@pytest.mark.parametrize("module", SCRIPTS, ids=["dqn", "sac"])
+def test_memory_estimate_only_when_training(module, in_tmp, capsys):
+    flags = {"clip_model": TINY_CLIP, "clip_pretrained": "none"} | ({"goal": ("x",)} if module is classic else {})
+    module.check_args(module.Args(**flags))
+    assert capsys.readouterr().out.count("memory:") == 1
+    (in_tmp / "model.pt").write_bytes(b"")
+    module.check_args(module.Args(**flags, evaluate=str(in_tmp / "model.pt")))
+    assert "memory:" not in capsys.readouterr().out
+
+
+def test_skipped_tests_say_why_without_rs(tmp_path):
+    (tmp_path / "test_skip.py").write_text(
+        "import pytest\n\n@pytest.mark.skip(reason='needs chromium (apt-get install chromium chromium-driver)')\n"
+        "def test_browser():\n    pass\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider", "test_skip.py"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert "1 skipped" in result.stdout, result.stdout + result.stderr
+    assert "needs chromium (apt-get install chromium chromium-driver)" in result.stdout, result.stdout
