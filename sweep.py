@@ -1,13 +1,9 @@
-"""Grid sweeps of the training scripts through submitit: one SLURM job per grid point, or local processes without SLURM.
+"""Grid sweeps of a training script through submitit: one SLURM job per grid point, or local processes without SLURM.
 
-Each job runs the training script as a subprocess with --save-model --save-buffer and a fixed --exp-name, so its run
-folder runs/<env>__<sweep>-<point>__<seed>__<time> can be found again. Preemption-safe: on submitit's preemption or
-timeout signal (SIGUSR2) the job sends the script SIGTERM (it saves checkpoint.pt at its next episode boundary), waits for
-it and requeues itself; the requeued job continues with --resume. A rerun of the same command skips finished points and
-resumes unfinished ones. At the end, each run's final numbers go to sweeps/<sweep>/sweep.csv and sweep.md.
+Preemption-safe (the job has the script checkpoint, then requeues itself and resumes); a rerun skips finished points
+and resumes the others; each run's final numbers end up in sweeps/<sweep>/sweep.csv and sweep.md. See docs/sweep.md.
 
     python sweep.py --script vlmrm_dqn_classic.py --grid alpha=0,0.5 seed=1,2 -- --total-timesteps 100000
-    python sweep.py --cluster slurm --partition gpu ... (the same grid on SLURM)
 """
 
 import contextlib
@@ -39,11 +35,11 @@ class Args:
     script: str = "vlmrm_dqn_classic.py"
     """the training script to sweep; its fixed flags go after `--`"""
     grid: tuple[str, ...] = ()
-    """axes `flag=v1,v2,...`, any flag of the script (alpha=0,0.5 seed=1,2 clip-model=RN50,ViT-L-14); values with commas: separate them with `|`"""
+    """axes `flag=v1,v2,...` of any flag of the script (alpha=0,0.5 seed=1,2); for values with commas, separate with `|`"""
     name: Optional[str] = None
-    """the sweep's folder is sweeps/<name>; default: the script's name and a hash of the fixed flags (the same command finds it again)"""
+    """the sweep's folder is sweeps/<name>; default: the script's name and a hash of the fixed flags"""
     cluster: Literal["auto", "slurm", "local"] = "auto"
-    """slurm: one SLURM job per point; local: submitit's local executor (subprocesses here); auto: slurm if `sbatch` is on PATH"""
+    """slurm: one SLURM job per point; local: submitit's local executor; auto: slurm if `sbatch` is on PATH"""
     max_parallel: int = 0
     """most jobs running at once; 0: all on SLURM, one per `--cpus-per-job` cores locally"""
     partition: Optional[str] = None
@@ -58,8 +54,6 @@ class Args:
     """time limit of one job; a job that reaches it checkpoints and is requeued"""
     last_episodes: int = 10
     """the table's returns are the mean of each run's last n episodes"""
-    poll_s: float = 2.0
-    """seconds between two looks at the jobs"""
 
 
 class UserError(Exception):
@@ -97,7 +91,7 @@ class PointJob(submitit.helpers.Checkpointable):
         (self.folder / "job.pid").write_text(str(os.getpid()))  # to signal this job by hand (or in the tests)
         run = self.run_dir()
         resume = run is not None and (run / "checkpoint.pt").exists()
-        cmd = [sys.executable, self.command[0], "--resume", str(run / "checkpoint.pt")] if resume else [sys.executable, *self.command]
+        cmd = [sys.executable, *([self.command[0], "--resume", str(run / "checkpoint.pt")] if resume else self.command)]
         with open(self.folder / "train.log", "a") as log:
             log.write(f"\n$ {shlex.join(cmd)}\n")
             log.flush()
@@ -106,21 +100,27 @@ class PointJob(submitit.helpers.Checkpointable):
             self._proc = subprocess.Popen(cmd, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT,
                                           env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=ignore_user_signals)
         threading.Thread(target=self._proc.wait, daemon=True).start()  # only this thread waits: no lock in signal handlers
-        signal.signal(signal.SIGTERM, lambda *_: self.stop_script())  # someone stops this job: checkpoint, then end
+        # SIGTERM to this job: checkpoint, then end. On SLURM the script got the same signal (SLURM signals every
+        # process of a job step); a second SIGTERM would make it quit without saving.
+        signal.signal(signal.SIGTERM, lambda *_: self.stop_script(forward="SLURM_JOB_ID" not in os.environ))
         while self._proc.returncode is None:
             time.sleep(0.2)
         return self.record()
 
     def record(self) -> dict:
         """Add this segment's wall time; the point is done when the script exited 0 without being stopped."""
+        proc, self._proc = self._proc, None  # recorded once
+        if proc is None:
+            return {}
         state_file = self.folder / "state.json"
         state = json.loads(state_file.read_text()) if state_file.exists() else {"wall_s": 0.0, "segments": 0}
         state = {"wall_s": state["wall_s"] + time.time() - self._start, "segments": state["segments"] + 1}
         state_file.write_text(json.dumps(state))
-        text, rc, self._proc = self.segment_log(), self._proc.returncode, None  # recorded once
+        text = self.segment_log()
         named = re.search(r"^run: (runs/\S+) on ", text, re.M)
         run_dir = str(Path(self.workdir, named.group(1))) if named else str(self.run_dir())
         stopped = "stopped; continue with" in text
+        rc = proc.returncode
         status = "done" if rc == 0 and not stopped else "stopped" if rc == 0 else f"failed (exit {rc})"
         result = {"status": status, "run_dir": run_dir, **state,
                   "last_line": next((line for line in reversed(text.splitlines()) if line.strip()), "")}
@@ -128,22 +128,21 @@ class PointJob(submitit.helpers.Checkpointable):
             (self.folder / "done.json").write_text(json.dumps(result))
         return result
 
-    def stop_script(self, wait: bool = False) -> None:
-        """Ask the script to save a checkpoint at its next episode boundary and exit, exactly once."""
+    def stop_script(self, forward: bool = True, wait: bool = False) -> None:
+        """Have the script save a checkpoint at its next episode boundary and exit: one SIGTERM, never two."""
         proc = self._proc
         if proc is not None and proc.returncode is None and not self._signalled:
             self._signalled = True
-            time.sleep(1.0)  # SLURM may have signalled the script itself: a second SIGTERM would quit without saving
-            if not re.search(r"^SIG(TERM|INT) received", self.segment_log(), re.M):
+            time.sleep(1.0)  # a signal to the whole process group reached the script too: it says so at once
+            if forward and not re.search(r"^SIG(TERM|INT) received", self.segment_log(), re.M):
                 proc.send_signal(signal.SIGTERM)
         while wait and proc is not None and proc.returncode is None:
             time.sleep(0.2)
 
     def checkpoint(self, *args, **kwargs) -> submitit.helpers.DelayedSubmission:
         """submitit's preemption or timeout signal: the script checkpoints, then the same job is requeued and resumes."""
-        if self._proc is not None:
-            self.stop_script(wait=True)
-            self.record()  # also marks the point done if it had just finished
+        self.stop_script(wait=True)
+        self.record()  # also marks the point done if it had just finished
         return super().checkpoint(*args, **kwargs)
 
 
@@ -152,58 +151,46 @@ def ignore_user_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)  # ignored signals stay ignored across exec
 
 
-def load_script_args(script: Path):
-    """The script's Args dataclass (importing the script runs nothing: its main is behind __name__ == "__main__")."""
+def slug(text: str) -> str:
+    clean = re.sub(r"[^A-Za-z0-9.=+-]+", "_", text).strip("_")[:60]
+    return clean if clean == text else f"{clean}-{hashlib.sha1(text.encode()).hexdigest()[:6]}"
+
+
+def grid_points(grid: tuple[str, ...], fixed: list[str], script: Path) -> list[tuple[list, list[str], object]]:
+    """Every point of the grid: its (flag, value) pairs, its flags, and those flags parsed by the script's own parser,
+    so a typo fails here, not in 40 queued jobs. Importing a script runs nothing: its main is behind __main__."""
     spec = importlib.util.spec_from_file_location(script.stem, script)
     module = importlib.util.module_from_spec(spec)
     sys.modules[script.stem] = module  # tyro reads the flags' help from the source
     spec.loader.exec_module(module)
-    return module.Args
-
-
-def parse_grid(grid: tuple[str, ...], script_args) -> list[tuple[str, list[str]]]:
-    """`alpha=0,0.5` -> ("alpha", ["0", "0.5"]); the flag must exist in the script."""
-    names = {f.name.replace("_", "-"): f for f in fields(script_args)}
+    types = {f.name.replace("_", "-"): f.type for f in fields(module.Args)}
     axes = []
-    for item in grid:
+    for item in grid:  # alpha=0,0.5 -> ("alpha", ["0", "0.5"])
         key, sep, values = item.partition("=")
-        key = key.strip().lstrip("-").replace("_", "-")
-        split = values.split("|" if "|" in values else ",")
+        key, split = key.strip().lstrip("-").replace("_", "-"), values.split("|" if "|" in values else ",")
         if not sep or not key or any(not v.strip() for v in split):
             raise UserError(f"--grid {item!r} is not flag=value1,value2,... (e.g. alpha=0,0.5).")
-        if key not in names:
+        if key not in types:
             raise UserError(f"--grid {item!r}: the script has no flag --{key}.")
-        if key in OWN_FLAGS or key in (f.lstrip("-") for f in SWEEP_FLAGS) or key in (a for a, _ in axes):
+        if key in OWN_FLAGS or f"--{key}" in SWEEP_FLAGS or key in (a for a, _ in axes):
             raise UserError(f"--grid {item!r}: --{key} is set by the sweep or already an axis.")
         axes.append((key, split))
-    return axes
-
-
-def point_flags(point: list[tuple[str, str]], script_args) -> list[str]:
-    types = {f.name.replace("_", "-"): f.type for f in fields(script_args)}
-    flags = []
-    for key, value in point:
-        if types[key] is bool and value.lower() in ("true", "false"):
-            flags.append(f"--{key}" if value.lower() == "true" else f"--no-{key}")
-        else:
-            flags += [f"--{key}", value]
-    return flags
-
-
-def check_flags(flags: list[str], script_args, label: str, script: str):
-    """Parse the point's flags with the script's own parser: a typo fails here, not in 40 queued jobs."""
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
-            return tyro.cli(script_args, args=flags)
-    except SystemExit:
-        reason = next((line.strip() for line in captured.getvalue().splitlines() if ":" in line), "invalid flags")
-        raise UserError(f"{script} rejects the flags of point {label}: {reason}.") from None
-
-
-def slug(text: str) -> str:
-    clean = re.sub(r"[^A-Za-z0-9.=+-]+", "_", text).strip("_")[:60]
-    return clean if clean == text else f"{clean}-{hashlib.sha1(text.encode()).hexdigest()[:6]}"
+    points = []
+    for values in itertools.product(*[[(key, v) for v in vs] for key, vs in axes]):
+        flags = list(fixed)
+        for key, value in values:  # a switch: realistic=true -> --realistic, realistic=false -> --no-realistic
+            is_switch = types[key] is bool and value.lower() in ("true", "false")
+            flags += [f"--{'' if value.lower() == 'true' else 'no-'}{key}"] if is_switch else [f"--{key}", value]
+        captured = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
+                parsed = tyro.cli(module.Args, args=flags)
+        except SystemExit:
+            reason = next((line.strip() for line in captured.getvalue().splitlines() if ":" in line), "invalid flags")
+            label = " ".join(f"{k}={v}" for k, v in values)
+            raise UserError(f"{script.name} rejects the flags of point {label}: {reason}.") from None
+        points.append((list(values), flags, parsed))
+    return points
 
 
 def final_numbers(run_dir: Optional[str], last: int) -> dict:
@@ -230,33 +217,22 @@ def main(args: Args, fixed: list[str]) -> None:
     if not script.is_file():
         raise UserError(f"--script {args.script}: no such file.")
     if any(f.split("=")[0].lstrip("-").replace("_", "-") in OWN_FLAGS for f in fixed if f.startswith("--")):
-        raise UserError(f"the flags after -- must not contain {', '.join('--' + f for f in sorted(OWN_FLAGS))}: the sweep sets them.")
-    for name in ["max_parallel", "cpus_per_job", "gpus_per_job"]:
-        if getattr(args, name) < 0:
-            raise UserError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}.")
-    if args.timeout_min < 1 or args.last_episodes < 1:
-        raise UserError("--timeout-min and --last-episodes must be positive integers.")
-    cluster = args.cluster if args.cluster != "auto" else "slurm" if shutil.which("sbatch") else "local"
-    script_args = load_script_args(script)
-    axes = parse_grid(args.grid, script_args)
+        raise UserError("the flags after -- must not contain --evaluate, --exp-name or --resume: the sweep sets them.")
+    if min(args.max_parallel, args.cpus_per_job, args.gpus_per_job) < 0 or min(args.timeout_min, args.last_episodes) < 1:
+        raise UserError("--max-parallel, --cpus-per-job, --gpus-per-job must be >= 0, --timeout-min, --last-episodes >= 1.")
     name = args.name or f"{script.stem}-{hashlib.sha1(json.dumps([script.name, fixed]).encode()).hexdigest()[:6]}"
     if slug(name) != name:
         raise UserError(f"--name {name!r} may hold only letters, digits and . = + -.")
-    root = Path("sweeps", name).resolve()
-
-    points = []
-    for values in itertools.product(*[[(key, v) for v in vs] for key, vs in axes]):
-        label = " ".join(f"{k}={v}" for k, v in values) or "(no axes)"
+    cluster = args.cluster if args.cluster != "auto" else "slurm" if shutil.which("sbatch") else "local"
+    root, points = Path("sweeps", name).resolve(), []
+    for values, flags, parsed in grid_points(args.grid, fixed, script):
         point_id = slug("_".join(f"{k}={v}" for k, v in values) or "point")
-        flags = [*fixed, *point_flags(list(values), script_args)]
-        parsed = check_flags(flags, script_args, label, script.name)
-        exp_name = f"{name}-{point_id}"
-        command = [str(script), *flags, "--exp-name", exp_name, *SWEEP_FLAGS]
-        points.append({"values": dict(values), "label": label, "folder": root / point_id, "parsed": parsed,
-                       "job": PointJob(command, exp_name, str(root / point_id), os.getcwd())})
-    for p in points:
-        p["folder"].mkdir(parents=True, exist_ok=True)
-        (p["folder"] / "point.json").write_text(json.dumps({"values": p["values"], "command": p["job"].command}))
+        command = [str(script), *flags, "--exp-name", f"{name}-{point_id}", *SWEEP_FLAGS]
+        points.append({"values": dict(values), "label": " ".join(f"{k}={v}" for k, v in values) or "(no axes)",
+                       "folder": root / point_id, "parsed": parsed,
+                       "job": PointJob(command, f"{name}-{point_id}", str(root / point_id), os.getcwd())})
+        points[-1]["folder"].mkdir(parents=True, exist_ok=True)
+        (root / point_id / "point.json").write_text(json.dumps({"values": dict(values), "command": command}))
 
     todo = [p for p in points if not (p["folder"] / "done.json").exists()]
     resuming = sum(p["job"].run_dir() is not None for p in todo)
@@ -266,13 +242,23 @@ def main(args: Args, fixed: list[str]) -> None:
     executor.update_parameters(name=name, timeout_min=args.timeout_min, cpus_per_task=args.cpus_per_job,
                                gpus_per_node=args.gpus_per_job, **({"mem_gb": args.mem_gb} if cluster == "slurm" else {}),
                                **({"slurm_partition": args.partition} if cluster == "slurm" and args.partition else {}))
-    limit = args.max_parallel or (len(todo) if cluster == "slurm" else max(1, (os.cpu_count() or 1) // max(1, args.cpus_per_job)))
+    local_slots = max(1, (os.cpu_count() or 1) // max(1, args.cpus_per_job))
+    limit = args.max_parallel or (len(todo) if cluster == "slurm" else local_slots)
     waiting, running, finished, start = list(todo), [], 0, time.time()
+    for point in list(waiting):  # a rerun while the last sweep's SLURM jobs still run: wait for them, submit no twin
+        job_file = point["folder"] / "slurm_job_id"
+        if cluster == "slurm" and job_file.exists() and subprocess.run(
+                ["squeue", "-h", "-j", job_file.read_text()], capture_output=True, text=True).stdout.strip():
+            waiting.remove(point)
+            running.append((point, submitit.SlurmJob(root / "submitit" / "%j", job_file.read_text())))
+            print(f"{point['label']}: job {job_file.read_text()} is still queued or running; waiting for it", flush=True)
     try:
         while waiting or running:
             while waiting and len(running) < limit:
                 point = waiting.pop(0)
                 running.append((point, executor.submit(point["job"])))
+                if cluster == "slurm":
+                    (point["folder"] / "slurm_job_id").write_text(running[-1][1].job_id)
             for point, job in [r for r in running if r[1].done()]:
                 running.remove((point, job))
                 finished += 1
@@ -282,14 +268,15 @@ def main(args: Args, fixed: list[str]) -> None:
                 except Exception as e:  # the job itself failed (not the script): submitit's error holds its traceback
                     detail = f"job failed ({type(e).__name__}); see {root / 'submitit'}"
                 print(f"[{finished}/{len(todo)}] {point['label']}: {detail} ({time.time() - start:.0f} s)", flush=True)
-            time.sleep(args.poll_s if running else 0)
+            time.sleep(2.0 if running else 0)
     except KeyboardInterrupt:
-        print(f"interrupted: rerun the same command to resume the {len(waiting) + len(running)} unfinished points", file=sys.stderr)
+        print(f"interrupted: rerun the same command to resume the {len(waiting) + len(running)} unfinished points",
+              file=sys.stderr)
         sys.exit(130)
-    write_table(points, axes, root, args.last_episodes)
+    write_table(points, root, args.last_episodes)
 
 
-def write_table(points: list[dict], axes: list, root: Path, last: int) -> None:
+def write_table(points: list[dict], root: Path, last: int) -> None:
     """One row per point: its axes, status, final numbers and wall time, as sweep.csv and sweep.md."""
     rows = []
     for p in points:
@@ -303,7 +290,7 @@ def write_table(points: list[dict], axes: list, root: Path, last: int) -> None:
         rows.append({**p["values"], "status": "done" if done else "unfinished" if run else "not started", **numbers,
                      "wall_s": round(state["wall_s"]) if state else "",
                      "run_dir": os.path.relpath(done.get("run_dir") or run, os.getcwd()) if (done or run) else ""})
-    columns = [key for key, _ in axes] + ["status", "steps", "gt_return", "gt_success", "clip_return", "eval_gt_return",
+    columns = list(points[0]["values"]) + ["status", "steps", "gt_return", "gt_success", "clip_return", "eval_gt_return",
                                           "wall_s", "run_dir"]
     columns = [c for c in columns if any(c in r for r in rows)]
     with open(root / "sweep.csv", "w", newline="") as f:
