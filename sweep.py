@@ -264,7 +264,8 @@ def main(args: Args, fixed: list[str]) -> None:
                 finished += 1
                 try:
                     result = job.result()
-                    detail = result["status"] + ("" if result["status"] == "done" else f": {result['last_line']}")
+                    detail = {"done": "done", "stopped": "stopped at a checkpoint (rerun the same command to resume)"}.get(
+                        result["status"], f"{result['status']}: {result['last_line']}")
                 except Exception as e:  # the job itself failed (not the script): submitit's error holds its traceback
                     detail = f"job failed ({type(e).__name__}); see {root / 'submitit'}"
                 print(f"[{finished}/{len(todo)}] {point['label']}: {detail} ({time.time() - start:.0f} s)", flush=True)

@@ -98,7 +98,7 @@ def test_local_stopped_job_is_unfinished_and_a_rerun_resumes_it(tmp_path):
     wait_for_episodes(point, proc, 1)
     signal_job(point, signal.SIGTERM)
     out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0 and "seed=4: stopped: stopped; continue with" in out, out
+    assert proc.returncode == 0 and "seed=4: stopped at a checkpoint" in out, out
     assert table(tmp_path, "stop")[0]["status"] == "unfinished"
     again = sweep(*command, cwd=tmp_path)
     out, _ = again.communicate(timeout=600)
