@@ -19,6 +19,18 @@ SHORT_GT = ["--", "--reward", "gt", "--total-timesteps", "1000", "--learning-sta
 SHORT_CLIP = ["--", *TINY_CLIP_FLAGS, "--total-timesteps", "800", "--learning-starts", "300", "--eval-episodes", "1"]
 
 
+def slurm_is_up() -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    try:
+        return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=10).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+needs_slurm = pytest.mark.skipif(not slurm_is_up(), reason="no SLURM cluster here (.ci/slurm-single-node.sh starts one)")
+
+
 def sweep(*args: str, cwd: Path, **kwargs) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([*SWEEP, *args], cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -119,7 +131,7 @@ def test_bad_grid_is_one_sentence(tmp_path):
     assert not (tmp_path / "sweeps").exists()
 
 
-@pytest.mark.skipif(shutil.which("sbatch") is None, reason="no SLURM here (.ci/slurm-single-node.sh starts one)")
+@needs_slurm
 def test_slurm_grid(tmp_path):
     proc = sweep("--cluster", "slurm", "--name", "s", "--cpus-per-job", "1", "--mem-gb", "1", "--timeout-min", "10",
                  "--grid", "seed=1,2", *SHORT_GT, cwd=tmp_path)
@@ -128,7 +140,7 @@ def test_slurm_grid(tmp_path):
     assert [r["status"] for r in table(tmp_path, "s")] == ["done", "done"], out
 
 
-@pytest.mark.skipif(shutil.which("sbatch") is None, reason="no SLURM here (.ci/slurm-single-node.sh starts one)")
+@needs_slurm
 def test_slurm_preempted_job_is_requeued_and_resumes_exactly(tmp_path):
     def preempt(point: Path) -> None:  # what submitit's own tests do: SIGTERM, then SIGUSR2, to every process of the job
         squeue = subprocess.run(["squeue", "-h", "-o", "%i", "-n", "preempted"], capture_output=True, text=True, check=True)
