@@ -102,7 +102,7 @@ class PointJob(submitit.helpers.Checkpointable):
         threading.Thread(target=self._proc.wait, daemon=True).start()  # only this thread waits: no lock in signal handlers
         # SIGTERM to this job: checkpoint, then end. On SLURM the script got the same signal (SLURM signals every
         # process of a job step); a second SIGTERM would make it quit without saving.
-        signal.signal(signal.SIGTERM, lambda *_: self.stop_script(forward="SLURM_JOB_ID" not in os.environ))
+        signal.signal(signal.SIGTERM, lambda *_: self.stop_script(forward=os.environ.get("SUBMITIT_EXECUTOR") != "slurm"))
         while self._proc.returncode is None:
             time.sleep(0.2)
         return self.record()
@@ -118,7 +118,7 @@ class PointJob(submitit.helpers.Checkpointable):
         state_file.write_text(json.dumps(state))
         text = self.segment_log()
         named = re.search(r"^run: (runs/\S+) on ", text, re.M)
-        run_dir = str(Path(self.workdir, named.group(1))) if named else str(self.run_dir())
+        run_dir = str(Path(self.workdir, named.group(1)) if named else self.run_dir() or "")
         stopped = "stopped; continue with" in text
         rc = proc.returncode
         status = "done" if rc == 0 and not stopped else "stopped" if rc == 0 else f"failed (exit {rc})"
