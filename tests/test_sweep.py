@@ -15,8 +15,9 @@ from conftest import ROOT, TINY_CLIP_FLAGS, assert_clean_error, read_scalars
 
 SWEEP = [sys.executable, str(ROOT / "sweep.py"), "--script", str(ROOT / "vlmrm_dqn_classic.py"), "--gpus-per-job", "0"]
 SHORT_GT = ["--", "--reward", "gt", "--total-timesteps", "1000", "--learning-starts", "500", "--eval-episodes", "1"]
-# fixed-length CLIP episodes (tiny random model): the resume is bit-exact with --save-buffer
-SHORT_CLIP = ["--", *TINY_CLIP_FLAGS, "--total-timesteps", "800", "--learning-starts", "300", "--eval-episodes", "1"]
+# fixed-length CLIP episodes (tiny random model): the resume is bit-exact with --save-buffer; 8 episodes, so a stop
+# sent after the first one lands mid-run even at a few hundred steps per second
+SHORT_CLIP = ["--", *TINY_CLIP_FLAGS, "--total-timesteps", "1600", "--learning-starts", "300", "--eval-episodes", "1"]
 
 
 def slurm_is_up() -> bool:
@@ -77,7 +78,7 @@ def check_preemption_resumes_exactly(tmp_path: Path, cluster: str, preempt) -> N
     log = (point / "train.log").read_text()
     assert log.count("SIGTERM received") == 1 and log.count("\n$ ") == 2 and " --resume " in log, log  # stopped, resumed
     saved = re.search(r"checkpoint saved at step (\d+)", log)
-    assert saved and f"resumed at step {saved.group(1)}" in log and int(saved.group(1)) < 800, log  # mid-run
+    assert saved and f"resumed at step {saved.group(1)}" in log and int(saved.group(1)) < 1600, log  # mid-run
     (a,), (b,) = table(tmp_path, "plain"), table(tmp_path, "preempted")
     assert a["status"] == b["status"] == "done"
     for column in ["steps", "gt_return", "gt_success", "clip_return", "eval_gt_return"]:
@@ -116,9 +117,11 @@ def test_local_stopped_job_is_unfinished_and_a_rerun_resumes_it(tmp_path):
     out, _ = again.communicate(timeout=600)
     assert again.returncode == 0 and "(0 finished, 1 to resume, 0 to start)" in out and "seed=4: done (" in out, out
     (row,) = table(tmp_path, "stop")
-    assert row["status"] == "done" and row["steps"] == "800", row
+    assert row["status"] == "done" and row["steps"] == "1600", row
     log = (point / "train.log").read_text()
-    assert log.count("SIGTERM received") == 1 and re.search(r"resumed at step [246]00", log), log
+    saved = re.search(r"checkpoint saved at step (\d+)", log)
+    assert log.count("SIGTERM received") == 1 and saved and int(saved.group(1)) < 1600, log  # stopped mid-run
+    assert f"resumed at step {saved.group(1)}" in log, log
 
 
 def test_bad_grid_is_one_sentence(tmp_path):
