@@ -3,7 +3,7 @@
 # Debian/Ubuntu, as root: installs slurm-wlm and munge if missing. Stop it with: .ci/slurm-single-node.sh stop
 set -euo pipefail
 if [ "${1:-}" = stop ]; then
-  for pidfile in /run/slurmd.pid /run/slurmctld.pid; do [ -f "$pidfile" ] && kill "$(cat "$pidfile")" || true; done
+  for pidfile in /run/slurmd.pid /run/slurmctld.pid /run/munge/munged.pid; do [ -f "$pidfile" ] && kill "$(cat "$pidfile")" || true; done
   exit 0
 fi
 if ! command -v slurmctld >/dev/null; then
