@@ -1,0 +1,314 @@
+"""Grid sweeps of a training script through submitit: one SLURM job per grid point, or local processes without SLURM.
+
+Preemption-safe (the job has the script checkpoint, then requeues itself and resumes); a rerun skips finished points
+and resumes the others; each run's final numbers end up in sweeps/<sweep>/sweep.csv and sweep.md. See docs/sweep.md.
+
+    python sweep.py --script vlmrm_dqn_classic.py --grid alpha=0,0.5 seed=1,2 -- --total-timesteps 100000
+"""
+
+import contextlib
+import csv
+import hashlib
+import importlib.util
+import io
+import itertools
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Literal, Optional
+
+import submitit
+import tyro
+
+
+@dataclass
+class Args:
+    script: str = "vlmrm_dqn_classic.py"
+    """the training script to sweep; its fixed flags go after `--`"""
+    grid: tuple[str, ...] = ()
+    """axes `flag=v1,v2,...` of any flag of the script (alpha=0,0.5 seed=1,2); for values with commas, separate with `|`"""
+    name: Optional[str] = None
+    """the sweep's folder is sweeps/<name>; default: the script's name and a hash of the fixed flags"""
+    cluster: Literal["auto", "slurm", "local"] = "auto"
+    """slurm: one SLURM job per point; local: submitit's local executor; auto: slurm if `sbatch` is on PATH"""
+    max_parallel: int = 0
+    """most jobs running at once; 0: all on SLURM, one per `--cpus-per-job` cores locally"""
+    partition: Optional[str] = None
+    """SLURM partition (default: the cluster's)"""
+    gpus_per_job: int = 1
+    """GPUs per job (SLURM; locally the job sees GPU 0 when this is > 0)"""
+    cpus_per_job: int = 4
+    """CPU cores per job"""
+    mem_gb: float = 32.0
+    """memory per job (SLURM)"""
+    timeout_min: int = 24 * 60
+    """time limit of one job; a job that reaches it checkpoints and is requeued"""
+    last_episodes: int = 10
+    """the table's returns are the mean of each run's last n episodes"""
+
+
+class UserError(Exception):
+    """Bad input: one sentence on stderr and exit code 2, before anything is submitted."""
+
+
+SWEEP_FLAGS = ["--save-model", "--save-buffer"]  # every run checkpoints its buffer too, so a resume is exact
+OWN_FLAGS = {"exp-name", "resume", "evaluate"}  # the sweep sets or forbids these
+
+
+class PointJob(submitit.helpers.Checkpointable):
+    """One grid point: runs (or resumes) the training script, forwards preemption to it, marks the point done."""
+
+    def __init__(self, command: list[str], exp_name: str, folder: str, workdir: str):
+        self.command, self.exp_name, self.folder, self.workdir = command, exp_name, Path(folder), workdir
+        self._proc, self._offset, self._start, self._signalled = None, 0, 0.0, False
+
+    def __getstate__(self) -> dict:  # the subprocess stays behind when submitit pickles the job to requeue it
+        return {**self.__dict__, "_proc": None, "_offset": 0, "_start": 0.0, "_signalled": False}
+
+    def run_dir(self) -> Optional[Path]:
+        """This point's run folder: the newest one with a checkpoint, else the newest."""
+        runs = sorted(Path(self.workdir, "runs").glob(f"*__{self.exp_name}__*"), key=lambda p: p.stat().st_mtime)
+        return ([r for r in runs if (r / "checkpoint.pt").exists()] or runs or [None])[-1]
+
+    def segment_log(self) -> str:
+        """What the script printed since this job started it."""
+        with open(self.folder / "train.log", errors="replace") as f:
+            f.seek(self._offset)
+            return f.read()
+
+    def __call__(self) -> dict:
+        if (self.folder / "done.json").exists():  # finished before a requeue or a rerun
+            return json.loads((self.folder / "done.json").read_text())
+        (self.folder / "job.pid").write_text(str(os.getpid()))  # to signal this job by hand (or in the tests)
+        run = self.run_dir()
+        resume = run is not None and (run / "checkpoint.pt").exists()
+        cmd = [sys.executable, *([self.command[0], "--resume", str(run / "checkpoint.pt")] if resume else self.command)]
+        with open(self.folder / "train.log", "a") as log:
+            log.write(f"\n$ {shlex.join(cmd)}\n")
+            log.flush()
+            self._offset, self._start = log.tell(), time.time()
+            # SLURM signals every process of the job: the script must not die of submitit's SIGUSR2 (default action: exit)
+            self._proc = subprocess.Popen(cmd, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT,
+                                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=ignore_user_signals)
+        threading.Thread(target=self._proc.wait, daemon=True).start()  # only this thread waits: no lock in signal handlers
+        # SIGTERM to this job: checkpoint, then end. On SLURM the script got the same signal (SLURM signals every
+        # process of a job step); a second SIGTERM would make it quit without saving.
+        signal.signal(signal.SIGTERM, lambda *_: self.stop_script(forward=os.environ.get("SUBMITIT_EXECUTOR") != "slurm"))
+        while self._proc.returncode is None:
+            time.sleep(0.2)
+        return self.record()
+
+    def record(self) -> dict:
+        """Add this segment's wall time; the point is done when the script exited 0 without being stopped."""
+        proc, self._proc = self._proc, None  # recorded once
+        if proc is None:
+            return {}
+        state_file = self.folder / "state.json"
+        state = json.loads(state_file.read_text()) if state_file.exists() else {"wall_s": 0.0, "segments": 0}
+        state = {"wall_s": state["wall_s"] + time.time() - self._start, "segments": state["segments"] + 1}
+        state_file.write_text(json.dumps(state))
+        text = self.segment_log()
+        named = re.search(r"^run: (runs/\S+) on ", text, re.M)
+        run_dir = str(Path(self.workdir, named.group(1)) if named else self.run_dir() or "")
+        stopped = "stopped; continue with" in text
+        rc = proc.returncode
+        status = "done" if rc == 0 and not stopped else "stopped" if rc == 0 else f"failed (exit {rc})"
+        result = {"status": status, "run_dir": run_dir, **state,
+                  "last_line": next((line for line in reversed(text.splitlines()) if line.strip()), "")}
+        if status == "done":
+            (self.folder / "done.json").write_text(json.dumps(result))
+        return result
+
+    def stop_script(self, forward: bool = True, wait: bool = False) -> None:
+        """Have the script save a checkpoint at its next episode boundary and exit: one SIGTERM, never two."""
+        proc = self._proc
+        if proc is not None and proc.returncode is None and not self._signalled:
+            self._signalled = True
+            time.sleep(1.0)  # a signal to the whole process group reached the script too: it says so at once
+            if forward and not re.search(r"^SIG(TERM|INT) received", self.segment_log(), re.M):
+                proc.send_signal(signal.SIGTERM)
+        while wait and proc is not None and proc.returncode is None:
+            time.sleep(0.2)
+
+    def checkpoint(self, *args, **kwargs) -> submitit.helpers.DelayedSubmission:
+        """submitit's preemption or timeout signal: the script checkpoints, then the same job is requeued and resumes."""
+        self.stop_script(wait=True)
+        self.record()  # also marks the point done if it had just finished
+        return super().checkpoint(*args, **kwargs)
+
+
+def ignore_user_signals() -> None:
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)  # ignored signals stay ignored across exec
+
+
+def slug(text: str) -> str:
+    clean = re.sub(r"[^A-Za-z0-9.=+-]+", "_", text).strip("_")[:60]
+    return clean if clean == text else f"{clean}-{hashlib.sha1(text.encode()).hexdigest()[:6]}"
+
+
+def grid_points(grid: tuple[str, ...], fixed: list[str], script: Path) -> list[tuple[list, list[str], object]]:
+    """Every point of the grid: its (flag, value) pairs, its flags, and those flags parsed by the script's own parser,
+    so a typo fails here, not in 40 queued jobs. Importing a script runs nothing: its main is behind __main__."""
+    spec = importlib.util.spec_from_file_location(script.stem, script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[script.stem] = module  # tyro reads the flags' help from the source
+    spec.loader.exec_module(module)
+    types = {f.name.replace("_", "-"): f.type for f in fields(module.Args)}
+    axes = []
+    for item in grid:  # alpha=0,0.5 -> ("alpha", ["0", "0.5"])
+        key, sep, values = item.partition("=")
+        key, split = key.strip().lstrip("-").replace("_", "-"), values.split("|" if "|" in values else ",")
+        if not sep or not key or any(not v.strip() for v in split):
+            raise UserError(f"--grid {item!r} is not flag=value1,value2,... (e.g. alpha=0,0.5).")
+        if key not in types:
+            raise UserError(f"--grid {item!r}: the script has no flag --{key}.")
+        if key in OWN_FLAGS or f"--{key}" in SWEEP_FLAGS or key in (a for a, _ in axes):
+            raise UserError(f"--grid {item!r}: --{key} is set by the sweep or already an axis.")
+        axes.append((key, split))
+    points = []
+    for values in itertools.product(*[[(key, v) for v in vs] for key, vs in axes]):
+        flags = list(fixed)
+        for key, value in values:  # a switch: realistic=true -> --realistic, realistic=false -> --no-realistic
+            is_switch = types[key] is bool and value.lower() in ("true", "false")
+            flags += [f"--{'' if value.lower() == 'true' else 'no-'}{key}"] if is_switch else [f"--{key}", value]
+        captured = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
+                parsed = tyro.cli(module.Args, args=flags)
+        except SystemExit:
+            reason = next((line.strip() for line in captured.getvalue().splitlines() if ":" in line), "invalid flags")
+            label = " ".join(f"{k}={v}" for k, v in values)
+            raise UserError(f"{script.name} rejects the flags of point {label}: {reason}.") from None
+        points.append((list(values), flags, parsed))
+    return points
+
+
+def final_numbers(run_dir: Optional[str], last: int) -> dict:
+    """Mean of the last episodes' scalars in a TensorBoard run folder, and the last logged step."""
+    if not run_dir or not Path(run_dir).is_dir():
+        return {}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    tags, out = acc.Tags()["scalars"], {}
+    if "charts/episodic_length" in tags:
+        out["steps"] = acc.Scalars("charts/episodic_length")[-1].step
+    for column, tag in [("gt_return", "charts/gt_return"), ("gt_success", "charts/gt_success"),
+                        ("clip_return", "charts/clip_return"), ("eval_gt_return", "eval/gt_return")]:
+        if tag in tags:
+            values = [e.value for e in acc.Scalars(tag)][-last:]
+            out[column] = round(sum(values) / len(values), 4)
+    return out
+
+
+def main(args: Args, fixed: list[str]) -> None:
+    script = Path(args.script).resolve()
+    if not script.is_file():
+        raise UserError(f"--script {args.script}: no such file.")
+    if any(f.split("=")[0].lstrip("-").replace("_", "-") in OWN_FLAGS for f in fixed if f.startswith("--")):
+        raise UserError("the flags after -- must not contain --evaluate, --exp-name or --resume: the sweep sets them.")
+    if min(args.max_parallel, args.cpus_per_job, args.gpus_per_job) < 0 or min(args.timeout_min, args.last_episodes) < 1:
+        raise UserError("--max-parallel, --cpus-per-job, --gpus-per-job must be >= 0, --timeout-min, --last-episodes >= 1.")
+    name = args.name or f"{script.stem}-{hashlib.sha1(json.dumps([script.name, fixed]).encode()).hexdigest()[:6]}"
+    if slug(name) != name:
+        raise UserError(f"--name {name!r} may hold only letters, digits and . = + -.")
+    cluster = args.cluster if args.cluster != "auto" else "slurm" if shutil.which("sbatch") else "local"
+    root, points = Path("sweeps", name).resolve(), []
+    for values, flags, parsed in grid_points(args.grid, fixed, script):
+        point_id = slug("_".join(f"{k}={v}" for k, v in values) or "point")
+        command = [str(script), *flags, "--exp-name", f"{name}-{point_id}", *SWEEP_FLAGS]
+        points.append({"values": dict(values), "label": " ".join(f"{k}={v}" for k, v in values) or "(no axes)",
+                       "folder": root / point_id, "parsed": parsed,
+                       "job": PointJob(command, f"{name}-{point_id}", str(root / point_id), os.getcwd())})
+        points[-1]["folder"].mkdir(parents=True, exist_ok=True)
+        (root / point_id / "point.json").write_text(json.dumps({"values": dict(values), "command": command}))
+
+    todo = [p for p in points if not (p["folder"] / "done.json").exists()]
+    resuming = sum(p["job"].run_dir() is not None for p in todo)
+    print(f"sweep {name}: {len(points)} points ({len(points) - len(todo)} finished, {resuming} to resume, "
+          f"{len(todo) - resuming} to start) on {cluster}; folder {root}", flush=True)
+    executor = submitit.AutoExecutor(folder=root / "submitit" / "%j", cluster=cluster)
+    executor.update_parameters(name=name, timeout_min=args.timeout_min, cpus_per_task=args.cpus_per_job,
+                               gpus_per_node=args.gpus_per_job, **({"mem_gb": args.mem_gb} if cluster == "slurm" else {}),
+                               **({"slurm_partition": args.partition} if cluster == "slurm" and args.partition else {}))
+    local_slots = max(1, (os.cpu_count() or 1) // max(1, args.cpus_per_job))
+    limit = args.max_parallel or (len(todo) if cluster == "slurm" else local_slots)
+    waiting, running, finished, start = list(todo), [], 0, time.time()
+    for point in list(waiting):  # a rerun while the last sweep's SLURM jobs still run: wait for them, submit no twin
+        job_file = point["folder"] / "slurm_job_id"
+        if cluster == "slurm" and job_file.exists() and subprocess.run(
+                ["squeue", "-h", "-j", job_file.read_text()], capture_output=True, text=True).stdout.strip():
+            waiting.remove(point)
+            running.append((point, submitit.SlurmJob(root / "submitit" / "%j", job_file.read_text())))
+            print(f"{point['label']}: job {job_file.read_text()} is still queued or running; waiting for it", flush=True)
+    try:
+        while waiting or running:
+            while waiting and len(running) < limit:
+                point = waiting.pop(0)
+                running.append((point, executor.submit(point["job"])))
+                if cluster == "slurm":
+                    (point["folder"] / "slurm_job_id").write_text(running[-1][1].job_id)
+            for point, job in [r for r in running if r[1].done()]:
+                running.remove((point, job))
+                finished += 1
+                try:
+                    result = job.result()
+                    detail = {"done": "done", "stopped": "stopped at a checkpoint (rerun the same command to resume)"}.get(
+                        result["status"], f"{result['status']}: {result['last_line']}")
+                except Exception as e:  # the job itself failed (not the script): submitit's error holds its traceback
+                    detail = f"job failed ({type(e).__name__}); see {root / 'submitit'}"
+                print(f"[{finished}/{len(todo)}] {point['label']}: {detail} ({time.time() - start:.0f} s)", flush=True)
+            time.sleep(2.0 if running else 0)
+    except KeyboardInterrupt:
+        print(f"interrupted: rerun the same command to resume the {len(waiting) + len(running)} unfinished points",
+              file=sys.stderr)
+        sys.exit(130)
+    write_table(points, root, args.last_episodes)
+
+
+def write_table(points: list[dict], root: Path, last: int) -> None:
+    """One row per point: its axes, status, final numbers and wall time, as sweep.csv and sweep.md."""
+    rows = []
+    for p in points:
+        done_file, state_file = p["folder"] / "done.json", p["folder"] / "state.json"
+        run = p["job"].run_dir()
+        done = json.loads(done_file.read_text()) if done_file.exists() else {}
+        numbers = final_numbers(done.get("run_dir") or (run and str(run)), last)
+        if done:
+            numbers["steps"] = p["parsed"].total_timesteps
+        state = json.loads(state_file.read_text()) if state_file.exists() else {}
+        rows.append({**p["values"], "status": "done" if done else "unfinished" if run else "not started", **numbers,
+                     "wall_s": round(state["wall_s"]) if state else "",
+                     "run_dir": os.path.relpath(done.get("run_dir") or run, os.getcwd()) if (done or run) else ""})
+    columns = list(points[0]["values"]) + ["status", "steps", "gt_return", "gt_success", "clip_return", "eval_gt_return",
+                                          "wall_s", "run_dir"]
+    columns = [c for c in columns if any(c in r for r in rows)]
+    with open(root / "sweep.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    table += ["| " + " | ".join(str(r.get(c, "")) for c in columns) + " |" for r in rows]
+    (root / "sweep.md").write_text("\n".join(table) + "\n")
+    print("\n".join(table) + f"\n(returns: mean of the last {last} episodes) written to {root}/sweep.csv and sweep.md")
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    fixed = argv[argv.index("--") + 1:] if "--" in argv else []
+    try:
+        main(tyro.cli(Args, args=argv[: argv.index("--")] if "--" in argv else argv), fixed)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

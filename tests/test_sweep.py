@@ -1,0 +1,154 @@
+"""sweep.py: a 2x2 grid end to end on submitit's local executor, a preempted job resumes exactly, SLURM when present."""
+
+import csv
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, TINY_CLIP_FLAGS, assert_clean_error, read_scalars
+
+SWEEP = [sys.executable, str(ROOT / "sweep.py"), "--script", str(ROOT / "vlmrm_dqn_classic.py"), "--gpus-per-job", "0"]
+SHORT_GT = ["--", "--reward", "gt", "--total-timesteps", "1000", "--learning-starts", "500", "--eval-episodes", "1"]
+# fixed-length CLIP episodes (tiny random model): the resume is bit-exact with --save-buffer; 8 episodes, so a stop
+# sent after the first one lands mid-run even at a few hundred steps per second
+SHORT_CLIP = ["--", *TINY_CLIP_FLAGS, "--total-timesteps", "1600", "--learning-starts", "300", "--eval-episodes", "1"]
+
+
+def slurm_is_up() -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    try:
+        return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=10).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+needs_slurm = pytest.mark.skipif(not slurm_is_up(), reason="no SLURM cluster here (.ci/slurm-single-node.sh starts one)")
+
+
+def sweep(*args: str, cwd: Path, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([*SWEEP, *args], cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            **kwargs)
+
+
+def table(cwd: Path, name: str) -> list[dict]:
+    with open(cwd / "sweeps" / name / "sweep.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_local_grid_end_to_end_then_rerun_skips_finished(tmp_path):
+    proc = sweep("--cluster", "local", "--name", "g", "--max-parallel", "4", "--grid", "alpha=0,0.5", "seed=1,2", *SHORT_GT,
+                 cwd=tmp_path)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    assert out.count(": done (") == 4, out  # one progress line per finished job
+    rows = table(tmp_path, "g")
+    assert [(r["alpha"], r["seed"], r["status"], r["steps"]) for r in rows] == [
+        ("0", "1", "done", "1000"), ("0", "2", "done", "1000"), ("0.5", "1", "done", "1000"), ("0.5", "2", "done", "1000")]
+    for r in rows:
+        assert (tmp_path / r["run_dir"] / "model.pt").is_file() and float(r["gt_success"]) <= 1
+        assert r["run_dir"].startswith("runs/CartPole-v1__g-alpha=") and float(r["gt_return"]) > 0
+    assert (tmp_path / "sweeps" / "g" / "sweep.md").read_text().count("| done |") == 4
+
+    again = sweep("--cluster", "local", "--name", "g", "--grid", "alpha=0,0.5", "seed=1,2", *SHORT_GT, cwd=tmp_path)
+    out, _ = again.communicate(timeout=300)
+    assert again.returncode == 0 and "4 finished" in out and ": done (" not in out, out  # nothing ran again
+    assert table(tmp_path, "g") == rows
+
+
+def check_preemption_resumes_exactly(tmp_path: Path, cluster: str, preempt) -> None:
+    """Preempt the job of one point mid-run: the script checkpoints, the job is requeued and resumes; every logged
+    episode equals an uninterrupted run's."""
+    grid = ["--cluster", cluster, "--max-parallel", "1", "--cpus-per-job", "1", "--mem-gb", "2", "--grid", "seed=3"]
+    plain = sweep("--name", "plain", *grid, *SHORT_CLIP, cwd=tmp_path)
+    preempted = sweep("--name", "preempted", *grid, *SHORT_CLIP, cwd=tmp_path)
+    point = tmp_path / "sweeps" / "preempted" / "seed=3"
+    wait_for_episodes(point, preempted, 1)
+    preempt(point)
+    out_plain, _ = plain.communicate(timeout=600)
+    out, _ = preempted.communicate(timeout=600)
+    assert plain.returncode == 0 and preempted.returncode == 0, out_plain + out
+    log = (point / "train.log").read_text()
+    assert log.count("SIGTERM received") == 1 and log.count("\n$ ") == 2 and " --resume " in log, log  # stopped, resumed
+    saved = re.search(r"checkpoint saved at step (\d+)", log)
+    assert saved and f"resumed at step {saved.group(1)}" in log and int(saved.group(1)) < 1600, log  # mid-run
+    (a,), (b,) = table(tmp_path, "plain"), table(tmp_path, "preempted")
+    assert a["status"] == b["status"] == "done"
+    for column in ["steps", "gt_return", "gt_success", "clip_return", "eval_gt_return"]:
+        assert a[column] == b[column], (column, a, b)
+    scalars_a, scalars_b = read_scalars(tmp_path / a["run_dir"]), read_scalars(tmp_path / b["run_dir"])
+    for tag in ["charts/episodic_return", "charts/gt_return", "charts/clip_return", "eval/gt_return"]:
+        assert len(scalars_a[tag]) >= 1 and scalars_a[tag] == scalars_b[tag], tag  # no episode lost or changed
+
+
+def test_local_preempted_job_resumes_with_the_same_numbers(tmp_path):
+    # SIGUSR2 is submitit's preemption/timeout signal (its local executor sends it before --timeout-min)
+    check_preemption_resumes_exactly(tmp_path, "local", lambda point: signal_job(point, signal.SIGUSR2))
+
+
+def signal_job(point: Path, sig: int) -> None:
+    os.kill(int((point / "job.pid").read_text()), sig)
+
+
+def wait_for_episodes(point: Path, proc: subprocess.Popen, episodes: int) -> None:
+    deadline = time.time() + 300
+    while not ((point / "train.log").exists() and (point / "train.log").read_text().count("global_step=") >= episodes):
+        assert time.time() < deadline and proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+
+
+def test_local_stopped_job_is_unfinished_and_a_rerun_resumes_it(tmp_path):
+    """SIGTERM to a job (someone stops it): the script checkpoints, the point is unfinished; the same command resumes it."""
+    command = ["--cluster", "local", "--name", "stop", "--grid", "seed=4", *SHORT_CLIP]
+    proc, point = sweep(*command, cwd=tmp_path), tmp_path / "sweeps" / "stop" / "seed=4"
+    wait_for_episodes(point, proc, 1)
+    signal_job(point, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and "seed=4: stopped at a checkpoint" in out, out
+    assert table(tmp_path, "stop")[0]["status"] == "unfinished"
+    again = sweep(*command, cwd=tmp_path)
+    out, _ = again.communicate(timeout=600)
+    assert again.returncode == 0 and "(0 finished, 1 to resume, 0 to start)" in out and "seed=4: done (" in out, out
+    (row,) = table(tmp_path, "stop")
+    assert row["status"] == "done" and row["steps"] == "1600", row
+    log = (point / "train.log").read_text()
+    saved = re.search(r"checkpoint saved at step (\d+)", log)
+    assert log.count("SIGTERM received") == 1 and saved and int(saved.group(1)) < 1600, log  # stopped mid-run
+    assert f"resumed at step {saved.group(1)}" in log, log
+
+
+def test_bad_grid_is_one_sentence(tmp_path):
+    result = subprocess.run([*SWEEP, "--grid", "alpah=0,1"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert_clean_error(result, "no flag --alpah")
+    result = subprocess.run([*SWEEP, "--grid", "alpha=0,x"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert_clean_error(result, "alpha=x", "float")
+    result = subprocess.run([*SWEEP, "--", "--resume", "x.pt"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert_clean_error(result, "--resume")
+    assert not (tmp_path / "sweeps").exists()
+
+
+@needs_slurm
+def test_slurm_grid(tmp_path):
+    proc = sweep("--cluster", "slurm", "--name", "s", "--cpus-per-job", "1", "--mem-gb", "1", "--timeout-min", "10",
+                 "--grid", "seed=1,2", *SHORT_GT, cwd=tmp_path)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    assert [r["status"] for r in table(tmp_path, "s")] == ["done", "done"], out
+
+
+@needs_slurm
+def test_slurm_preempted_job_is_requeued_and_resumes_exactly(tmp_path):
+    def preempt(point: Path) -> None:  # what submitit's own tests do: SIGTERM, then SIGUSR2, to every process of the job
+        squeue = subprocess.run(["squeue", "-h", "-o", "%i", "-n", "preempted"], capture_output=True, text=True, check=True)
+        (job_id,) = squeue.stdout.split()
+        for sig in ["TERM", "USR2"]:
+            subprocess.run(["scancel", "--signal", sig, job_id], check=True)
+
+    check_preemption_resumes_exactly(tmp_path, "slurm", preempt)
