@@ -12,11 +12,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import read_scalars  # noqa: E402
+from conftest import read_scalars
 
 
 def curves(run_dirs: list[str], labels: list[str], path: Path) -> None:

@@ -11,14 +11,12 @@ import math
 import os
 from pathlib import Path
 
+import clip_trainer
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import ROOT, TINY_CLIP_FLAGS, read_scalars, run_script
-
-import clip_trainer
 
 CONFIG = str(clip_trainer.CONFIG)
 # the RL prompts, as a user types them: none is a training caption (checked below)
