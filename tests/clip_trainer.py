@@ -1,0 +1,172 @@
+"""Test fixture, not a product feature: a small CLIP trained on captioned CartPole frames, used as a user's local model.
+
+Pretrained CLIP weights cannot be downloaded in CI, so the tests that show a *sentence* teaching behaviour need a CLIP
+that knows what an upright pole looks like. This trains one, on frames rendered by the project's own env
+(`vlmrm_dqn_classic.make_env`) at states set directly (pole angle over the whole circle, cart anywhere on the track),
+each captioned from its state in several phrasings per state class. Model: open_clip's own (`create_model` of
+tests/vlmrm-cartpole.json, registered with `add_model_config`), open_clip's own `ClipLoss`, images through open_clip's
+standard PIL transform (`image_transform`, resize mode "squash": the scripts squash the 3:2 frames to the square input, as
+the paper's code did). The saved file is a plain state dict, loaded by the scripts through
+`--clip-model tests/vlmrm-cartpole.json --clip-checkpoint <file>` like any local open_clip weights.
+
+The captions never contain the prompts the RL tests use (tests/test_language_proof.py checks it), so the RL run is
+zero-shot in the sense that matters: the goal sentence is new to the model.
+
+    python tests/clip_trainer.py /tmp/cartpole-clip.pt   # ~70 s of one idle CPU core
+"""
+
+import hashlib
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "tests" / "vlmrm-cartpole.json"
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+
+SEED = 0
+NUM_FRAMES = 1024
+STEPS = 200
+BATCH_SIZE = 128
+LEARNING_RATE = 2e-3
+
+# state classes by |theta| in degrees (upper bounds), each with several phrasings; {side} is "left" or "right"
+CLASSES = [
+    (5, ["the pole is vertically upright on top of the cart", "a cart with its pole standing straight up",
+         "the pole is balanced upright above the cart", "an upright pole on a cart, perfectly vertical"]),
+    (20, ["the pole is slightly tilted to the {side}", "the pole leans a little to the {side} of the cart",
+          "a nearly upright pole, tipping slightly {side}"]),
+    (55, ["the pole is tilted far to the {side}", "the pole leans steeply to the {side} of the cart",
+          "a strongly tilted pole, leaning {side}"]),
+    (115, ["the pole has fallen flat to the {side}", "the pole lies horizontal on the {side} side of the cart",
+           "a fallen pole lying flat, pointing {side}"]),
+    (181, ["the pole hangs upside down below the cart", "the pole points down underneath the cart",
+           "an inverted pole hanging under the track"]),
+]
+CART = [(-1.0, "the cart is at the left end of the track"), (1.0, "the cart is in the middle of the track"),
+        (2.5, "the cart is at the right end of the track")]  # x upper bounds (track: +-2.4)
+
+
+def caption(theta: float, x: float, rng: random.Random) -> str:
+    """A caption of a CartPole state: one phrasing of its pole-angle class, sometimes with the cart's place.
+
+    theta > 0 draws the pole leaning right (Gymnasium's renderer), so theta > 0 is "right".
+    """
+    degrees = abs(math.degrees(theta))
+    phrasings = next(p for bound, p in CLASSES if degrees < bound)
+    text = rng.choice(phrasings).format(side="right" if theta > 0 else "left")
+    if rng.random() < 0.5:
+        text += ", " + next(t for bound, t in CART if x < bound)
+    return text
+
+
+def all_captions() -> set[str]:
+    """Every caption the trainer can write (for the test that the RL prompts are not among them)."""
+    out = set()
+    for _, phrasings in CLASSES:
+        for p in phrasings:
+            for side in ("left", "right"):
+                out |= {p.format(side=side)} | {p.format(side=side) + ", " + t for _, t in CART}
+    return out
+
+
+def render_dataset(num_frames: int, seed: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """uint8 frames (N, 400, 600, 3), states (N, 2) = (x, theta) and captions, from the training script's own env."""
+    from vlmrm_dqn_classic import make_env
+
+    rng = random.Random(seed)
+    env = make_env("CartPole-v1", seed, 0, 200, False)()
+    env.reset(seed=seed)  # the env renders only after a reset
+    frames, states, captions = [], [], []
+    for i in range(num_frames):
+        # half the states near the top (the classes RL cares about are narrow there), half anywhere on the circle
+        theta = rng.uniform(-math.pi / 3, math.pi / 3) if i % 2 else rng.uniform(-math.pi, math.pi)
+        x = rng.uniform(-2.4, 2.4)
+        env.unwrapped.state = np.array([x, 0.0, theta, 0.0])
+        frames.append(env.render())
+        states.append((x, theta))
+        captions.append(caption(theta, x, rng))
+    env.close()
+    return np.stack(frames), np.array(states), captions
+
+
+def model_and_transform():
+    """open_clip's model of tests/vlmrm-cartpole.json (random init) and its standard PIL transform, squash mode."""
+    import open_clip
+
+    open_clip.add_model_config(str(CONFIG))
+    model = open_clip.create_model(CONFIG.stem, pretrained=None)
+    cfg = open_clip.get_model_preprocess_cfg(model)
+    transform = open_clip.image_transform(cfg["size"], is_train=False, mean=cfg["mean"], std=cfg["std"],
+                                          resize_mode="squash", interpolation="bicubic")
+    return model, transform, open_clip.get_tokenizer(CONFIG.stem)
+
+
+def train(path: str, num_frames: int = NUM_FRAMES, steps: int = STEPS, seed: int = SEED, verbose: bool = True) -> str:
+    """Train the model and save its state dict to `path`; returns `path`."""
+    import open_clip
+    from PIL import Image
+
+    start = time.perf_counter()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    frames, _, captions = render_dataset(num_frames, seed)
+    model, transform, tokenizer = model_and_transform()
+    images = torch.stack([transform(Image.fromarray(f)) for f in frames])  # preprocessed once: no augmentation
+    texts = tokenizer(captions)
+    del frames
+    if verbose:
+        print(f"dataset: {len(images)} frames, {len(set(captions))} distinct captions, {time.perf_counter() - start:.0f} s")
+
+    loss_fn = open_clip.ClipLoss()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.05)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, LEARNING_RATE, total_steps=steps, pct_start=0.1)
+    generator = torch.Generator().manual_seed(seed)
+    model.train()
+    for step in range(steps):
+        batch = torch.randperm(len(images), generator=generator)[:BATCH_SIZE]
+        image_features, text_features, logit_scale = model(images[batch], texts[batch])
+        loss = loss_fn(image_features, text_features, logit_scale)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        if verbose and (step % 50 == 49 or step == steps - 1):
+            print(f"step {step + 1}: loss {loss.item():.3f}, {time.perf_counter() - start:.0f} s")
+    model.eval()
+    torch.save(model.state_dict(), path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def cache_key() -> str:
+    """Hash of everything that determines the weights: this file, the config, the env code, torch and open_clip."""
+    import open_clip
+
+    h = hashlib.sha256()
+    for f in (Path(__file__), CONFIG, ROOT / "vlmrm_dqn_classic.py"):
+        h.update(f.read_bytes())
+    h.update(f"{torch.__version__} {open_clip.__version__}".encode())
+    return h.hexdigest()[:16]
+
+
+def cached_checkpoint(folder: str | None = None) -> str:
+    """The trained checkpoint, trained once per cache key (under ~/.cache/vlmrm-tests unless `folder` is given)."""
+    folder = Path(folder or os.environ.get("VLMRM_TEST_CACHE", Path.home() / ".cache" / "vlmrm-tests"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"cartpole-clip-{cache_key()}.pt"
+    if not path.exists():
+        train(str(path))
+    return str(path)
+
+
+if __name__ == "__main__":
+    print(train(sys.argv[1] if len(sys.argv) > 1 else "cartpole-clip.pt"))
