@@ -253,7 +253,7 @@ def test_clip_config_that_is_not_json_is_one_sentence(in_tmp):
 def test_runs_started_in_the_same_second_get_their_own_folders(in_tmp, monkeypatch):
     monkeypatch.setattr(time, "time", lambda: 1_800_000_000.0)
     for _ in range(2):
-        classic.main(classic.Args(reward="gt", total_timesteps=300, learning_starts=100))
+        classic.main(classic.Args(reward="gt", episodes="fixed", total_timesteps=300, learning_starts=100))
     names = sorted(p.name for p in (in_tmp / "runs").iterdir())
     assert names == ["CartPole-v1__vlmrm_dqn_classic__1__1800000000", "CartPole-v1__vlmrm_dqn_classic__1__1800000000-1"]
     assert all(len(read_scalars(in_tmp / "runs" / name)["charts/episodic_return"]) == 1 for name in names)
@@ -270,7 +270,7 @@ def test_resume_purges_the_episodes_logged_after_the_checkpoint(in_tmp, monkeypa
             saved.append(path)
 
     monkeypatch.setattr(classic, "save_checkpoint", keep_first_checkpoint)
-    args = classic.Args(reward="gt", total_timesteps=800, learning_starts=300, save_model=True, checkpoint_frequency=400,
+    args = classic.Args(reward="gt", episodes="fixed", total_timesteps=800, learning_starts=300, save_model=True, checkpoint_frequency=400,
                         eval_episodes=1, save_buffer=True)
     classic.main(args)  # plays the crashed run: it went on logging after the checkpoint at step 400
     (run_dir,) = (in_tmp / "runs").iterdir()
