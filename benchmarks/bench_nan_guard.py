@@ -4,20 +4,35 @@
     python benchmarks/bench_nan_guard.py --repeats 5 --steps 6000
 
 The guard keeps a finite copy of the networks and optimisers, saved if a training phase produces a NaN. Variants,
-each a patched private copy of the script (see ab_proposed_changes.py), run interleaved in fresh processes:
+each a private copy of the script with the guard's condition replaced, run interleaved in fresh processes:
 ours (a copy about every 100 gradient steps), no guard at all, and a copy before every phase (the previous code,
 plus the finiteness check of the copy). Prints median SPS and the ratio to "no guard".
 """
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Clock, emit, load, machine, median, run_main, run_worker, spread, table, worker_payload  # noqa: E402
-from ab_proposed_changes import SAC_FILE, make_variant  # noqa: E402
+from _common import SCRIPTS, Clock, emit, load, machine, median, run_main, run_worker, spread, table, worker_payload  # noqa: E402
+
+SAC_FILE = "vlmrm_sac_humanoid.py"
+
+
+def make_variant(patches: list[tuple[str, str]]) -> str | None:
+    """A temp folder holding the SAC script with `patches` applied; None when a patch no longer applies."""
+    text = (SCRIPTS / SAC_FILE).read_text()
+    for old, new in patches:
+        if text.count(old) != 1:
+            return None
+        text = text.replace(old, new)
+    folder = tempfile.mkdtemp(prefix="bench_variant_")
+    open(os.path.join(folder, SAC_FILE), "w").write(text)
+    shutil.copy(SCRIPTS / "vlmrm_dqn_classic.py", folder)
+    return folder
 
 GUARD = "if steps_since_snapshot >= 100:"
 VARIANTS = {"no guard": [(GUARD, "if False:")], "ours (copy every ~100 gradient steps)": [],
@@ -43,7 +58,7 @@ def main() -> None:
     a = p.parse_args()
     clock = Clock()
     print(f"machine: {machine()}")
-    folders = {k: make_variant(SAC_FILE, v) for k, v in VARIANTS.items()}
+    folders = {k: make_variant(v) for k, v in VARIANTS.items()}
     missing = [k for k, f in folders.items() if f is None]
     if missing:
         sys.exit(f"the guard's text changed, re-derive the patches: {missing}")

@@ -94,7 +94,7 @@ def main() -> None:
         curves = dict(zip(jobs, pool.map(run, jobs)))
     print(f"SAC on {a.env_id}, {a.steps} steps, {HP}, one env, one gradient step per step; random policy: "
           f"{random_return(a.env_id):.0f}")
-    print(f"| seed | ours final | SB3 final | ours mean | SB3 mean | episodes ours / SB3 |\n|---|---|---|---|---|---|")
+    print("| seed | ours final | SB3 final | ours mean | SB3 mean | episodes ours / SB3 |\n|---|---|---|---|---|---|")
     finals = {"ours": [], "sb3": []}
     for seed in a.seeds:
         row = {impl: np.array([r for _, r in curves[(impl, seed)]]) for impl in ("ours", "sb3")}
