@@ -17,7 +17,8 @@ SWEEP = [sys.executable, str(ROOT / "sweep.py"), "--script", str(ROOT / "vlmrm_d
 SHORT_GT = ["--", "--reward", "gt", "--total-timesteps", "1000", "--learning-starts", "500", "--eval-episodes", "1"]
 # fixed-length CLIP episodes (tiny random model): the resume is bit-exact with --save-buffer; 8 episodes, so a stop
 # sent after the first one lands mid-run even at a few hundred steps per second
-SHORT_CLIP = ["--", *TINY_CLIP_FLAGS, "--total-timesteps", "1600", "--learning-starts", "300", "--eval-episodes", "1"]
+SHORT_CLIP = ["--", *TINY_CLIP_FLAGS, "--total-timesteps", "1600", "--learning-starts", "300", "--eval-episodes", "1",
+              "--log-episodes"]  # the tests signal a job after its first episodes
 
 
 def slurm_is_up() -> bool:
