@@ -229,7 +229,8 @@ def check_resources(args: Args, observation_space: gym.Space, action_space: gym.
     """Estimate host memory (replay buffer + frames waiting for their reward) and refuse what cannot fit."""
     action_bytes = 8 if isinstance(action_space, gym.spaces.Discrete) else 4 * int(np.prod(action_space.shape))
     buffer_bytes = args.buffer_size * (2 * 4 * int(np.prod(observation_space.shape)) + action_bytes + 4 + 4)  # obs, next_obs, action, reward, done
-    frame_bytes = (args.reward_batch_size + args.num_envs) * int(np.prod(frame_shape)) if args.reward == "clip" else 0
+    pending_frames = args.reward_batch_size * max(1, len(args.reward_devices)) + args.num_envs  # one batch per reward device
+    frame_bytes = pending_frames * int(np.prod(frame_shape)) if args.reward == "clip" else 0
     # a sampled batch: its transitions plus the activations kept for the backward pass (~16 layers of 256 floats)
     batch_bytes = args.batch_size * (buffer_bytes // args.buffer_size + 16 * 256 * 4)
     # --resume loads the saved buffer before copying it in: a new run needs room for both (a resumed one holds it already)
@@ -1120,7 +1121,9 @@ def main(args: Args) -> None:
             train_now = global_step >= args.learning_starts and iteration % args.train_frequency == 0
             num_pending = len(pending["obs"]) * args.num_envs
             # a stock-episode checkpoint holds no pending transitions: their episodes restart on resume
-            flush_now = train_now or num_pending >= args.reward_batch_size or iteration == num_iterations - 1
+            # one --reward-batch-size chunk per reward device and call, so that every device has work
+            flush_now = (train_now or num_pending >= args.reward_batch_size * max(1, len(args.reward_devices))
+                         or iteration == num_iterations - 1)
             if flush_now or (save_now and args.episodes == "stock"):
                 t0 = time.perf_counter()
                 gt = np.concatenate(pending["gt"])
