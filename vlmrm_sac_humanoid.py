@@ -116,8 +116,8 @@ class Args:
     reward_batch_size: int = 256
     """frames scored per CLIP forward pass"""
     reward_devices: tuple[str, ...] = ()
-    """devices of the reward model, e.g. `cuda:0 cuda:1`: one CLIP replica each, every scoring batch split across them
-    in parallel; default: the one device of `--cuda` (the env and the learner stay there either way)"""
+    """devices of the reward model, e.g. `cuda:0 cuda:1`: one CLIP replica each, scoring one `--reward-batch-size` chunk
+    each per call, in parallel; default: the one device of `--cuda` (the env and the learner stay there either way)"""
     reward_family: Literal["projection", "softmax"] = "projection"
     """projection: the goal-baseline projection (--alpha); softmax: 1 if the goal beats --negatives in a softmax over cosines, else 0"""
     negatives: Optional[tuple[str, ...]] = None
