@@ -21,6 +21,7 @@ import time
 import warnings
 import xml.etree.ElementTree as ET
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable, Literal, Optional
@@ -114,6 +115,9 @@ class Args:
     """where downloaded CLIP weights are cached (default: the Hugging Face cache)"""
     reward_batch_size: int = 256
     """frames scored per CLIP forward pass"""
+    reward_devices: tuple[str, ...] = ()
+    """devices of the reward model, e.g. `cuda:0 cuda:1`: one CLIP replica each, scoring one `--reward-batch-size` chunk
+    each per call, in parallel; default: the one device of `--cuda` (the env and the learner stay there either way)"""
     reward_family: Literal["projection", "softmax"] = "projection"
     """projection: the goal-baseline projection (--alpha); softmax: 1 if the goal beats --negatives in a softmax over cosines, else 0"""
     negatives: Optional[tuple[str, ...]] = None
@@ -224,6 +228,10 @@ def check_args(args: Args) -> None:
             raise UserError(f"--evaluate {args.evaluate} was trained on {saved['args']['env_id']}, not {args.env_id}; pass --env-id {saved['args']['env_id']}.")
     if args.torch_threads is not None and args.torch_threads < 0:
         raise UserError(f"--torch-threads must be 0 (torch's default) or a positive number, got {args.torch_threads}.")
+    known = ["cpu", *(["cuda"] if torch.cuda.is_available() else []), *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
+    if any(name not in known for name in args.reward_devices):
+        raise UserError(f"--reward-devices {next(n for n in args.reward_devices if n not in known)} is not a device of this "
+                        f"machine; its devices are: {', '.join(known)}.")
     check_writable("runs")
     if args.capture_video or args.evaluate is not None:
         check_writable("videos")
@@ -248,7 +256,8 @@ def check_resources(args: Args, observation_space: gym.Space, action_space: gym.
     """Estimate host memory (replay buffer + frames waiting for their reward) and refuse what cannot fit."""
     action_bytes = 8 if isinstance(action_space, gym.spaces.Discrete) else 4 * int(np.prod(action_space.shape))
     buffer_bytes = args.buffer_size * (2 * 4 * int(np.prod(observation_space.shape)) + action_bytes + 4 + 4)  # obs, next_obs, action, reward, done
-    frame_bytes = (args.reward_batch_size + args.num_envs) * int(np.prod(frame_shape)) if args.reward == "clip" else 0
+    pending_frames = args.reward_batch_size * max(1, len(args.reward_devices)) + args.num_envs  # one batch per reward device
+    frame_bytes = pending_frames * int(np.prod(frame_shape)) if args.reward == "clip" else 0
     # a sampled batch: its transitions plus the activations kept for the backward pass (~16 layers of 256 floats)
     batch_bytes = args.batch_size * (buffer_bytes // args.buffer_size + 16 * 256 * 4)
     # --resume loads the saved buffer before copying it in: a new run needs room for both (a resumed one holds it already)
@@ -533,7 +542,7 @@ class CLIPReward(nn.Module):
     def __init__(self, model: nn.Module, tokenizer, goal: tuple[str, ...], baseline: tuple[str, ...],
                  alpha: float, batch_size: int, device: torch.device, family: str = "projection",
                  negatives: tuple[str, ...] = (), temperature: float = 0.01, threshold: float = 0.5, soft: bool = False,
-                 antialias: bool = False):
+                 antialias: bool = False, replicas: tuple = ()):
         super().__init__()
         import open_clip
 
@@ -544,6 +553,8 @@ class CLIPReward(nn.Module):
         self.model, self.alpha, self.batch_size, self.device = model, alpha, batch_size, device
         self.family, self.temperature, self.threshold, self.soft = family, temperature, threshold, soft
         self.antialias = antialias
+        # (model, device) per reward device: `model` on `device` (it also embeds the prompts), then copies on the others
+        self.replicas = [(model, device), *replicas]
         # the model's own mean/std: the paper used OpenAI's for every model, wrong only for ViT-L-14 laion2b (0.5, 0.5)
         preprocess_cfg = open_clip.get_model_preprocess_cfg(model)
         self.image_size = tuple(preprocess_cfg["size"]) if not isinstance(preprocess_cfg["size"], int) else (preprocess_cfg["size"],) * 2
@@ -556,19 +567,21 @@ class CLIPReward(nn.Module):
                                  else self.goal_embeddings.new_zeros(0, self.goal_embeddings.shape[1]))
 
     @torch.no_grad()
-    def preprocess(self, frames: torch.Tensor) -> torch.Tensor:
+    def preprocess(self, frames: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
         """uint8 (N, H, W, 3) -> the model's normalised float input (N, 3, S, S); frames travel as uint8 (4x less)."""
-        x = frames.to(self.device, non_blocking=True).permute(0, 3, 1, 2).float().div_(255)
+        device = device or self.device
+        x = frames.to(device, non_blocking=True).permute(0, 3, 1, 2).float().div_(255)
         # bicubic overshoots [0, 1] a little near edges: the reference kept it (no clamp), and so do we
         x = F.interpolate(x, size=self.image_size, mode="bicubic", align_corners=False, antialias=self.antialias)
-        return (x - self.mean) / self.std
+        return (x - self.mean.to(device)) / self.std.to(device)
 
     @torch.no_grad()
-    def embed_images(self, frames: torch.Tensor) -> torch.Tensor:
-        """uint8 (N, H, W, 3) -> raw image embeddings (N, D)."""
-        x = self.preprocess(frames)
-        with torch.autocast(device_type=self.device.type, dtype=torch.float16, enabled=self.device.type == "cuda"):
-            return self.model.encode_image(x)
+    def embed_images(self, frames: torch.Tensor, replica: int = 0) -> torch.Tensor:
+        """uint8 (N, H, W, 3) -> raw image embeddings (N, D), on the device of `replicas[replica]`."""
+        model, device = self.replicas[replica]
+        x = self.preprocess(frames, device)
+        with torch.autocast(device_type=device.type, dtype=torch.float16, enabled=device.type == "cuda"):
+            return model.encode_image(x)
 
     def rewards(self, image_embeddings: torch.Tensor) -> torch.Tensor:
         """The chosen family's rewards (N,) of raw image embeddings (N, D)."""
@@ -579,16 +592,26 @@ class CLIPReward(nn.Module):
 
     @torch.no_grad()
     def forward(self, frames: np.ndarray) -> np.ndarray:
-        frames = torch.from_numpy(np.ascontiguousarray(frames))
-        rewards = [self.rewards(self.embed_images(chunk)) for chunk in frames.split(self.batch_size)]
-        return torch.cat(rewards).cpu().numpy()
+        chunks, k = torch.from_numpy(np.ascontiguousarray(frames)).split(self.batch_size), len(self.replicas)
+
+        def score(i: int) -> list[torch.Tensor]:  # replica i scores chunks i, i + k, ...: the batches one device would score
+            return [self.rewards(self.embed_images(chunk, i).to(self.device)) for chunk in chunks[i::k]]
+
+        if k == 1:
+            scored = [score(0)]
+        else:  # one thread per replica, in parallel: torch releases the GIL inside its kernels
+            with ThreadPoolExecutor(k) as pool:
+                scored = list(pool.map(score, range(k)))
+        return torch.cat([scored[j % k][j // k] for j in range(len(chunks))]).cpu().numpy()
 
 
 def make_reward_model(args: Args, device: torch.device) -> CLIPReward:
-    model, tokenizer = load_clip(args, device)
-    reward_model = CLIPReward(model, tokenizer, args.goal, args.baseline, args.alpha, args.reward_batch_size, device,
+    devices = [torch.device(name) for name in args.reward_devices] or [device]
+    model, tokenizer = load_clip(args, devices[0])
+    replicas = [(copy.deepcopy(model).to(d), d) for d in devices[1:]]  # copies: the same weights (even random test ones)
+    reward_model = CLIPReward(model, tokenizer, args.goal, args.baseline, args.alpha, args.reward_batch_size, devices[0],
                               args.reward_family, args.negatives or (), args.temperature, args.threshold, args.soft,
-                              args.antialias)
+                              args.antialias, replicas)
     if args.reward_family == "projection":
         check_goal_direction(reward_model.goal_embeddings, reward_model.baseline_embeddings, args.alpha)
     return reward_model
@@ -1203,7 +1226,7 @@ def main(args: Args) -> None:
     # the env processes are forked before CUDA starts, and the model is built on the GPU after them.
     reward_model = None
     if args.reward == "clip":
-        if device.type == "cuda":
+        if device.type == "cuda" or any(name.startswith("cuda") for name in args.reward_devices):
             fetch_clip_weights(args)
         else:
             reward_model = make_reward_model(args, device)
@@ -1333,7 +1356,9 @@ def main(args: Args) -> None:
             train_now = global_step >= args.learning_starts and iteration % args.train_frequency == 0
             num_pending = len(pending["obs"]) * args.num_envs
             # a stock-episode checkpoint holds no pending transitions: their episodes restart on resume
-            flush_now = train_now or num_pending >= args.reward_batch_size or iteration == num_iterations - 1
+            # one --reward-batch-size chunk per reward device and call, so that every device has work
+            flush_now = (train_now or num_pending >= args.reward_batch_size * max(1, len(args.reward_devices))
+                         or iteration == num_iterations - 1)
             if flush_now or (save_now and args.episodes == "stock"):
                 t0 = time.perf_counter()
                 gt = np.concatenate(pending["gt"])
