@@ -16,6 +16,7 @@
 import csv
 import glob
 import json
+import logging
 import math
 import os
 import shutil
@@ -498,9 +499,12 @@ def model_parameters(names: set[str], given: tuple[str, ...], configs: tuple[str
             if name not in open_clip.list_models():
                 raise UserError(f"the size of {name} is unknown; pass --model-params {name}=COUNT or "
                                 "--model-configs <its .json>.")
-            with warnings.catch_warnings(), torch.device("meta"):
-                warnings.simplefilter("ignore")
-                model = open_clip.create_model(name, pretrained=None, device="meta")
+            logging.disable(logging.WARNING)  # open_clip's "no pretrained weights": none are wanted here
+            try:
+                with torch.device("meta"):
+                    model = open_clip.create_model(name, pretrained=None, device="meta")
+            finally:
+                logging.disable(logging.NOTSET)
             params[name] = float(sum(p.numel() for p in model.parameters()))
     return params
 
@@ -547,7 +551,7 @@ def study(args: Study) -> list[dict]:
     architectures = {row["model"].split("/")[0] for row in table}
     params = model_parameters(architectures, args.model_params, args.model_configs)
     for row in table:
-        row["params"] = params[row["model"].split("/")[0]]
+        row["params"] = int(params[row["model"].split("/")[0]])
     table.sort(key=lambda row: (row["metric"], row["alpha"], row["params"]))
     check_output_folder(os.path.dirname(os.path.abspath(args.out)), "--out")
     columns = ["metric", "model", "params", "alpha", "value", "low", "high", "n"]
@@ -572,7 +576,10 @@ def plot_study(table: list[dict], path: str) -> None:
         rows = [row for row in table if row["metric"] == metric]
         for alpha in sorted({row["alpha"] for row in rows}):
             line = sorted((row for row in rows if row["alpha"] == alpha), key=lambda row: row["params"])
-            ax.plot([row["params"] for row in line], [row["value"] for row in line], marker="o", label=f"alpha={alpha:g}")
+            x, y = [row["params"] for row in line], [row["value"] for row in line]
+            ax.plot(x, y, marker="o", label=f"alpha={alpha:g}")
+            if all(str(row["low"]) not in ("", "nan") for row in line):  # the Wilson / bootstrap interval
+                ax.fill_between(x, [float(row["low"]) for row in line], [float(row["high"]) for row in line], alpha=0.15)
         ax.set_xscale("log")
         ax.set_xlabel("CLIP parameters")
         ax.set_ylabel("EPIC distance to labels (lower is better)" if metric == "epic" else "success rate")
