@@ -250,7 +250,11 @@ def rollout(args: Rollout) -> str:
         run.clip_cache_dir = args.clip_cache_dir
     use_clip = args.clip_return and run.reward == "clip"
     if use_clip:
-        script.check_clip_args(run)  # e.g. a --clip-model config path that does not exist on this machine
+        try:  # e.g. a --clip-model config path relative to the folder the run was trained in
+            script.check_clip_args(run)
+        except UserError as e:
+            raise UserError(f"cannot load the run's reward model ({str(e).rstrip('.')}); run from the folder it was trained "
+                            "in, pass --clip-cache-dir, or pass --no-clip-return.") from None
     seed = run.seed + 10_000 if args.seed is None else args.seed
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     torch.manual_seed(run.seed)  # as the run built it: the same weights, even for a random-weight test model

@@ -107,6 +107,10 @@ def test_rollout_problems_are_one_sentence_errors(runs, tmp_path):
                           (tmp_path / "empty.pt", "holds no policy")]:
         with pytest.raises(UserError, match=message):
             se.rollout(se.Rollout(checkpoint=str(path), out=str(tmp_path / "out")))
+    moved = crafted_checkpoint(tmp_path / "moved.pt", 1, clip_model="configs/elsewhere.json")
+    with pytest.raises(UserError, match=r"cannot load the run's reward model \(--clip-model configs/elsewhere.json: no such"):
+        se.rollout(se.Rollout(checkpoint=moved, out=str(tmp_path / "out")))
+    assert se.rollout(se.Rollout(checkpoint=moved, episodes=1, clip_return=False, out=str(tmp_path / "no_clip"), cuda=False))
     result = run_script("success_eval.py", "rollout", "--checkpoint", str(tmp_path / "missing.pt"), cwd=tmp_path)
     assert_clean_error(result, "no such file")
     assert not (tmp_path / "out").exists()
@@ -175,9 +179,9 @@ def crafted_checkpoint(path: Path, action: int, **changes) -> str:
     with torch.no_grad():
         q_network.network[-1].weight.zero_()
         q_network.network[-1].bias.copy_(torch.tensor([1.0 - action, float(action)]))
-    args = dataclasses.asdict(dqn.Args(clip_model=TINY_CLIP, clip_pretrained="none", episodes="fixed", episode_length=30,
-                                       goal=("pole vertically upright on top of the cart",), baseline=("pole and cart",),
-                                       **changes))
+    flags = dict(clip_model=TINY_CLIP, clip_pretrained="none", episodes="fixed", episode_length=30,
+                 goal=("pole vertically upright on top of the cart",), baseline=("pole and cart",))
+    args = dataclasses.asdict(dqn.Args(**{**flags, **changes}))
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"q_network": q_network.state_dict(), "args": args}, path)
     return str(path)
