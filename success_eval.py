@@ -336,12 +336,17 @@ def episode_page() -> str:
     return page
 
 
+def make_episode_server(folder: str, port: int, task: Optional[str] = None):
+    """epic_eval's label server over a rollout folder: its videos, its labels.csv, the episode page."""
+    policy, rows = read_rollouts(folder)
+    task = task or " / ".join(policy["args"].get("goal") or [policy["args"]["env_id"]])
+    return make_label_server(folder, port, task, items=[r["video"] for r in rows], media="videos",
+                             media_type="video/mp4", page=episode_page())
+
+
 def label(args: Label) -> None:
-    policy, rows = read_rollouts(args.rollouts)
-    videos = [r["video"] for r in rows]
-    task = args.task or " / ".join(policy["args"].get("goal") or [policy["args"]["env_id"]])
-    server = make_label_server(args.rollouts, args.port, task, items=videos, media="videos", media_type="video/mp4",
-                               page=episode_page())
+    server = make_episode_server(args.rollouts, args.port, args.task)
+    videos = [r["video"] for r in read_rollouts(args.rollouts)[1]]
     done = len(read_labels(args.rollouts, set(videos)))
     print(f"judging {len(videos)} episodes of {args.rollouts} ({done} already judged); open "
           f"http://127.0.0.1:{server.server_port}/ - keys: 1 success, 0 failure, s skip, Backspace back. "

@@ -129,6 +129,37 @@ def test_ground_truth_success_on_crafted_episodes():
     assert se.gt_success("Humanoid-v5", [None] * 100) is None  # judged by a person
 
 
+def pumping_mountaincar(path: Path, pump: bool) -> str:
+    """A MountainCar-v0 Q-network that pushes along its velocity (pumps energy: reaches the flag) or always left."""
+    envs = se.make_envs(dqn, dqn.Args(env_id="MountainCar-v0"), 0)
+    q_network = dqn.QNetwork(envs)
+    envs.close()
+    with torch.no_grad():
+        for layer in q_network.network[::2]:
+            layer.weight.zero_()
+            layer.bias.zero_()
+        first, second, last = q_network.network[0], q_network.network[2], q_network.network[4]
+        first.weight[0, 1], first.weight[1, 1] = 100.0, -100.0  # relu(v), relu(-v)
+        second.weight[0, 0], second.weight[1, 1] = 1.0, 1.0
+        if pump:  # Q(right) = relu(v) - relu(-v) = v, Q(left) = -v, Q(none) = 0
+            last.weight[2, 0], last.weight[2, 1], last.weight[0, 0], last.weight[0, 1] = 1.0, -1.0, -1.0, 1.0
+        else:
+            last.bias[0] = 1.0
+    args = dataclasses.asdict(dqn.Args(env_id="MountainCar-v0", reward="gt", episodes="fixed", episode_length=200))
+    torch.save({"q_network": q_network.state_dict(), "args": args}, path)
+    return str(path)
+
+
+def test_mountaincar_rollout_success_is_the_flag_reached(tmp_path):
+    for pump, expected in [(True, "1"), (False, "0")]:
+        checkpoint = pumping_mountaincar(tmp_path / f"{pump}.pt", pump)
+        rows = read_episodes(se.rollout(se.Rollout(checkpoint=checkpoint, episodes=1, deterministic=True,
+                                                   out=str(tmp_path / str(pump)), cuda=False)))
+        assert [r["gt_success"] for r in rows] == [expected] and all(r["steps"] == "200" for r in rows)
+        # fixed-length MountainCar earns 1 per step at the flag: reached the flag = a positive return
+        assert all((float(r["gt_return"]) > 0) == (expected == "1") for r in rows)
+
+
 @pytest.mark.parametrize("k, n, low, high", [(8, 10, 0.4902, 0.9433), (0, 10, 0.0, 0.2775), (10, 10, 0.7225, 1.0),
                                              (50, 100, 0.4038, 0.5962), (1, 100, 0.0018, 0.0545)])
 def test_wilson_interval_known_values(k, n, low, high):
@@ -179,8 +210,8 @@ def crafted_checkpoint(path: Path, action: int, **changes) -> str:
     with torch.no_grad():
         q_network.network[-1].weight.zero_()
         q_network.network[-1].bias.copy_(torch.tensor([1.0 - action, float(action)]))
-    flags = dict(clip_model=TINY_CLIP, clip_pretrained="none", episodes="fixed", episode_length=30,
-                 goal=("pole vertically upright on top of the cart",), baseline=("pole and cart",))
+    flags = {"clip_model": TINY_CLIP, "clip_pretrained": "none", "episodes": "fixed", "episode_length": 30,
+             "goal": ("pole vertically upright on top of the cart",), "baseline": ("pole and cart",)}
     args = dataclasses.asdict(dqn.Args(**{**flags, **changes}))
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"q_network": q_network.state_dict(), "args": args}, path)
@@ -265,9 +296,7 @@ def test_episode_page_serves_videos_with_the_label_pages_protections(runs, tmp_p
 
 
 def start_server(folder: str, port: int = 0):
-    videos = [r["video"] for r in read_episodes(folder)]
-    server = epic_eval.make_label_server(folder, port, "kneeling?", items=videos, media="videos", media_type="video/mp4",
-                                         page=se.episode_page())
+    server = se.make_episode_server(folder, port)  # what `success_eval.py label` serves
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 
@@ -317,6 +346,7 @@ def test_episode_label_page_in_headless_chromium(runs, tmp_path):
                 return [row[:2] for row in csv.reader(f)][1:]
 
         open_page(server.server_port)
+        assert script("return document.getElementById('task').textContent") == "pole vertically upright on top of the cart"
         assert script("return document.getElementById('name').textContent").startswith("episode-001.mp4 (2/4)")  # resumed
         wait_for(lambda: script("return document.getElementById('frame').videoWidth") == 600, what="the video to decode")
         # 1 (success), 0 (failure), Backspace (back to episode-002), s (skip it instead)
