@@ -5,12 +5,12 @@
     python success_eval.py rollout --checkpoint runs/<run>/checkpoint.pt
     # 2. Humanoid: judge each episode at http://127.0.0.1:8765 (keys: 1 success, 0 failure, s skip, Backspace back)
     python success_eval.py label --rollouts runs/<run>/rollouts-checkpoint-stochastic
-    # 3. success rate per policy with a Wilson 95% interval -> success.csv, success.md
+    # 3. success rate per policy with a Wilson 95% interval -> runs/success.csv, runs/success.md
     python success_eval.py report --rollouts runs/*/rollouts-*
     # 4. the checkpoint with the highest mean CLIP return on evaluation rollouts, among runs of one configuration
     python success_eval.py best --runs runs
-    # 5. EPIC distance and success rate against CLIP model size, one line per alpha -> study.csv, study.png
-    python success_eval.py study --epic runs/*/epic.csv --success success.csv
+    # 5. EPIC distance and success rate against CLIP model size, one line per alpha -> runs/study.csv, runs/study.png
+    python success_eval.py study --epic runs/*/epic.csv --success runs/success.csv
 """
 
 import csv
@@ -97,7 +97,7 @@ class Report:
     """folders written by `rollout`"""
     judge: Literal["auto", "gt", "labels"] = "auto"
     """auto: the ground truth where the env has one (CartPole, MountainCar), else your labels; gt; labels"""
-    out: str = "success"
+    out: str = "runs/success"
     """writes <out>.csv and <out>.md"""
 
 
@@ -134,7 +134,7 @@ class Study:
     the open_clip config without loading weights"""
     model_configs: tuple[str, ...] = ()
     """open_clip model configs (.json) of custom architectures to count, e.g. tests/vlmrm-tiny-test.json"""
-    out: str = "study"
+    out: str = "runs/study"
     """writes <out>.csv and <out>.png"""
 
 
@@ -415,6 +415,7 @@ def report(args: Report) -> list[dict]:
         raise UserError("--rollouts needs at least one folder written by `success_eval.py rollout`.")
     table = [judge_folder(folder, args.judge) for folder in args.rollouts]
     check_output_folder(os.path.dirname(os.path.abspath(args.out)), "--out")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=REPORT_COLUMNS)
         writer.writeheader()
@@ -563,6 +564,7 @@ def study(args: Study) -> list[dict]:
         row["params"] = int(params[row["model"].split("/")[0]])
     table.sort(key=lambda row: (row["metric"], row["alpha"], row["params"]))
     check_output_folder(os.path.dirname(os.path.abspath(args.out)), "--out")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     columns = ["metric", "model", "params", "alpha", "value", "low", "high", "n"]
     with open(args.out + ".csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
