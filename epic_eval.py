@@ -604,10 +604,13 @@ MAX_LABEL_BODY = 4096  # bytes; a label request is about 50: a bigger one is ref
 LABEL_PAGE_CSP = "frame-ancestors 'none'"  # with X-Frame-Options: no other site can frame the page (clickjacking)
 
 
-def make_label_server(dataset: str, port: int, task: str) -> http.server.ThreadingHTTPServer:
-    """A server for the label page, bound to 127.0.0.1; `port` 0 picks a free one (see server.server_port)."""
-    rows = load_states(dataset)
-    frames = [r["frame"] for r in rows]
+def make_label_server(dataset: str, port: int, task: str, items: Optional[list[str]] = None, media: str = "frames",
+                      media_type: str = "image/png", page: str = LABEL_PAGE) -> http.server.ThreadingHTTPServer:
+    """A server for the label page, bound to 127.0.0.1; `port` 0 picks a free one (see server.server_port).
+
+    `items` (files in <dataset>/<media>/, served as `media_type`) default to the frames of states.csv; success_eval.py
+    passes its episode videos and episode page."""
+    frames = items if items is not None else [r["frame"] for r in load_states(dataset)]
     frame_set = set(frames)
     labels_path = os.path.join(dataset, "labels.csv")
     read_labels(dataset, frame_set)  # refuse to append to a labels.csv we could not read back
@@ -651,7 +654,7 @@ def make_label_server(dataset: str, port: int, task: str) -> http.server.Threadi
 
         def _frame(self, path: str) -> Optional[str]:
             # the page asks for frames/<encodeURIComponent(name)>; no file but a listed frame is ever served
-            name = urllib.parse.unquote(path[len("/frames/"):])
+            name = urllib.parse.unquote(path[len(f"/{media}/"):])
             return name if is_plain_file_name(name) and name in frame_set else None
 
         def do_GET(self) -> None:
@@ -659,14 +662,14 @@ def make_label_server(dataset: str, port: int, task: str) -> http.server.Threadi
                 return
             path = self.path.split("?")[0]
             if path == "/":
-                self._send(200, LABEL_PAGE.encode(), "text/html; charset=utf-8")
+                self._send(200, page.encode(), "text/html; charset=utf-8")
             elif path == "/api/state":
                 with lock:
                     state = {"frames": frames, "labels": read_labels(dataset, frame_set), "task": task}
                 self._send(200, json.dumps(state).encode(), "application/json")
-            elif path.startswith("/frames/") and self._frame(path) is not None:
-                with open(os.path.join(dataset, "frames", self._frame(path)), "rb") as f:
-                    self._send(200, f.read(), "image/png")
+            elif path.startswith(f"/{media}/") and self._frame(path) is not None:
+                with open(os.path.join(dataset, media, self._frame(path)), "rb") as f:
+                    self._send(200, f.read(), media_type)
             else:
                 self._send(404, b"not found\n")
 

@@ -1,0 +1,624 @@
+"""VLM-RM success rates, as the paper measured them: rollouts of a trained policy, judged by the ground truth
+(CartPole, MountainCar) or by a person (Humanoid), with a Wilson interval; the best checkpoint; the model-size study.
+
+    # 1. 100 stochastic episodes of a checkpoint (env and flags come from the checkpoint): MP4s + episodes.csv
+    python success_eval.py rollout --checkpoint runs/<run>/checkpoint.pt
+    # 2. Humanoid: judge each episode at http://127.0.0.1:8765 (keys: 1 success, 0 failure, s skip, Backspace back)
+    python success_eval.py label --rollouts runs/<run>/rollouts-checkpoint-stochastic
+    # 3. success rate per policy with a Wilson 95% interval -> runs/success.csv, runs/success.md
+    python success_eval.py report --rollouts runs/*/rollouts-*
+    # 4. the checkpoint with the highest mean CLIP return on evaluation rollouts, among runs of one configuration
+    python success_eval.py best --runs runs
+    # 5. EPIC distance and success rate against CLIP model size, one line per alpha -> runs/study.csv, runs/study.png
+    python success_eval.py study --epic runs/*/epic.csv --success runs/success.csv
+"""
+
+import csv
+import glob
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import time
+import warnings
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Annotated, Literal, Optional, Union
+
+os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # pygame draws off-screen: no display needed
+
+import gymnasium as gym
+import imageio.v2 as imageio
+import numpy as np
+import torch
+import tyro
+
+# One source of truth: the environments, networks and reward model are the training scripts' own.
+import vlmrm_dqn_classic as dqn
+import vlmrm_sac_humanoid as sac
+from epic_eval import (
+    LABEL_PAGE,
+    SKIP,
+    ClipArgs,
+    check_output_folder,
+    make_label_server,
+    model_label,
+    read_labels,
+)
+from vlmrm_dqn_classic import MOUNTAINCAR_GOAL, UserError
+
+CARTPOLE_THETA, CARTPOLE_X = 12 * 2 * math.pi / 360, 2.4  # Gymnasium's CartPole limits: "upright"
+Z95 = 1.959963984540054  # the 97.5% quantile of the standard normal
+
+
+@dataclass
+class Rollout:
+    """Roll a checkpoint out: one MP4 per episode plus episodes.csv (CLIP return, ground-truth return and success).
+    The env and all its flags are the checkpoint's own: none can be given here."""
+
+    checkpoint: str
+    """a checkpoint.pt (or model.pt) of vlmrm_dqn_classic.py or vlmrm_sac_humanoid.py"""
+    episodes: int = 100
+    """number of episodes (the paper judged 100)"""
+    deterministic: bool = False
+    """if toggled, greedy/mean actions; default: stochastic, as the paper's rollouts (SAC samples its policy, DQN is
+    epsilon-greedy with the run's final --end-e, as Stable-Baselines3's predict(deterministic=False))"""
+    out: Optional[str] = None
+    """new folder for the rollouts (default: <checkpoint folder>/rollouts-<checkpoint name>-<stochastic|deterministic>)"""
+    seed: Optional[int] = None
+    """seed of episode 0 (episode i: seed + i); default: the run's seed + 10000, as the scripts' own evaluation"""
+    clip_return: bool = True
+    """compute each episode's CLIP return with the run's reward model (needs its weights); off: left blank"""
+    clip_cache_dir: Optional[str] = None
+    """where the CLIP weights are cached on this machine (default: the run's own setting)"""
+    cuda: bool = True
+    """if toggled, CUDA (when available) runs the policy and the reward model"""
+
+
+@dataclass
+class Label:
+    """Judge the episodes of a rollout folder in the browser (127.0.0.1 only); every verdict is saved as given."""
+
+    rollouts: str
+    """a folder written by `rollout`"""
+    port: int = 8765
+    """port on 127.0.0.1 (0 = any free port)"""
+    task: Optional[str] = None
+    """the question above each video (default: the run's goal prompt)"""
+
+
+@dataclass
+class Report:
+    """Success rate of each policy with a Wilson 95% interval; a table across policies as CSV and Markdown."""
+
+    rollouts: tuple[str, ...]
+    """folders written by `rollout`"""
+    judge: Literal["auto", "gt", "labels"] = "auto"
+    """auto: the ground truth where the env has one (CartPole, MountainCar), else your labels; gt; labels"""
+    out: str = "runs/success"
+    """writes <out>.csv and <out>.md"""
+
+
+@dataclass
+class Best:
+    """Among checkpoints of runs of one configuration, the one with the highest mean CLIP return on evaluation rollouts."""
+
+    checkpoints: tuple[str, ...] = ()
+    """checkpoint files (default: every checkpoint.pt and model.pt under --runs)"""
+    runs: str = "runs"
+    """folder searched for checkpoints when none are given"""
+    episodes: int = 10
+    """evaluation episodes per checkpoint"""
+    deterministic: bool = False
+    """if toggled, greedy/mean actions (default: stochastic, as `rollout`)"""
+    seed: Optional[int] = None
+    """seed of episode 0; default: each run's seed + 10000"""
+    clip_cache_dir: Optional[str] = None
+    """where the CLIP weights are cached on this machine"""
+    cuda: bool = True
+    """if toggled, CUDA (when available) runs the policies and the reward model"""
+
+
+@dataclass
+class Study:
+    """The paper's model-size study: EPIC distance and success rate against CLIP parameters, one line per alpha."""
+
+    epic: tuple[str, ...] = ()
+    """epic.csv files of `epic_eval.py score` (projection rows are used)"""
+    success: tuple[str, ...] = ()
+    """success tables (CSV) of `report`; seeds of one model and alpha are pooled"""
+    model_params: tuple[str, ...] = ()
+    """parameter counts as NAME=COUNT (NAME: the open_clip architecture, e.g. RN50=102e6); default: counted from
+    the open_clip config without loading weights"""
+    model_configs: tuple[str, ...] = ()
+    """open_clip model configs (.json) of custom architectures to count, e.g. tests/vlmrm-tiny-test.json"""
+    out: str = "runs/study"
+    """writes <out>.csv and <out>.png"""
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints, envs and policies: the training scripts' own
+# ----------------------------------------------------------------------------------------------
+def load_checkpoint(path: str) -> tuple[dict, object, object]:
+    """(checkpoint, the training script's module, its Args as saved), or a one-sentence error."""
+    which = "a checkpoint.pt or model.pt of vlmrm_dqn_classic.py or vlmrm_sac_humanoid.py"
+    if not os.path.isfile(path):
+        raise UserError(f"{path}: no such file; pass {which}.")
+    try:  # our own files hold RNG states and arrays: weights_only=False, so only roll out checkpoints you trust
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise UserError(f"{path} could not be read ({type(e).__name__}); pass {which}.") from None
+    policy_keys = {"q_network", "actor"} & checkpoint.keys() if isinstance(checkpoint, dict) else set()
+    if not policy_keys or not isinstance(checkpoint.get("args"), dict):
+        raise UserError(f"{path} holds no policy (no 'q_network' or 'actor' with its 'args'); pass {which}.")
+    script = dqn if "q_network" in checkpoint else sac
+    known = {f.name for f in fields(script.Args)}
+    args = script.Args(**{"episodes": "fixed", **{k: v for k, v in checkpoint["args"].items() if k in known}})
+    if script is sac and args.episode_length is None:
+        args.episode_length = 200 if args.env_id == "MountainCarContinuous-v0" else 100
+    return checkpoint, script, args
+
+
+def make_envs(script, args, seed: int) -> gym.vector.SyncVectorEnv:
+    """One env built exactly as the run's training envs: same id, episodes, length and look."""
+    if script is dqn:
+        thunk = dqn.make_env(args.env_id, seed, 0, args.episode_length, args.realistic, args.episodes == "fixed")
+    else:
+        thunk = sac.make_env(args.env_id, seed, 0, args.episode_length, args.render_size, args.render_quality,
+                             args.textured, args.camera, args.episodes == "fixed")
+    return gym.vector.SyncVectorEnv([thunk])
+
+
+def make_policy(path: str, checkpoint: dict, script, args, envs, deterministic: bool, device: torch.device):
+    """obs tensor (1, obs_dim) -> env action array; stochastic unless `deterministic`."""
+    name = "q_network" if script is dqn else "actor"
+    network = (dqn.QNetwork(envs) if script is dqn else sac.Actor(envs)).to(device)
+    try:
+        network.load_state_dict(checkpoint[name])
+    except RuntimeError as e:
+        raise UserError(f"{path}: its {name} does not fit {args.env_id} ({str(e).splitlines()[0][:120]}).") from None
+    network.eval()
+    rng = np.random.default_rng(args.seed)
+
+    def act(obs: torch.Tensor) -> np.ndarray:
+        with torch.no_grad():
+            if script is dqn:  # SB3's DQN.predict(deterministic=False): epsilon-greedy at the final exploration rate
+                if not deterministic and rng.random() < args.end_e:
+                    return np.array([rng.integers(envs.single_action_space.n)])
+                return network(obs).argmax(dim=1).cpu().numpy()
+            sample, _, mean = network.get_action(obs)
+            return (mean if deterministic else network.to_env(sample)).cpu().numpy()
+
+    return act
+
+
+def reward_model_for(script, args, device: torch.device):
+    """The run's own CLIP reward (model, prompts, alpha, family), or None for a --reward gt run."""
+    return script.make_reward_model(args, device) if args.reward == "clip" else None
+
+
+def gt_success(env_id: str, states: list) -> Optional[bool]:
+    """Ground-truth success of an episode from the states after each step; None where a person judges (Humanoid).
+
+    CartPole: every step upright (|theta| < 12 deg and |x| < 2.4); MountainCar: the flag (x >= 0.45) reached."""
+    if env_id == "CartPole-v1":
+        return all(abs(s[2]) < CARTPOLE_THETA and abs(s[0]) < CARTPOLE_X for s in states)
+    if env_id.startswith("MountainCar"):
+        return any(s[0] >= MOUNTAINCAR_GOAL for s in states)
+    return None
+
+
+def run_episode(envs, act, seed: int, device: torch.device) -> tuple[list[np.ndarray], list, float]:
+    """(frames: the reset frame then one per step, states after each step, ground-truth return)."""
+    obs, _ = envs.reset(seed=seed)
+    base = envs.envs[0].unwrapped
+    frames, states, gt_return, done = [envs.call("render")[0]], [], 0.0, False
+    while not done:  # fixed length: --episode-length steps; stock: until the env terminates or truncates
+        obs, rewards, terminations, truncations, _ = envs.step(act(torch.as_tensor(obs, dtype=torch.float32, device=device)))
+        done = bool(terminations[0] or truncations[0])
+        gt_return += float(rewards[0])
+        frames.append(envs.call("render")[0])
+        states.append(np.array(base.state, dtype=np.float64) if hasattr(base, "state") else None)
+    return frames, states, gt_return
+
+
+def clip_return(reward_model, frames: list[np.ndarray]) -> float:
+    # the reset frame scores no transition: the reward of step t is the score of the frame after it
+    return float(reward_model(np.stack(frames[1:])).sum())
+
+
+# ----------------------------------------------------------------------------------------------
+# rollout
+# ----------------------------------------------------------------------------------------------
+EPISODE_COLUMNS = ["episode", "video", "seed", "steps", "clip_return", "gt_return", "gt_success"]
+
+
+def rollout(args: Rollout) -> str:
+    """Writes <out>/{episodes.csv, policy.json, videos/episode-NNN.mp4}; returns the folder."""
+    if args.episodes < 1:
+        raise UserError(f"--episodes must be a positive integer, got {args.episodes}.")
+    checkpoint, script, run = load_checkpoint(args.checkpoint)
+    mode = "deterministic" if args.deterministic else "stochastic"
+    out = args.out or os.path.join(os.path.dirname(args.checkpoint) or ".", f"rollouts-{Path(args.checkpoint).stem}-{mode}")
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise UserError(f"--out {out} already exists and is not empty; pass a new --out (rollouts and their labels are "
+                        "never overwritten).")
+    check_output_folder(out, "--out")
+    if args.clip_cache_dir is not None:
+        run.clip_cache_dir = args.clip_cache_dir
+    use_clip = args.clip_return and run.reward == "clip"
+    if use_clip:
+        try:  # e.g. a --clip-model config path relative to the folder the run was trained in
+            script.check_clip_args(run)
+        except UserError as e:
+            raise UserError(f"cannot load the run's reward model ({str(e).rstrip('.')}); run from the folder it was trained "
+                            "in, pass --clip-cache-dir, or pass --no-clip-return.") from None
+    seed = run.seed + 10_000 if args.seed is None else args.seed
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    torch.manual_seed(run.seed)  # as the run built it: the same weights, even for a random-weight test model
+    reward_model = reward_model_for(script, run, device) if use_clip else None
+    torch.manual_seed(seed)
+    envs = make_envs(script, run, seed)
+    act = make_policy(args.checkpoint, checkpoint, script, run, envs, args.deterministic, device)
+    fps = 50 if script is dqn else 30  # the training scripts' video rates
+    partial = os.path.join(os.path.dirname(os.path.abspath(out)),
+                           f".{os.path.basename(out)}.partial-{os.getpid()}-{time.time_ns()}")
+    os.makedirs(os.path.join(partial, "videos"))
+    try:
+        rows = []
+        for episode in range(args.episodes):
+            frames, states, gt_return = run_episode(envs, act, seed + episode, device)
+            video = f"episode-{episode:03d}.mp4"
+            # faststart: the browser can play it before the whole file arrived
+            imageio.mimwrite(os.path.join(partial, "videos", video), frames, fps=fps, macro_block_size=8,
+                             ffmpeg_params=["-movflags", "+faststart"])
+            success = gt_success(run.env_id, states)
+            rows.append({"episode": episode, "video": video, "seed": seed + episode, "steps": len(states),
+                         "clip_return": f"{clip_return(reward_model, frames):.6f}" if reward_model is not None else "",
+                         "gt_return": f"{gt_return:.6f}", "gt_success": "" if success is None else int(success)})
+            print(f"episode {episode}: steps={len(states)} clip_return={rows[-1]['clip_return'] or '-'} "
+                  f"gt_return={gt_return:.1f} gt_success={rows[-1]['gt_success'] if success is not None else '- (judge it)'}")
+        envs.close()
+        with open(os.path.join(partial, "episodes.csv"), "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=EPISODE_COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
+        with open(os.path.join(partial, "policy.json"), "w") as f:
+            json.dump({"checkpoint": os.path.abspath(args.checkpoint), "script": script.__name__ + ".py", "mode": mode,
+                       "seed": seed, "episodes": args.episodes, "args": {k: v for k, v in vars(run).items()}}, f, indent=2)
+    except BaseException:
+        envs.close()
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    try:
+        os.rename(partial, out)  # atomic: a folder is either complete or absent
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise UserError(f"--out {out} was filled by something else during the rollouts; nothing was written.") from None
+    judged = [r["gt_success"] for r in rows if r["gt_success"] != ""]
+    print(f"wrote {len(rows)} {mode} episodes of {run.env_id} to {out}"
+          + (f"; ground truth: {sum(judged)} of {len(judged)} successes" if judged else
+             f"; judge them with: python success_eval.py label --rollouts {out}"))
+    return out
+
+
+def read_rollouts(folder: str) -> tuple[dict, list[dict]]:
+    """(policy.json, rows of episodes.csv) of a folder written by `rollout`."""
+    try:
+        with open(os.path.join(folder, "policy.json")) as f:
+            policy = json.load(f)
+        with open(os.path.join(folder, "episodes.csv"), newline="") as f:
+            rows = list(csv.DictReader(f))
+    except (OSError, ValueError):
+        raise UserError(f"{folder} is not a folder written by `success_eval.py rollout` (no readable policy.json and "
+                        "episodes.csv).") from None
+    return policy, rows
+
+
+# ----------------------------------------------------------------------------------------------
+# label: epic_eval.py's page and server, one episode video at a time
+# ----------------------------------------------------------------------------------------------
+def episode_page() -> str:
+    """epic_eval's label page, showing episode videos instead of frames (same keys, saving and resuming)."""
+    page = LABEL_PAGE
+    for old, new in [("<title>label frames</title>", "<title>judge episodes</title>"),
+                     ('<img id="frame" alt="frame">', '<video id="frame" autoplay loop muted playsinline controls></video>'),
+                     ("frames labelled (", "episodes judged ("),
+                     ('"frames/" + encodeURIComponent(frame)', '"videos/" + encodeURIComponent(frame)'),
+                     ('if (index + 1 < frames.length) new Image().src = "frames/" + encodeURIComponent(frames[index + 1]);',
+                      ""),  # no prefetch: a video starts playing as it arrives
+                     ("<div>frame <span", "<div>episode <span")]:
+        if page.count(old) != 1:
+            raise RuntimeError(f"epic_eval.LABEL_PAGE changed: {old!r} not found once")
+        page = page.replace(old, new)
+    return page
+
+
+def make_episode_server(folder: str, port: int, task: Optional[str] = None):
+    """epic_eval's label server over a rollout folder: its videos, its labels.csv, the episode page."""
+    policy, rows = read_rollouts(folder)
+    task = task or " / ".join(policy["args"].get("goal") or [policy["args"]["env_id"]])
+    return make_label_server(folder, port, task, items=[r["video"] for r in rows], media="videos",
+                             media_type="video/mp4", page=episode_page())
+
+
+def label(args: Label) -> None:
+    server = make_episode_server(args.rollouts, args.port, args.task)
+    videos = [r["video"] for r in read_rollouts(args.rollouts)[1]]
+    done = len(read_labels(args.rollouts, set(videos)))
+    print(f"judging {len(videos)} episodes of {args.rollouts} ({done} already judged); open "
+          f"http://127.0.0.1:{server.server_port}/ - keys: 1 success, 0 failure, s skip, Backspace back. "
+          "Every verdict is on disk when the page says saved; stop with Ctrl-C at any time.")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print(f"\nstopped; verdicts are in {os.path.join(args.rollouts, 'labels.csv')}")
+    finally:
+        server.server_close()
+
+
+# ----------------------------------------------------------------------------------------------
+# report
+# ----------------------------------------------------------------------------------------------
+def wilson(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (good coverage at small n and near 0 or 1); nan for n = 0."""
+    if n == 0:
+        return float("nan"), float("nan")
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def run_columns(run_args: dict) -> dict:
+    """task, alpha, model, seed of a run, as the tables name them (the model as epic_eval.py score names it)."""
+    clip = run_args.get("reward", "clip") == "clip"
+    model = "gt"
+    if clip:
+        model = model_label(ClipArgs(run_args["clip_model"], run_args["clip_pretrained"], run_args.get("clip_checkpoint")))
+    return {"env_id": run_args["env_id"], "task": " | ".join(run_args.get("goal") or []) if clip else "ground truth",
+            "alpha": run_args.get("alpha", "") if clip else "", "model": model, "seed": run_args["seed"]}
+
+
+REPORT_COLUMNS = ["env_id", "task", "alpha", "model", "seed", "mode", "judged_by", "n", "successes", "unjudged",
+                  "success_rate", "low", "high", "mean_clip_return", "mean_gt_return", "rollouts"]
+
+
+def judge_folder(folder: str, judge: str) -> dict:
+    policy, rows = read_rollouts(folder)
+    has_gt = any(r["gt_success"] != "" for r in rows)
+    by = "gt" if judge == "gt" or (judge == "auto" and has_gt) else "labels"
+    if by == "gt":
+        if not has_gt:
+            raise UserError(f"{folder} has no ground-truth success ({policy['args']['env_id']} has none); judge it with "
+                            f"`python success_eval.py label --rollouts {folder}` and use --judge labels.")
+        verdicts = [int(r["gt_success"]) for r in rows]
+    else:
+        labels = read_labels(folder, {r["video"] for r in rows})
+        verdicts = [int(labels[r["video"]]) for r in rows if labels.get(r["video"], SKIP) in ("0", "1")]
+    n, k = len(verdicts), sum(verdicts)
+    low, high = wilson(k, n)
+
+    def mean(key: str) -> str:  # blank when any episode has none (e.g. no CLIP return for a --reward gt run)
+        return f"{np.mean([float(r[key]) for r in rows]):.4f}" if rows and all(r[key] != "" for r in rows) else ""
+
+    return {**run_columns(policy["args"]), "mode": policy["mode"], "judged_by": by, "n": n, "successes": k,
+            "unjudged": len(rows) - n, "success_rate": f"{k / n:.4f}" if n else "", "low": f"{low:.4f}" if n else "",
+            "high": f"{high:.4f}" if n else "", "mean_clip_return": mean("clip_return"), "mean_gt_return": mean("gt_return"),
+            "rollouts": folder}
+
+
+def report(args: Report) -> list[dict]:
+    if not args.rollouts:
+        raise UserError("--rollouts needs at least one folder written by `success_eval.py rollout`.")
+    table = [judge_folder(folder, args.judge) for folder in args.rollouts]
+    check_output_folder(os.path.dirname(os.path.abspath(args.out)), "--out")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=REPORT_COLUMNS)
+        writer.writeheader()
+        writer.writerows(table)
+    lines = ["| env | task | alpha | model | seed | judged by | success rate (95% Wilson) | n |", "|" + "---|" * 8]
+    for row in table:
+        rate = "not judged yet"
+        if row["n"]:
+            rate = f"{float(row['success_rate']):.2f} [{float(row['low']):.2f}, {float(row['high']):.2f}]"
+        lines.append(f"| {row['env_id']} | {row['task']} | {row['alpha']} | {row['model']} | {row['seed']} | "
+                     f"{row['judged_by']} | {rate} | {row['n']} |")
+    with open(args.out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    for row in table:
+        if row["unjudged"]:
+            print(f"note: {row['unjudged']} episodes of {row['rollouts']} are not judged (unlabelled or skipped): left out")
+    print(f"wrote {args.out}.csv and {args.out}.md")
+    return table
+
+
+# ----------------------------------------------------------------------------------------------
+# best
+# ----------------------------------------------------------------------------------------------
+REWARD_FLAGS = ["env_id", "reward", "clip_model", "clip_pretrained", "clip_checkpoint", "goal", "baseline", "alpha",
+                "reward_family", "negatives", "temperature", "threshold", "soft", "antialias"]
+
+
+def best(args: Best) -> str:
+    """Rolls every checkpoint out under the runs' own CLIP reward; prints each mean return and returns the best path."""
+    if args.episodes < 1:
+        raise UserError(f"--episodes must be a positive integer, got {args.episodes}.")
+    paths = list(args.checkpoints) or sorted(glob.glob(os.path.join(args.runs, "**", "checkpoint.pt"), recursive=True)
+                                             + glob.glob(os.path.join(args.runs, "**", "model.pt"), recursive=True))
+    if not paths:
+        raise UserError(f"no checkpoint.pt or model.pt under {args.runs}; pass checkpoint files or train with --save-model.")
+    loaded = [(path, *load_checkpoint(path)) for path in paths]
+    first = loaded[0][3]
+    if first.reward != "clip":
+        raise UserError(f"{paths[0]} was trained with --reward gt: there is no CLIP return to choose by.")
+    for path, _, _, run in loaded[1:]:
+        differ = [k for k in REWARD_FLAGS if getattr(run, k) != getattr(first, k)]
+        if differ:
+            raise UserError(f"{path} differs from {paths[0]} in {', '.join('--' + k.replace('_', '-') for k in differ)}; "
+                            "CLIP returns compare only under one reward: pass runs of one configuration.")
+    if args.clip_cache_dir is not None:
+        first.clip_cache_dir = args.clip_cache_dir
+    loaded[0][2].check_clip_args(first)
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    torch.manual_seed(first.seed)  # as the run built it: the same weights, even for a random-weight test model
+    reward_model = reward_model_for(loaded[0][2], first, device)
+    means = {}
+    for path, checkpoint, script, run in loaded:
+        seed = run.seed + 10_000 if args.seed is None else args.seed
+        torch.manual_seed(seed)
+        envs = make_envs(script, run, seed)
+        act = make_policy(path, checkpoint, script, run, envs, args.deterministic, device)
+        returns = [clip_return(reward_model, run_episode(envs, act, seed + i, device)[0]) for i in range(args.episodes)]
+        envs.close()
+        means[path] = float(np.mean(returns))
+        print(f"{path}: mean CLIP return {means[path]:.4f} (std {np.std(returns):.4f}) over {args.episodes} episodes")
+    chosen = max(means, key=means.get)
+    others = sorted((v for p, v in means.items() if p != chosen), reverse=True)
+    print(f"best: {chosen}: the highest mean CLIP return, {means[chosen]:.4f}"
+          + (f" (next best {others[0]:.4f})" if others else " (the only checkpoint)")
+          + f", over {args.episodes} {'deterministic' if args.deterministic else 'stochastic'} episodes each")
+    return chosen
+
+
+# ----------------------------------------------------------------------------------------------
+# study
+# ----------------------------------------------------------------------------------------------
+def model_parameters(names: set[str], given: tuple[str, ...], configs: tuple[str, ...]) -> dict[str, float]:
+    """Parameter count per architecture: NAME=COUNT entries, else counted on the meta device (no memory, no weights)."""
+    params = {}
+    for entry in given:
+        name, _, count = entry.partition("=")
+        try:
+            params[name] = float(count)
+        except ValueError:
+            raise UserError(f"--model-params {entry!r} is not NAME=COUNT, e.g. RN50=102e6.") from None
+    missing = sorted(names - params.keys())
+    if missing:
+        import open_clip
+
+        for config in configs:
+            if not os.path.isfile(config):
+                raise UserError(f"--model-configs {config}: no such file.")
+            open_clip.add_model_config(config)
+        for name in missing:
+            if name not in open_clip.list_models():
+                raise UserError(f"the size of {name} is unknown; pass --model-params {name}=COUNT or "
+                                "--model-configs <its .json>.")
+            logging.disable(logging.WARNING)  # open_clip's "no pretrained weights": none are wanted here
+            try:
+                with torch.device("meta"):
+                    model = open_clip.create_model(name, pretrained=None, device="meta")
+            finally:
+                logging.disable(logging.NOTSET)
+            params[name] = float(sum(p.numel() for p in model.parameters()))
+    return params
+
+
+def read_csvs(paths: tuple[str, ...], needed: list[str], flag: str) -> list[dict]:
+    rows = []
+    for path in paths:
+        try:
+            with open(path, newline="") as f:
+                reader = csv.DictReader(f)
+                part = list(reader)
+        except OSError as e:
+            raise UserError(f"{flag} {path}: {e.strerror}.") from None
+        if not set(needed) <= set(reader.fieldnames or []):
+            missing = [c for c in needed if c not in (reader.fieldnames or [])]
+            raise UserError(f"{flag} {path} lacks the columns {', '.join(missing)}.")
+        rows += part
+    return rows
+
+
+def study(args: Study) -> list[dict]:
+    if not args.epic and not args.success:
+        raise UserError("pass --epic (epic.csv of `epic_eval.py score`) and/or --success (CSV of `success_eval.py report`).")
+    epic_rows = [r for r in read_csvs(args.epic, ["model", "alpha", "epic"], "--epic")
+                 if r.get("family", "projection") == "projection"]  # the softmax family has no alpha
+    success_rows = [r for r in read_csvs(args.success, ["model", "alpha", "n", "successes"], "--success")
+                    if r["model"] != "gt"]  # a --reward gt run has no CLIP model
+    table = []
+    for r in epic_rows:
+        table.append({"metric": "epic", "model": r["model"], "alpha": float(r["alpha"]), "value": float(r["epic"]),
+                      "low": r.get("epic_low", ""), "high": r.get("epic_high", ""), "n": r.get("n", "")})
+    pooled: dict[tuple, list[int]] = {}
+    for r in success_rows:  # seeds of one model and alpha pooled into one proportion
+        counts = pooled.setdefault((r["model"], float(r["alpha"])), [0, 0])
+        counts[0] += int(r["successes"])
+        counts[1] += int(r["n"])
+    for (model, alpha), (k, n) in pooled.items():
+        if n:
+            low, high = wilson(k, n)
+            table.append({"metric": "success_rate", "model": model, "alpha": alpha, "value": k / n, "low": low, "high": high,
+                          "n": n})
+    if not table:
+        raise UserError("the --epic and --success files hold no rows to plot.")
+    architectures = {row["model"].split("/")[0] for row in table}
+    params = model_parameters(architectures, args.model_params, args.model_configs)
+    for row in table:
+        row["params"] = int(params[row["model"].split("/")[0]])
+    table.sort(key=lambda row: (row["metric"], row["alpha"], row["params"]))
+    check_output_folder(os.path.dirname(os.path.abspath(args.out)), "--out")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    columns = ["metric", "model", "params", "alpha", "value", "low", "high", "n"]
+    with open(args.out + ".csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()} for row in table)
+    plot_study(table, args.out + ".png")
+    print(f"wrote {args.out}.csv and {args.out}.png ({len(table)} points, {len(architectures)} models)")
+    return table
+
+
+def plot_study(table: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = [m for m in ("epic", "success_rate") if any(row["metric"] == m for row in table)]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        rows = [row for row in table if row["metric"] == metric]
+        for alpha in sorted({row["alpha"] for row in rows}):
+            line = sorted((row for row in rows if row["alpha"] == alpha), key=lambda row: row["params"])
+            x, y = [row["params"] for row in line], [row["value"] for row in line]
+            ax.plot(x, y, marker="o", label=f"alpha={alpha:g}")
+            if all(str(row["low"]) not in ("", "nan") for row in line):  # the Wilson / bootstrap interval
+                ax.fill_between(x, [float(row["low"]) for row in line], [float(row["high"]) for row in line], alpha=0.15)
+        ax.set_xscale("log")
+        ax.set_xlabel("CLIP parameters")
+        ax.set_ylabel("EPIC distance to labels (lower is better)" if metric == "epic" else "success rate")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+Commands = Union[
+    Annotated[Rollout, tyro.conf.subcommand("rollout")],
+    Annotated[Label, tyro.conf.subcommand("label")],
+    Annotated[Report, tyro.conf.subcommand("report")],
+    Annotated[Best, tyro.conf.subcommand("best")],
+    Annotated[Study, tyro.conf.subcommand("study")],
+]
+
+
+def main(args) -> None:
+    {Rollout: rollout, Label: label, Report: report, Best: best, Study: study}[type(args)](args)
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore", message=".*No pretrained weights.*")
+    try:
+        main(tyro.cli(Commands))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
