@@ -965,6 +965,7 @@ class Progress:
         self.interval = 0.5 if self.tty else interval
         self.start = self.last = time.time()
         self.gt_returns, self.clip_returns = deque(maxlen=recent), deque(maxlen=recent)
+        self.printed = None  # the step of the last line printed into a log: the final line never repeats it
 
     def episode(self, gt_return: float, clip_return: float) -> None:
         self.gt_returns.append(gt_return)
@@ -972,7 +973,7 @@ class Progress:
 
     def update(self, step: int, final: bool = False) -> None:
         now = time.time()
-        if not final and now - self.last < self.interval:
+        if (not final and now - self.last < self.interval) or (final and not self.tty and self.printed == step):
             return
         self.last, elapsed = now, now - self.start
         sps = (step - self.start_step) / max(elapsed, 1e-9)
@@ -987,6 +988,7 @@ class Progress:
             sys.stdout.flush()
         else:
             print(line, flush=True)
+            self.printed = step
 
 
 # ----------------------------------------------------------------------------------------------
