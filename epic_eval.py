@@ -210,10 +210,18 @@ def randomise_state(env: gym.Env, rng: np.random.Generator) -> np.ndarray:
     """Put a classic-control env in a uniformly random state; returns the matching observation."""
     base = env.unwrapped
     if base.spec.id == "CartPole-v1":
-        base.state = np.array([rng.uniform(-base.x_threshold, base.x_threshold), rng.uniform(-1, 1),
-                               rng.uniform(-math.pi, math.pi), rng.uniform(-1, 1)])
+        base.state = np.array(
+            [
+                rng.uniform(-base.x_threshold, base.x_threshold),
+                rng.uniform(-1, 1),
+                rng.uniform(-math.pi, math.pi),
+                rng.uniform(-1, 1),
+            ]
+        )
     else:
-        base.state = np.array([rng.uniform(base.min_position, base.max_position), rng.uniform(-base.max_speed, base.max_speed)])
+        base.state = np.array(
+            [rng.uniform(base.min_position, base.max_position), rng.uniform(-base.max_speed, base.max_speed)]
+        )
     return np.array(base.state, dtype=np.float32)
 
 
@@ -238,7 +246,9 @@ def check_collect_args(args: Collect) -> Optional[dict]:
     if args.env_id is not None and args.env_id not in ENV_IDS:
         raise UserError(f"--env-id {args.env_id} is not supported; choose one of: {', '.join(ENV_IDS)}.")
     if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
-        raise UserError(f"--out {args.out} already exists and is not empty; choose a new folder (a dataset and its labels are never overwritten).")
+        raise UserError(
+            f"--out {args.out} already exists and is not empty; choose a new folder (a dataset and its labels are never overwritten)."
+        )
     check_output_folder(args.out, "--out")
     checkpoint = None
     if args.policy is not None:
@@ -257,7 +267,9 @@ def check_collect_args(args: Collect) -> Optional[dict]:
         dqn = "q_network" in checkpoint
         supported = ("CartPole-v1", "MountainCar-v0") if dqn else ("Humanoid-v5", "MountainCarContinuous-v0")
         if trained_on not in supported:
-            raise UserError(f"--policy {args.policy} was trained on {trained_on}; collect supports its policies on {', '.join(supported)} only.")
+            raise UserError(
+                f"--policy {args.policy} was trained on {trained_on}; collect supports its policies on {', '.join(supported)} only."
+            )
         args.env_id = trained_on
     args.env_id = args.env_id or "CartPole-v1"
     if args.random_init and args.env_id.startswith("Humanoid"):
@@ -287,8 +299,10 @@ def collect(args: Collect) -> None:
         except (RuntimeError, TypeError, AttributeError) as e:  # wrong shapes or keys: another env or version
             envs.close()
             reason = " ".join(str(e).split())[:200]  # torch's message spans lines
-            raise UserError(f"--policy {args.policy}: its {name} does not fit {args.env_id} ({reason}); "
-                            "pass a policy saved by this version of the training scripts.") from None
+            raise UserError(
+                f"--policy {args.policy}: its {name} does not fit {args.env_id} ({reason}); "
+                "pass a policy saved by this version of the training scripts."
+            ) from None
         # greedy for the Q-network; the actor's deterministic action, as in evaluation
         policy = (lambda x: network(x).argmax(dim=1)) if name == "q_network" else (lambda x: network.get_action(x)[2])
 
@@ -338,16 +352,20 @@ def collect(args: Collect) -> None:
         os.rename(partial, out)  # atomic; also replaces an empty --out folder, never a non-empty one
     except OSError:
         shutil.rmtree(partial, ignore_errors=True)
-        raise UserError(f"--out {args.out} was filled by something else while this dataset was collected; "
-                        "nothing was written, collect again into a new folder.") from None
+        raise UserError(
+            f"--out {args.out} was filled by something else while this dataset was collected; "
+            "nothing was written, collect again into a new folder."
+        ) from None
     gt = [r[-1] for r in rows if r[-1] != ""]
     source = f"policy {args.policy} (epsilon {args.epsilon})" if args.policy else "random actions"
     print(f"wrote {len(rows)} frames of {args.env_id} ({episode} episodes, {source}) to {args.out}")
     if gt:
         print(f"ground truth: {sum(gt)} of {len(gt)} frames are successes")
         if len(set(gt)) == 1:
-            print("warning: every ground-truth label is the same, so `score --labels gt` will refuse this dataset "
-                  "(correlation undefined); collect more frames, use --random-init, or a trained --policy")
+            print(
+                "warning: every ground-truth label is the same, so `score --labels gt` will refuse this dataset "
+                "(correlation undefined); collect more frames, use --random-init, or a trained --policy"
+            )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -359,8 +377,12 @@ SKIP = "skip"  # a frame the labeller could not judge: kept in labels.csv, left 
 
 def is_plain_file_name(name: object) -> bool:
     """A file directly inside a folder: no separators, not '.' or '..', no control characters (a CSV line each)."""
-    return (isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\")
-            and all(ord(c) >= 32 and ord(c) != 127 for c in name))
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(c in name for c in "/\\")
+        and all(ord(c) >= 32 and ord(c) != 127 for c in name)
+    )
 
 
 def load_states(dataset: str) -> list[dict]:
@@ -369,7 +391,9 @@ def load_states(dataset: str) -> list[dict]:
     if not os.path.isdir(dataset):
         raise UserError(f"--dataset {dataset}: no such folder; create one with `python epic_eval.py collect --out {dataset}`.")
     if not os.path.isfile(states_path):
-        raise UserError(f"--dataset {dataset} has no states.csv, so it is not a dataset; create one with `python epic_eval.py collect`.")
+        raise UserError(
+            f"--dataset {dataset} has no states.csv, so it is not a dataset; create one with `python epic_eval.py collect`."
+        )
     with open(states_path, newline="") as f:
         reader = csv.DictReader(f)
         rows = list(reader)
@@ -381,14 +405,18 @@ def load_states(dataset: str) -> list[dict]:
     names = [r["frame"] for r in rows]
     bad = next((n for n in names if not is_plain_file_name(n)), None)
     if bad is not None:  # a crafted states.csv must not reach files outside frames/ (the label page serves them)
-        raise UserError(f"{states_path} names the frame {bad!r}, which is not a plain file name in "
-                        f"{os.path.join(dataset, 'frames')}; frame names must have no folder separators, no '..' "
-                        "and no control characters.")
+        raise UserError(
+            f"{states_path} names the frame {bad!r}, which is not a plain file name in "
+            f"{os.path.join(dataset, 'frames')}; frame names must have no folder separators, no '..' "
+            "and no control characters."
+        )
     if len(set(names)) != len(names):
         raise UserError(f"{states_path} lists a frame more than once (e.g. {next(n for n in names if names.count(n) > 1)}).")
     missing = [n for n in names if not os.path.isfile(os.path.join(dataset, "frames", n))]
     if missing:
-        raise UserError(f"{len(missing)} of the {len(rows)} frames in {states_path} have no image file in {os.path.join(dataset, 'frames')} (first: {missing[0]}).")
+        raise UserError(
+            f"{len(missing)} of the {len(rows)} frames in {states_path} have no image file in {os.path.join(dataset, 'frames')} (first: {missing[0]})."
+        )
     env_ids = {r["env_id"] for r in rows}
     if len(env_ids) > 1:
         raise UserError(f"{states_path} mixes environments ({', '.join(sorted(env_ids))}); keep one environment per dataset.")
@@ -406,7 +434,9 @@ def read_labels(dataset: str, frames: set[str]) -> dict[str, str]:
     if not lines:
         return {}
     if next(csv.reader(lines[:1])) != LABELS_HEADER:
-        raise UserError(f"{path} does not start with the header {','.join(LABELS_HEADER)}; it was not written by `epic_eval.py label`.")
+        raise UserError(
+            f"{path} does not start with the header {','.join(LABELS_HEADER)}; it was not written by `epic_eval.py label`."
+        )
     labels: dict[str, str] = {}
     # one line at a time: a line cut short inside a quoted name must not swallow the next one
     for line_number, row in enumerate((next(csv.reader([line]), []) for line in lines[1:]), start=2):
@@ -424,14 +454,18 @@ def label_values(dataset: str, source: str) -> tuple[list[str], np.ndarray]:
     rows = load_states(dataset)
     if source == "gt":
         if "gt" not in rows[0] or all(r["gt"] == "" for r in rows):
-            raise UserError(f"{dataset}/states.csv has no ground-truth labels ({rows[0]['env_id']} has none); label the frames with `python epic_eval.py label --dataset {dataset}` and use --labels human.")
+            raise UserError(
+                f"{dataset}/states.csv has no ground-truth labels ({rows[0]['env_id']} has none); label the frames with `python epic_eval.py label --dataset {dataset}` and use --labels human."
+            )
         raw = {r["frame"]: r["gt"] for r in rows if r["gt"] != ""}
         where = "the gt column of states.csv"
     else:
         raw = {k: v for k, v in read_labels(dataset, {r["frame"] for r in rows}).items() if v != SKIP}
         where = "labels.csv"
         if not raw:
-            raise UserError(f"{dataset} has no labelled frames yet; label some with `python epic_eval.py label --dataset {dataset}`, or use --labels gt for CartPole/MountainCar.")
+            raise UserError(
+                f"{dataset} has no labelled frames yet; label some with `python epic_eval.py label --dataset {dataset}`, or use --labels gt for CartPole/MountainCar."
+            )
     frames = [r["frame"] for r in rows if r["frame"] in raw]  # states.csv order
     values = []
     for frame in frames:
@@ -440,15 +474,19 @@ def label_values(dataset: str, source: str) -> tuple[list[str], np.ndarray]:
         except ValueError:
             value = float("nan")
         if not math.isfinite(value):
-            raise UserError(f"label {raw[frame]!r} of frame {frame} in {where} is not a number; labels must be numbers (1 success, 0 failure) or '{SKIP}'.")
+            raise UserError(
+                f"label {raw[frame]!r} of frame {frame} in {where} is not a number; labels must be numbers (1 success, 0 failure) or '{SKIP}'."
+            )
         values.append(value)
     return frames, np.array(values)
 
 
 def unreadable_frame(dataset: str, frame: str, error: Exception) -> UserError:
     reason = " ".join(f"{type(error).__name__}: {error}".split())[:160]
-    return UserError(f"frame {frame} of {dataset} is not a readable image ({reason}); collect the dataset again, "
-                     "or remove that frame's row from states.csv.")
+    return UserError(
+        f"frame {frame} of {dataset} is not a readable image ({reason}); collect the dataset again, "
+        "or remove that frame's row from states.csv."
+    )
 
 
 def check_images(dataset: str, frames: list[str]) -> None:
@@ -467,8 +505,10 @@ def check_images(dataset: str, frames: list[str]) -> None:
         first_of_size.setdefault(size, frame)
     if len(first_of_size) > 1:
         (a, size_a), (b, size_b) = [(frame, size) for size, frame in first_of_size.items()][:2]
-        raise UserError(f"the frames of {dataset} have different sizes ({a} is {size_a[0]}x{size_a[1]}, {b} is "
-                        f"{size_b[0]}x{size_b[1]}); keep one environment and render size per dataset.")
+        raise UserError(
+            f"the frames of {dataset} have different sizes ({a} is {size_a[0]}x{size_a[1]}, {b} is "
+            f"{size_b[0]}x{size_b[1]}); keep one environment and render size per dataset."
+        )
 
 
 def read_frames(dataset: str, frames: list[str]) -> np.ndarray:
@@ -604,8 +644,15 @@ MAX_LABEL_BODY = 4096  # bytes; a label request is about 50: a bigger one is ref
 LABEL_PAGE_CSP = "frame-ancestors 'none'"  # with X-Frame-Options: no other site can frame the page (clickjacking)
 
 
-def make_label_server(dataset: str, port: int, task: str, items: Optional[list[str]] = None, media: str = "frames",
-                      media_type: str = "image/png", page: str = LABEL_PAGE) -> http.server.ThreadingHTTPServer:
+def make_label_server(
+    dataset: str,
+    port: int,
+    task: str,
+    items: Optional[list[str]] = None,
+    media: str = "frames",
+    media_type: str = "image/png",
+    page: str = LABEL_PAGE,
+) -> http.server.ThreadingHTTPServer:
     """A server for the label page, bound to 127.0.0.1; `port` 0 picks a free one (see server.server_port).
 
     `items` (files in <dataset>/<media>/, served as `media_type`) default to the frames of states.csv; success_eval.py
@@ -654,7 +701,7 @@ def make_label_server(dataset: str, port: int, task: str, items: Optional[list[s
 
         def _frame(self, path: str) -> Optional[str]:
             # the page asks for frames/<encodeURIComponent(name)>; no file but a listed frame is ever served
-            name = urllib.parse.unquote(path[len(f"/{media}/"):])
+            name = urllib.parse.unquote(path[len(f"/{media}/") :])
             return name if is_plain_file_name(name) and name in frame_set else None
 
         def do_GET(self) -> None:
@@ -708,7 +755,7 @@ def make_label_server(dataset: str, port: int, task: str, items: Optional[list[s
                 body = json.loads(data)
                 frame, label = body["frame"], body["label"]
             except (ValueError, KeyError, TypeError, RecursionError):
-                self._send(400, b"expected {\"frame\": ..., \"label\": ...}\n")
+                self._send(400, b'expected {"frame": ..., "label": ...}\n')
                 return
             if not isinstance(frame, str) or frame not in frame_set or label not in ("1", "0", SKIP):
                 self._send(400, f"unknown frame or label (labels: 1, 0, {SKIP})\n".encode())
@@ -720,7 +767,9 @@ def make_label_server(dataset: str, port: int, task: str, items: Optional[list[s
     try:
         return http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
     except OSError as e:
-        raise UserError(f"cannot listen on 127.0.0.1:{port} ({e.strerror}); pass another --port, or --port 0 for any free one.") from None
+        raise UserError(
+            f"cannot listen on 127.0.0.1:{port} ({e.strerror}); pass another --port, or --port 0 for any free one."
+        ) from None
 
 
 def label(args: Label) -> None:
@@ -729,9 +778,11 @@ def label(args: Label) -> None:
     task = args.task or DEFAULT_PROMPTS.get(env_id, (env_id,))[0]
     server = make_label_server(args.dataset, args.port, task)
     done = len(read_labels(args.dataset, {r["frame"] for r in rows}))
-    print(f"labelling {len(rows)} frames of {args.dataset} ({done} already labelled); open "
-          f"http://127.0.0.1:{server.server_port}/ - keys: 1 success, 0 failure, s skip, Backspace back. "
-          "Every label is on disk when the page says saved; stop with Ctrl-C at any time.")
+    print(
+        f"labelling {len(rows)} frames of {args.dataset} ({done} already labelled); open "
+        f"http://127.0.0.1:{server.server_port}/ - keys: 1 success, 0 failure, s skip, Backspace back. "
+        "Every label is on disk when the page says saved; stop with Ctrl-C at any time."
+    )
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -770,8 +821,9 @@ def epic_distance(rewards: np.ndarray, labels: np.ndarray) -> float:
     return math.sqrt((1.0 - rho) / 2.0)
 
 
-def bootstrap_epic(rewards: np.ndarray, labels: np.ndarray, samples: int, confidence: float,
-                   rng: np.random.Generator) -> tuple[float, float]:
+def bootstrap_epic(
+    rewards: np.ndarray, labels: np.ndarray, samples: int, confidence: float, rng: np.random.Generator
+) -> tuple[float, float]:
     """Percentile interval of EPIC over resamples of the states (with replacement).
 
     Resamples in which the labels or rewards happen to be constant (EPIC undefined) are left out; (nan, nan) when
@@ -844,11 +896,15 @@ def check_score_args(args: Score) -> list[ClipArgs]:
         if not 0.0 <= alpha <= 1.0:
             raise UserError(f"--alphas must be in [0, 1], got {alpha}.")
     if not args.goal or any(not g.strip() for g in args.goal):
-        raise UserError('--goal needs at least one non-empty prompt, e.g. --goal "pole vertically upright on top of the cart".')
+        raise UserError(
+            '--goal needs at least one non-empty prompt, e.g. --goal "pole vertically upright on top of the cart".'
+        )
     if projection and max(args.alphas) > 0 and (not args.baseline or any(not b.strip() for b in args.baseline)):
         raise UserError("--baseline needs at least one non-empty prompt when an alpha is > 0.")
     if projection and max(args.alphas) > 0 and same_prompts(args.goal, args.baseline):
-        raise UserError(f"--goal and --baseline are the same prompts (ignoring case and spaces), so the goal-baseline direction is zero; change one or use only --alphas 0 (got {max(args.alphas)}).")
+        raise UserError(
+            f"--goal and --baseline are the same prompts (ignoring case and spaces), so the goal-baseline direction is zero; change one or use only --alphas 0 (got {max(args.alphas)})."
+        )
     if not 0 < args.temperature < float("inf"):  # also rejects nan
         raise UserError(f"--temperature must be a positive number, got {args.temperature}.")
     if not 0 < args.threshold < 1:
@@ -865,12 +921,20 @@ def check_score_args(args: Score) -> list[ClipArgs]:
     if len(args.clip_pretrained) not in (1, n):
         raise UserError(f"--clip-pretrained needs one tag, or one per model ({n}), got {len(args.clip_pretrained)}.")
     if args.clip_checkpoints is not None and len(args.clip_checkpoints) != n:
-        raise UserError(f"--clip-checkpoints needs one entry per model ({n}; 'none' for a model without one), got {len(args.clip_checkpoints)}.")
+        raise UserError(
+            f"--clip-checkpoints needs one entry per model ({n}; 'none' for a model without one), got {len(args.clip_checkpoints)}."
+        )
     clip_args = []
     for i, model in enumerate(args.clip_models):
         checkpoint = args.clip_checkpoints[i] if args.clip_checkpoints else None
-        clip_args.append(ClipArgs(model, args.clip_pretrained[i % len(args.clip_pretrained)],
-                                  None if checkpoint in (None, "none") else checkpoint, args.clip_cache_dir))
+        clip_args.append(
+            ClipArgs(
+                model,
+                args.clip_pretrained[i % len(args.clip_pretrained)],
+                None if checkpoint in (None, "none") else checkpoint,
+                args.clip_cache_dir,
+            )
+        )
         check_clip_args(clip_args[-1])
     return clip_args
 
@@ -894,8 +958,14 @@ def plot_epic(table: list[dict], path: str, title: str) -> None:
         if rows:  # projection family: EPIC against alpha
             alphas = [row["alpha"] for row in rows]
             ax.plot(alphas, [row["epic"] for row in rows], marker="o", color=colour, label=f"{model}, projection")
-            ax.fill_between(alphas, [row["epic_low"] for row in rows], [row["epic_high"] for row in rows],
-                            color=colour, alpha=0.2, linewidth=0)
+            ax.fill_between(
+                alphas,
+                [row["epic_low"] for row in rows],
+                [row["epic_high"] for row in rows],
+                color=colour,
+                alpha=0.2,
+                linewidth=0,
+            )
         for row in (row for row in table if row["model"] == model and row["family"] == "softmax"):
             if math.isfinite(row["epic"]):  # softmax family: no alpha, a dashed level across the plot
                 ax.axhline(row["epic"], color=colour, linestyle="--", label=f"{model}, {row['curve']}")
@@ -924,7 +994,9 @@ def score(args: Score) -> str:
     args.baseline = args.baseline if args.baseline is not None else ((default_baseline,) if default_baseline else None)
     clip_args = check_score_args(args)
     if is_constant(labels):
-        raise UserError(f"all {len(labels)} labels ({args.labels}) of {args.dataset} are {labels[0]:g}, so the correlation (and EPIC) is undefined; label both successes and failures.")
+        raise UserError(
+            f"all {len(labels)} labels ({args.labels}) of {args.dataset} are {labels[0]:g}, so the correlation (and EPIC) is undefined; label both successes and failures."
+        )
     check_images(args.dataset, frames)
     check_output_folder("runs", "the output folder", "move it away or run from another folder")
     binary = bool(np.isin(labels, (0.0, 1.0)).all())
@@ -932,11 +1004,16 @@ def score(args: Score) -> str:
     run_name = f"{env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = os.path.join("runs", run_name)  # made once there are results: a failed run leaves no folder behind
     if len(labels) == 2:
-        print("warning: only 2 labelled frames: the correlation of two points is always +1 or -1, so EPIC is 0 or 1 "
-              "and its bootstrap interval is undefined (reported as nan); label more frames for a meaningful distance")
-    print(f"run: {run_dir}; {len(frames)} frames of {env_id} with {args.labels} labels "
-          f"({int((labels == 1).sum())} successes), goal={args.goal}, baseline={args.baseline}"
-          + (f", negatives={args.negatives}" if "softmax" in args.reward_families else "") + f", on {device}")
+        print(
+            "warning: only 2 labelled frames: the correlation of two points is always +1 or -1, so EPIC is 0 or 1 "
+            "and its bootstrap interval is undefined (reported as nan); label more frames for a meaningful distance"
+        )
+    print(
+        f"run: {run_dir}; {len(frames)} frames of {env_id} with {args.labels} labels "
+        f"({int((labels == 1).sum())} successes), goal={args.goal}, baseline={args.baseline}"
+        + (f", negatives={args.negatives}" if "softmax" in args.reward_families else "")
+        + f", on {device}"
+    )
     curves: list = list(args.alphas) if "projection" in args.reward_families else []  # an alpha, or SOFTMAX
     if "softmax" in args.reward_families:
         curves.append(SOFTMAX)
@@ -947,46 +1024,94 @@ def score(args: Score) -> str:
         name = model_label(clip)
         torch.manual_seed(args.seed)  # a random-weight (test) model is then the same in every run
         model, tokenizer = load_clip(clip, device)
-        reward_model = CLIPReward(model, tokenizer, args.goal, args.baseline, 0.0, args.reward_batch_size, device,
-                                  "softmax" if SOFTMAX in curves else "projection", args.negatives or (),
-                                  args.temperature, args.threshold, args.soft, args.antialias)
+        reward_model = CLIPReward(
+            model,
+            tokenizer,
+            args.goal,
+            args.baseline,
+            0.0,
+            args.reward_batch_size,
+            device,
+            "softmax" if SOFTMAX in curves else "projection",
+            args.negatives or (),
+            args.temperature,
+            args.threshold,
+            args.soft,
+            args.antialias,
+        )
         projection_alphas = [alpha for alpha in curves if alpha != SOFTMAX]
         if projection_alphas:  # prompts that differ only where CLIP cannot see (e.g. past its 77 tokens) have d = 0
-            check_goal_direction(reward_model.goal_embeddings, reward_model.baseline_embeddings, max(projection_alphas),
-                                 "only --alphas")
+            check_goal_direction(
+                reward_model.goal_embeddings, reward_model.baseline_embeddings, max(projection_alphas), "only --alphas"
+            )
         # image embeddings once per model, from disk in batches; every alpha (and the softmax family) reuses them
         start = time.perf_counter()
-        embeddings = torch.cat([reward_model.embed_images(torch.from_numpy(read_frames(args.dataset, frames[i:i + args.reward_batch_size]))).float().cpu()
-                                for i in range(0, len(frames), args.reward_batch_size)])
+        embeddings = torch.cat(
+            [
+                reward_model.embed_images(torch.from_numpy(read_frames(args.dataset, frames[i : i + args.reward_batch_size])))
+                .float()
+                .cpu()
+                for i in range(0, len(frames), args.reward_batch_size)
+            ]
+        )
         print(f"{name}: embedded {len(frames)} frames in {time.perf_counter() - start:.1f} s")
         for alpha in curves:
             if alpha == SOFTMAX:
                 curve, family, alpha = softmax_curve, "softmax", ""
-                rewards = softmax_reward(embeddings, reward_model.goal_embeddings.cpu(), reward_model.negative_embeddings.cpu(),
-                                         args.temperature, args.threshold, args.soft).numpy()
+                rewards = softmax_reward(
+                    embeddings,
+                    reward_model.goal_embeddings.cpu(),
+                    reward_model.negative_embeddings.cpu(),
+                    args.temperature,
+                    args.threshold,
+                    args.soft,
+                ).numpy()
             else:
                 curve, family = f"alpha={alpha:g}", "projection"
                 try:
-                    rewards = vlm_reward(embeddings, reward_model.goal_embeddings.cpu(), reward_model.baseline_embeddings.cpu(), alpha).numpy()
+                    rewards = vlm_reward(
+                        embeddings, reward_model.goal_embeddings.cpu(), reward_model.baseline_embeddings.cpu(), alpha
+                    ).numpy()
                 except ValueError:
-                    raise UserError(f"{name} embeds --goal and --baseline identically, so the goal-baseline direction is zero; use different prompts or only --alphas 0.") from None
+                    raise UserError(
+                        f"{name} embeds --goal and --baseline identically, so the goal-baseline direction is zero; use different prompts or only --alphas 0."
+                    ) from None
             reward_columns[f"{name}@{curve}"] = rewards
             rng = np.random.default_rng(args.seed)  # same resamples for every model and curve: comparable intervals
-            row = {"model": name, "family": family, "alpha": alpha, "curve": curve, "n": len(labels),
-                   "n_success": int((labels == 1).sum()) if binary else ""}
+            row = {
+                "model": name,
+                "family": family,
+                "alpha": alpha,
+                "curve": curve,
+                "n": len(labels),
+                "n_success": int((labels == 1).sum()) if binary else "",
+            }
             if is_constant(rewards):
                 undefined.append(f"{name} {curve}")
-                row.update(epic=float("nan"), epic_low=float("nan"), epic_high=float("nan"), pearson=float("nan"),
-                           roc_auc=float("nan"), pr_auc=float("nan"))
+                row.update(
+                    epic=float("nan"),
+                    epic_low=float("nan"),
+                    epic_high=float("nan"),
+                    pearson=float("nan"),
+                    roc_auc=float("nan"),
+                    pr_auc=float("nan"),
+                )
             else:
                 epic = epic_distance(rewards, labels)
                 low, high = bootstrap_epic(rewards, labels, args.bootstrap, args.confidence, rng)
-                row.update(epic=epic, epic_low=low, epic_high=high, pearson=1.0 - 2.0 * epic**2,
-                           roc_auc=roc_auc(rewards, labels) if binary else float("nan"),
-                           pr_auc=average_precision(rewards, labels) if binary else float("nan"))
+                row.update(
+                    epic=epic,
+                    epic_low=low,
+                    epic_high=high,
+                    pearson=1.0 - 2.0 * epic**2,
+                    roc_auc=roc_auc(rewards, labels) if binary else float("nan"),
+                    pr_auc=average_precision(rewards, labels) if binary else float("nan"),
+                )
             table.append(row)
-            print(f"  {curve:<11} EPIC={row['epic']:.4f} [{row['epic_low']:.4f}, {row['epic_high']:.4f}]  "
-                  f"pearson={row['pearson']:+.4f}  ROC AUC={row['roc_auc']:.4f}  PR AUC={row['pr_auc']:.4f}")
+            print(
+                f"  {curve:<11} EPIC={row['epic']:.4f} [{row['epic_low']:.4f}, {row['epic_high']:.4f}]  "
+                f"pearson={row['pearson']:+.4f}  ROC AUC={row['roc_auc']:.4f}  PR AUC={row['pr_auc']:.4f}"
+            )
         del model, reward_model  # one model in memory at a time: the large ones take many GB
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -998,19 +1123,30 @@ def score(args: Score) -> str:
     with open(os.path.join(run_dir, "epic.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
-        writer.writerows({k: (f"{v:.6f}" if isinstance(v, float) and k != "alpha" else v) for k, v in row.items() if k in columns}
-                         for row in table)
+        writer.writerows(
+            {k: (f"{v:.6f}" if isinstance(v, float) and k != "alpha" else v) for k, v in row.items() if k in columns}
+            for row in table
+        )
     with open(os.path.join(run_dir, "rewards.csv"), "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["frame", "label", *reward_columns])
         for i, frame in enumerate(frames):
             writer.writerow([frame, f"{labels[i]:g}", *(f"{v[i]:.9g}" for v in reward_columns.values())])
-    plot_epic(table, os.path.join(run_dir, "epic.png"),
-              f"{env_id}, {len(labels)} frames, {args.labels} labels; {int(args.confidence * 100)}% bootstrap interval")
+    plot_epic(
+        table,
+        os.path.join(run_dir, "epic.png"),
+        f"{env_id}, {len(labels)} frames, {args.labels} labels; {int(args.confidence * 100)}% bootstrap interval",
+    )
     print(f"wrote {run_dir}/epic.csv, epic.png, rewards.csv")
     if undefined:
-        hint = " (a binary softmax reward that never or always crosses --threshold: try another --threshold or --soft)" if any(softmax_curve in u for u in undefined) and not args.soft else ""
-        raise UserError(f"the rewards of {', '.join(undefined)} are the same for every frame{hint}, so their correlation with the labels (and EPIC) is undefined; the other results are in {run_dir}/epic.csv.")
+        hint = (
+            " (a binary softmax reward that never or always crosses --threshold: try another --threshold or --soft)"
+            if any(softmax_curve in u for u in undefined) and not args.soft
+            else ""
+        )
+        raise UserError(
+            f"the rewards of {', '.join(undefined)} are the same for every frame{hint}, so their correlation with the labels (and EPIC) is undefined; the other results are in {run_dir}/epic.csv."
+        )
     return run_dir
 
 

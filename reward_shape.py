@@ -133,8 +133,10 @@ def check_args(args: Args) -> list[ClipModelArgs]:
     if args.env_id not in PROMPTS:
         raise UserError(f"--env-id {args.env_id} is not supported; choose one of: {', '.join(PROMPTS)}.")
     if args.realistic and not args.env_id.startswith("MountainCar"):
-        raise UserError(f"--realistic only changes MountainCar-v0 and MountainCarContinuous-v0 drawings, not {args.env_id}'s; "
-                        "drop it or use a MountainCar.")
+        raise UserError(
+            f"--realistic only changes MountainCar-v0 and MountainCarContinuous-v0 drawings, not {args.env_id}'s; "
+            "drop it or use a MountainCar."
+        )
     if not args.reward_families:
         raise UserError("--reward-families needs at least one of: projection, softmax.")
     projection = "projection" in args.reward_families
@@ -144,11 +146,15 @@ def check_args(args: Args) -> list[ClipModelArgs]:
         if not 0.0 <= alpha <= 1.0:  # also rejects nan
             raise UserError(f"--alphas must all be in [0, 1], got {alpha}.")
     if not args.goal or any(not g.strip() for g in args.goal):
-        raise UserError('--goal needs at least one non-empty prompt, e.g. --goal "pole vertically upright on top of the cart".')
+        raise UserError(
+            '--goal needs at least one non-empty prompt, e.g. --goal "pole vertically upright on top of the cart".'
+        )
     if projection and max(args.alphas) > 0 and (not args.baseline or any(not b.strip() for b in args.baseline)):
         raise UserError("--baseline needs at least one non-empty prompt when an alpha is > 0.")
     if projection and max(args.alphas) > 0 and same_prompts(args.goal, args.baseline):
-        raise UserError(f"--goal and --baseline are the same prompts (ignoring case and spaces), so the goal-baseline direction is zero; change one or use --alphas 0 (got alpha {max(args.alphas)}).")
+        raise UserError(
+            f"--goal and --baseline are the same prompts (ignoring case and spaces), so the goal-baseline direction is zero; change one or use --alphas 0 (got alpha {max(args.alphas)})."
+        )
     if not 0 < args.temperature < float("inf"):  # also rejects nan
         raise UserError(f"--temperature must be a positive number, got {args.temperature}.")
     if not 0 < args.threshold < 1:
@@ -158,25 +164,34 @@ def check_args(args: Args) -> list[ClipModelArgs]:
     if args.num_points < 2:
         raise UserError(f"--num-points must be at least 2 to draw a curve, got {args.num_points}.")
     if args.num_points > MAX_NUM_POINTS:
-        raise UserError(f"--num-points must be at most {MAX_NUM_POINTS:,} (every point is a {FRAME_BYTES / 1e6:.2g} MB "
-                        f"frame held in memory, and a curve needs far fewer), got {args.num_points:,}.")
+        raise UserError(
+            f"--num-points must be at most {MAX_NUM_POINTS:,} (every point is a {FRAME_BYTES / 1e6:.2g} MB "
+            f"frame held in memory, and a curve needs far fewer), got {args.num_points:,}."
+        )
     frames_bytes = 2 * args.num_points * FRAME_BYTES  # the rendered frames, and their stacked copy
     available = available_memory()
     if available and frames_bytes > 0.8 * available:
-        raise UserError(f"--num-points {args.num_points:,} needs about {frames_bytes / 2**30:.1f} GiB of memory for its "
-                        f"frames but only {available / 2**30:.1f} GiB is available; use at most "
-                        f"{int(0.8 * available / (2 * FRAME_BYTES)):,} points.")
+        raise UserError(
+            f"--num-points {args.num_points:,} needs about {frames_bytes / 2**30:.1f} GiB of memory for its "
+            f"frames but only {available / 2**30:.1f} GiB is available; use at most "
+            f"{int(0.8 * available / (2 * FRAME_BYTES)):,} points."
+        )
     if Path("runs").exists() and not Path("runs").is_dir():
-        raise UserError("runs is a file, but the results go to the folder runs/; "
-                        "move the file away or run from another folder.")
+        raise UserError(
+            "runs is a file, but the results go to the folder runs/; move the file away or run from another folder."
+        )
     if args.reward_batch_size < 1:
         raise UserError(f"--reward-batch-size must be a positive integer, got {args.reward_batch_size}.")
     if not args.clip_models:
         raise UserError("--clip-models needs at least one model, e.g. --clip-models ViT-bigG-14.")
     if len(args.clip_pretrained) not in (1, len(args.clip_models)):
-        raise UserError(f"--clip-pretrained needs one tag, or one per --clip-models entry ({len(args.clip_models)}), got {len(args.clip_pretrained)}.")
+        raise UserError(
+            f"--clip-pretrained needs one tag, or one per --clip-models entry ({len(args.clip_models)}), got {len(args.clip_pretrained)}."
+        )
     if args.clip_checkpoint is not None and len(args.clip_models) != 1:
-        raise UserError(f"--clip-checkpoint is a weights file for one model, but --clip-models names {len(args.clip_models)}; run once per checkpoint.")
+        raise UserError(
+            f"--clip-checkpoint is a weights file for one model, but --clip-models names {len(args.clip_models)}; run once per checkpoint."
+        )
     tags = args.clip_pretrained * len(args.clip_models) if len(args.clip_pretrained) == 1 else args.clip_pretrained
     specs = [ClipModelArgs(m, t, args.clip_checkpoint, args.clip_cache_dir) for m, t in zip(args.clip_models, tags)]
     labels = [model_label(spec) for spec in specs]
@@ -241,19 +256,33 @@ SOFTMAX = "softmax"  # the key of the thresholded-softmax curve; the projection 
 
 
 @torch.no_grad()
-def score_frames(reward_model: CLIPReward, frames: np.ndarray, alphas: tuple[float, ...],
-                 softmax: bool = False) -> dict[Union[float, str], np.ndarray]:
+def score_frames(
+    reward_model: CLIPReward, frames: np.ndarray, alphas: tuple[float, ...], softmax: bool = False
+) -> dict[Union[float, str], np.ndarray]:
     """Rewards per curve: one per alpha (projection family) and, with softmax=True, the thresholded softmax
     (the reward model's negatives, temperature, threshold and soft setting) under the key SOFTMAX.
     The frames are embedded once; only the cheap scoring is repeated per curve."""
     chunks = torch.from_numpy(np.ascontiguousarray(frames)).split(reward_model.batch_size)
     image_embeddings = torch.cat([reward_model.embed_images(chunk) for chunk in chunks])
     curves: dict[Union[float, str], np.ndarray] = {
-        alpha: vlm_reward(image_embeddings, reward_model.goal_embeddings, reward_model.baseline_embeddings, alpha).cpu().numpy()
-        for alpha in alphas}
+        alpha: vlm_reward(image_embeddings, reward_model.goal_embeddings, reward_model.baseline_embeddings, alpha)
+        .cpu()
+        .numpy()
+        for alpha in alphas
+    }
     if softmax:
-        curves[SOFTMAX] = softmax_reward(image_embeddings, reward_model.goal_embeddings, reward_model.negative_embeddings,
-                                         reward_model.temperature, reward_model.threshold, reward_model.soft).cpu().numpy()
+        curves[SOFTMAX] = (
+            softmax_reward(
+                image_embeddings,
+                reward_model.goal_embeddings,
+                reward_model.negative_embeddings,
+                reward_model.temperature,
+                reward_model.threshold,
+                reward_model.soft,
+            )
+            .cpu()
+            .numpy()
+        )
     return curves
 
 
@@ -293,8 +322,16 @@ def shape_score(states: np.ndarray, rewards: np.ndarray, goal: float) -> float:
     return float(np.corrcoef(a, b)[0, 1])
 
 
-def plot_model(path: Path, label: str, states: np.ndarray, goal: float, rewards: dict[str, np.ndarray],
-               axis_label: str, title: str, warning: Optional[str] = None) -> None:
+def plot_model(
+    path: Path,
+    label: str,
+    states: np.ndarray,
+    goal: float,
+    rewards: dict[str, np.ndarray],
+    axis_label: str,
+    title: str,
+    warning: Optional[str] = None,
+) -> None:
     """One curve per legend entry (alpha, softmax), each min-max normalised, with its maximum (a triangle) and
     the goal state marked; the softmax curve is drawn in red, dotted, to stand apart from the alpha curves."""
     fig, ax = plt.subplots(figsize=(8.5, 4.5))
@@ -303,8 +340,14 @@ def plot_model(path: Path, label: str, states: np.ndarray, goal: float, rewards:
     for name, r in rewards.items():
         softmax = name.startswith(SOFTMAX)
         colour = "tab:red" if softmax else next(colours)
-        ax.plot(states, min_max_normalise(r), color=colour, label=name, linestyle=":" if softmax else "-",
-                linewidth=2 if softmax else 1.5)
+        ax.plot(
+            states,
+            min_max_normalise(r),
+            color=colour,
+            label=name,
+            linestyle=":" if softmax else "-",
+            linewidth=2 if softmax else 1.5,
+        )
         if r.max() > r.min():  # a flat curve has no maximum to mark
             ax.plot(states[int(np.argmax(r))], 1.0, marker="v", markersize=8, color=colour, clip_on=False)
     ax.axvline(goal, color="black", linestyle="--", linewidth=1, label=f"goal state ({goal:g})")
@@ -336,9 +379,11 @@ def main(args: Args) -> Path:
     states = np.linspace(low, high, args.num_points)
     start = time.perf_counter()
     frames, goal = render_states(args.env_id, args.realistic, states, args.seed)
-    print(f"run: {run_dir} on {device}; rendered {len(frames)} {args.env_id}{' (realistic)' if args.realistic else ''} "
-          f"states in {time.perf_counter() - start:.1f} s; goal={args.goal}, baseline={args.baseline}"
-          + (f", negatives={args.negatives}" if "softmax" in args.reward_families else ""))
+    print(
+        f"run: {run_dir} on {device}; rendered {len(frames)} {args.env_id}{' (realistic)' if args.realistic else ''} "
+        f"states in {time.perf_counter() - start:.1f} s; goal={args.goal}, baseline={args.baseline}"
+        + (f", negatives={args.negatives}" if "softmax" in args.reward_families else "")
+    )
     if args.save_frames:
         import imageio
 
@@ -355,9 +400,21 @@ def main(args: Args) -> Path:
         torch.manual_seed(args.seed)  # a random-weights model is the same whatever its position in --clip-models
         model, tokenizer = load_clip(spec, device)
         # alpha and family only matter in CLIPReward.forward, which we bypass to embed the frames once for all curves
-        reward_model = CLIPReward(model, tokenizer, args.goal, args.baseline, 0.0, args.reward_batch_size, device,
-                                  "softmax" if softmax else "projection", args.negatives or (), args.temperature,
-                                  args.threshold, args.soft, args.antialias)
+        reward_model = CLIPReward(
+            model,
+            tokenizer,
+            args.goal,
+            args.baseline,
+            0.0,
+            args.reward_batch_size,
+            device,
+            "softmax" if softmax else "projection",
+            args.negatives or (),
+            args.temperature,
+            args.threshold,
+            args.soft,
+            args.antialias,
+        )
         if alphas:  # prompts that differ only where CLIP cannot see (e.g. past its 77 tokens) have d = 0
             check_goal_direction(reward_model.goal_embeddings, reward_model.baseline_embeddings, max(alphas), "--alphas")
         start = time.perf_counter()
@@ -385,14 +442,25 @@ def main(args: Args) -> Path:
             rows.append([label, key, best, abs(best - goal), shape_score(states, r, goal), r.min(), r.max()])
     header = ["model", "family", "alpha", "argmax_state", "distance_to_goal", "shape_score", "reward_min", "reward_max"]
     with open(run_dir / "summary.csv", "w", newline="") as f:
-        csv.writer(f).writerows([header] + [[r[0], *(("softmax", "") if r[1] == SOFTMAX else ("projection", r[1]))]
-                                            + [f"{v:.10g}" for v in r[2:]] for r in rows])
+        csv.writer(f).writerows(
+            [header]
+            + [
+                [r[0], *(("softmax", "") if r[1] == SOFTMAX else ("projection", r[1]))] + [f"{v:.10g}" for v in r[2:]]
+                for r in rows
+            ]
+        )
     width = max(len(h) for h in header[:1] + [r[0] for r in rows])
-    print(f"\nreward shape on {args.env_id}, state axis: {axis_label}, goal state {goal:g}; "
-          "shape_score = Spearman correlation of reward and closeness to the goal (1 = ideal)")
-    print(f"{'model':<{width}}  {'curve':>10}  {'argmax_state':>12}  {'distance_to_goal':>16}  {'shape_score':>11}  {'reward_min':>10}  {'reward_max':>10}")
+    print(
+        f"\nreward shape on {args.env_id}, state axis: {axis_label}, goal state {goal:g}; "
+        "shape_score = Spearman correlation of reward and closeness to the goal (1 = ideal)"
+    )
+    print(
+        f"{'model':<{width}}  {'curve':>10}  {'argmax_state':>12}  {'distance_to_goal':>16}  {'shape_score':>11}  {'reward_min':>10}  {'reward_max':>10}"
+    )
     for label, key, best, distance, score, r_min, r_max in rows:
-        print(f"{label:<{width}}  {curve_name(key, args, short=True):>10}  {best:>12.4f}  {distance:>16.4f}  {score:>11.3f}  {r_min:>10.4f}  {r_max:>10.4f}")
+        print(
+            f"{label:<{width}}  {curve_name(key, args, short=True):>10}  {best:>12.4f}  {distance:>16.4f}  {score:>11.3f}  {r_min:>10.4f}  {r_max:>10.4f}"
+        )
 
     for spec, (label, curves) in zip(specs, results.items()):
         title = f"{args.env_id}{' (realistic)' if args.realistic else ''}\ngoal: {' | '.join(args.goal)}"

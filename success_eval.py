@@ -166,8 +166,17 @@ def make_envs(script, args, seed: int) -> gym.vector.SyncVectorEnv:
     if script is dqn:
         thunk = dqn.make_env(args.env_id, seed, 0, args.episode_length, args.realistic, args.episodes == "fixed")
     else:
-        thunk = sac.make_env(args.env_id, seed, 0, args.episode_length, args.render_size, args.render_quality,
-                             args.textured, args.camera, args.episodes == "fixed")
+        thunk = sac.make_env(
+            args.env_id,
+            seed,
+            0,
+            args.episode_length,
+            args.render_size,
+            args.render_quality,
+            args.textured,
+            args.camera,
+            args.episodes == "fixed",
+        )
     return gym.vector.SyncVectorEnv([thunk])
 
 
@@ -243,8 +252,9 @@ def rollout(args: Rollout) -> str:
     mode = "deterministic" if args.deterministic else "stochastic"
     out = args.out or os.path.join(os.path.dirname(args.checkpoint) or ".", f"rollouts-{Path(args.checkpoint).stem}-{mode}")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise UserError(f"--out {out} already exists and is not empty; pass a new --out (rollouts and their labels are "
-                        "never overwritten).")
+        raise UserError(
+            f"--out {out} already exists and is not empty; pass a new --out (rollouts and their labels are never overwritten)."
+        )
     check_output_folder(out, "--out")
     if args.clip_cache_dir is not None:
         run.clip_cache_dir = args.clip_cache_dir
@@ -253,8 +263,10 @@ def rollout(args: Rollout) -> str:
         try:  # e.g. a --clip-model config path relative to the folder the run was trained in
             script.check_clip_args(run)
         except UserError as e:
-            raise UserError(f"cannot load the run's reward model ({str(e).rstrip('.')}); run from the folder it was trained "
-                            "in, pass --clip-cache-dir, or pass --no-clip-return.") from None
+            raise UserError(
+                f"cannot load the run's reward model ({str(e).rstrip('.')}); run from the folder it was trained "
+                "in, pass --clip-cache-dir, or pass --no-clip-return."
+            ) from None
     seed = run.seed + 10_000 if args.seed is None else args.seed
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     torch.manual_seed(run.seed)  # as the run built it: the same weights, even for a random-weight test model
@@ -263,8 +275,9 @@ def rollout(args: Rollout) -> str:
     envs = make_envs(script, run, seed)
     act = make_policy(args.checkpoint, checkpoint, script, run, envs, args.deterministic, device)
     fps = 50 if script is dqn else 30  # the training scripts' video rates
-    partial = os.path.join(os.path.dirname(os.path.abspath(out)),
-                           f".{os.path.basename(out)}.partial-{os.getpid()}-{time.time_ns()}")
+    partial = os.path.join(
+        os.path.dirname(os.path.abspath(out)), f".{os.path.basename(out)}.partial-{os.getpid()}-{time.time_ns()}"
+    )
     os.makedirs(os.path.join(partial, "videos"))
     try:
         rows = []
@@ -272,22 +285,47 @@ def rollout(args: Rollout) -> str:
             frames, states, gt_return = run_episode(envs, act, seed + episode, device)
             video = f"episode-{episode:03d}.mp4"
             # faststart: the browser can play it before the whole file arrived
-            imageio.mimwrite(os.path.join(partial, "videos", video), frames, fps=fps, macro_block_size=8,
-                             ffmpeg_params=["-movflags", "+faststart"])
+            imageio.mimwrite(
+                os.path.join(partial, "videos", video),
+                frames,
+                fps=fps,
+                macro_block_size=8,
+                ffmpeg_params=["-movflags", "+faststart"],
+            )
             success = gt_success(run.env_id, states)
-            rows.append({"episode": episode, "video": video, "seed": seed + episode, "steps": len(states),
-                         "clip_return": f"{clip_return(reward_model, frames):.6f}" if reward_model is not None else "",
-                         "gt_return": f"{gt_return:.6f}", "gt_success": "" if success is None else int(success)})
-            print(f"episode {episode}: steps={len(states)} clip_return={rows[-1]['clip_return'] or '-'} "
-                  f"gt_return={gt_return:.1f} gt_success={rows[-1]['gt_success'] if success is not None else '- (judge it)'}")
+            rows.append(
+                {
+                    "episode": episode,
+                    "video": video,
+                    "seed": seed + episode,
+                    "steps": len(states),
+                    "clip_return": f"{clip_return(reward_model, frames):.6f}" if reward_model is not None else "",
+                    "gt_return": f"{gt_return:.6f}",
+                    "gt_success": "" if success is None else int(success),
+                }
+            )
+            print(
+                f"episode {episode}: steps={len(states)} clip_return={rows[-1]['clip_return'] or '-'} "
+                f"gt_return={gt_return:.1f} gt_success={rows[-1]['gt_success'] if success is not None else '- (judge it)'}"
+            )
         envs.close()
         with open(os.path.join(partial, "episodes.csv"), "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=EPISODE_COLUMNS)
             writer.writeheader()
             writer.writerows(rows)
         with open(os.path.join(partial, "policy.json"), "w") as f:
-            json.dump({"checkpoint": os.path.abspath(args.checkpoint), "script": script.__name__ + ".py", "mode": mode,
-                       "seed": seed, "episodes": args.episodes, "args": {k: v for k, v in vars(run).items()}}, f, indent=2)
+            json.dump(
+                {
+                    "checkpoint": os.path.abspath(args.checkpoint),
+                    "script": script.__name__ + ".py",
+                    "mode": mode,
+                    "seed": seed,
+                    "episodes": args.episodes,
+                    "args": {k: v for k, v in vars(run).items()},
+                },
+                f,
+                indent=2,
+            )
     except BaseException:
         envs.close()
         shutil.rmtree(partial, ignore_errors=True)
@@ -298,9 +336,14 @@ def rollout(args: Rollout) -> str:
         shutil.rmtree(partial, ignore_errors=True)
         raise UserError(f"--out {out} was filled by something else during the rollouts; nothing was written.") from None
     judged = [r["gt_success"] for r in rows if r["gt_success"] != ""]
-    print(f"wrote {len(rows)} {mode} episodes of {run.env_id} to {out}"
-          + (f"; ground truth: {sum(judged)} of {len(judged)} successes" if judged else
-             f"; judge them with: python success_eval.py label --rollouts {out}"))
+    print(
+        f"wrote {len(rows)} {mode} episodes of {run.env_id} to {out}"
+        + (
+            f"; ground truth: {sum(judged)} of {len(judged)} successes"
+            if judged
+            else f"; judge them with: python success_eval.py label --rollouts {out}"
+        )
+    )
     return out
 
 
@@ -312,8 +355,9 @@ def read_rollouts(folder: str) -> tuple[dict, list[dict]]:
         with open(os.path.join(folder, "episodes.csv"), newline="") as f:
             rows = list(csv.DictReader(f))
     except (OSError, ValueError):
-        raise UserError(f"{folder} is not a folder written by `success_eval.py rollout` (no readable policy.json and "
-                        "episodes.csv).") from None
+        raise UserError(
+            f"{folder} is not a folder written by `success_eval.py rollout` (no readable policy.json and episodes.csv)."
+        ) from None
     return policy, rows
 
 
@@ -323,13 +367,17 @@ def read_rollouts(folder: str) -> tuple[dict, list[dict]]:
 def episode_page() -> str:
     """epic_eval's label page, showing episode videos instead of frames (same keys, saving and resuming)."""
     page = LABEL_PAGE
-    for old, new in [("<title>label frames</title>", "<title>judge episodes</title>"),
-                     ('<img id="frame" alt="frame">', '<video id="frame" autoplay loop muted playsinline controls></video>'),
-                     ("frames labelled (", "episodes judged ("),
-                     ('"frames/" + encodeURIComponent(frame)', '"videos/" + encodeURIComponent(frame)'),
-                     ('if (index + 1 < frames.length) new Image().src = "frames/" + encodeURIComponent(frames[index + 1]);',
-                      ""),  # no prefetch: a video starts playing as it arrives
-                     ("<div>frame <span", "<div>episode <span")]:
+    for old, new in [
+        ("<title>label frames</title>", "<title>judge episodes</title>"),
+        ('<img id="frame" alt="frame">', '<video id="frame" autoplay loop muted playsinline controls></video>'),
+        ("frames labelled (", "episodes judged ("),
+        ('"frames/" + encodeURIComponent(frame)', '"videos/" + encodeURIComponent(frame)'),
+        (
+            'if (index + 1 < frames.length) new Image().src = "frames/" + encodeURIComponent(frames[index + 1]);',
+            "",
+        ),  # no prefetch: a video starts playing as it arrives
+        ("<div>frame <span", "<div>episode <span"),
+    ]:
         if page.count(old) != 1:
             raise RuntimeError(f"epic_eval.LABEL_PAGE changed: {old!r} not found once")
         page = page.replace(old, new)
@@ -340,17 +388,20 @@ def make_episode_server(folder: str, port: int, task: Optional[str] = None):
     """epic_eval's label server over a rollout folder: its videos, its labels.csv, the episode page."""
     policy, rows = read_rollouts(folder)
     task = task or " / ".join(policy["args"].get("goal") or [policy["args"]["env_id"]])
-    return make_label_server(folder, port, task, items=[r["video"] for r in rows], media="videos",
-                             media_type="video/mp4", page=episode_page())
+    return make_label_server(
+        folder, port, task, items=[r["video"] for r in rows], media="videos", media_type="video/mp4", page=episode_page()
+    )
 
 
 def label(args: Label) -> None:
     server = make_episode_server(args.rollouts, args.port, args.task)
     videos = [r["video"] for r in read_rollouts(args.rollouts)[1]]
     done = len(read_labels(args.rollouts, set(videos)))
-    print(f"judging {len(videos)} episodes of {args.rollouts} ({done} already judged); open "
-          f"http://127.0.0.1:{server.server_port}/ - keys: 1 success, 0 failure, s skip, Backspace back. "
-          "Every verdict is on disk when the page says saved; stop with Ctrl-C at any time.")
+    print(
+        f"judging {len(videos)} episodes of {args.rollouts} ({done} already judged); open "
+        f"http://127.0.0.1:{server.server_port}/ - keys: 1 success, 0 failure, s skip, Backspace back. "
+        "Every verdict is on disk when the page says saved; stop with Ctrl-C at any time."
+    )
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -378,12 +429,33 @@ def run_columns(run_args: dict) -> dict:
     model = "gt"
     if clip:
         model = model_label(ClipArgs(run_args["clip_model"], run_args["clip_pretrained"], run_args.get("clip_checkpoint")))
-    return {"env_id": run_args["env_id"], "task": " | ".join(run_args.get("goal") or []) if clip else "ground truth",
-            "alpha": run_args.get("alpha", "") if clip else "", "model": model, "seed": run_args["seed"]}
+    return {
+        "env_id": run_args["env_id"],
+        "task": " | ".join(run_args.get("goal") or []) if clip else "ground truth",
+        "alpha": run_args.get("alpha", "") if clip else "",
+        "model": model,
+        "seed": run_args["seed"],
+    }
 
 
-REPORT_COLUMNS = ["env_id", "task", "alpha", "model", "seed", "mode", "judged_by", "n", "successes", "unjudged",
-                  "success_rate", "low", "high", "mean_clip_return", "mean_gt_return", "rollouts"]
+REPORT_COLUMNS = [
+    "env_id",
+    "task",
+    "alpha",
+    "model",
+    "seed",
+    "mode",
+    "judged_by",
+    "n",
+    "successes",
+    "unjudged",
+    "success_rate",
+    "low",
+    "high",
+    "mean_clip_return",
+    "mean_gt_return",
+    "rollouts",
+]
 
 
 def judge_folder(folder: str, judge: str) -> dict:
@@ -392,8 +464,10 @@ def judge_folder(folder: str, judge: str) -> dict:
     by = "gt" if judge == "gt" or (judge == "auto" and has_gt) else "labels"
     if by == "gt":
         if not has_gt:
-            raise UserError(f"{folder} has no ground-truth success ({policy['args']['env_id']} has none); judge it with "
-                            f"`python success_eval.py label --rollouts {folder}` and use --judge labels.")
+            raise UserError(
+                f"{folder} has no ground-truth success ({policy['args']['env_id']} has none); judge it with "
+                f"`python success_eval.py label --rollouts {folder}` and use --judge labels."
+            )
         verdicts = [int(r["gt_success"]) for r in rows]
     else:
         labels = read_labels(folder, {r["video"] for r in rows})
@@ -404,10 +478,20 @@ def judge_folder(folder: str, judge: str) -> dict:
     def mean(key: str) -> str:  # blank when any episode has none (e.g. no CLIP return for a --reward gt run)
         return f"{np.mean([float(r[key]) for r in rows]):.4f}" if rows and all(r[key] != "" for r in rows) else ""
 
-    return {**run_columns(policy["args"]), "mode": policy["mode"], "judged_by": by, "n": n, "successes": k,
-            "unjudged": len(rows) - n, "success_rate": f"{k / n:.4f}" if n else "", "low": f"{low:.4f}" if n else "",
-            "high": f"{high:.4f}" if n else "", "mean_clip_return": mean("clip_return"), "mean_gt_return": mean("gt_return"),
-            "rollouts": folder}
+    return {
+        **run_columns(policy["args"]),
+        "mode": policy["mode"],
+        "judged_by": by,
+        "n": n,
+        "successes": k,
+        "unjudged": len(rows) - n,
+        "success_rate": f"{k / n:.4f}" if n else "",
+        "low": f"{low:.4f}" if n else "",
+        "high": f"{high:.4f}" if n else "",
+        "mean_clip_return": mean("clip_return"),
+        "mean_gt_return": mean("gt_return"),
+        "rollouts": folder,
+    }
 
 
 def report(args: Report) -> list[dict]:
@@ -425,8 +509,10 @@ def report(args: Report) -> list[dict]:
         rate = "not judged yet"
         if row["n"]:
             rate = f"{float(row['success_rate']):.2f} [{float(row['low']):.2f}, {float(row['high']):.2f}]"
-        lines.append(f"| {row['env_id']} | {row['task']} | {row['alpha']} | {row['model']} | {row['seed']} | "
-                     f"{row['judged_by']} | {rate} | {row['n']} |")
+        lines.append(
+            f"| {row['env_id']} | {row['task']} | {row['alpha']} | {row['model']} | {row['seed']} | "
+            f"{row['judged_by']} | {rate} | {row['n']} |"
+        )
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -440,16 +526,32 @@ def report(args: Report) -> list[dict]:
 # ----------------------------------------------------------------------------------------------
 # best
 # ----------------------------------------------------------------------------------------------
-REWARD_FLAGS = ["env_id", "reward", "clip_model", "clip_pretrained", "clip_checkpoint", "goal", "baseline", "alpha",
-                "reward_family", "negatives", "temperature", "threshold", "soft", "antialias"]
+REWARD_FLAGS = [
+    "env_id",
+    "reward",
+    "clip_model",
+    "clip_pretrained",
+    "clip_checkpoint",
+    "goal",
+    "baseline",
+    "alpha",
+    "reward_family",
+    "negatives",
+    "temperature",
+    "threshold",
+    "soft",
+    "antialias",
+]
 
 
 def best(args: Best) -> str:
     """Rolls every checkpoint out under the runs' own CLIP reward; prints each mean return and returns the best path."""
     if args.episodes < 1:
         raise UserError(f"--episodes must be a positive integer, got {args.episodes}.")
-    paths = list(args.checkpoints) or sorted(glob.glob(os.path.join(args.runs, "**", "checkpoint.pt"), recursive=True)
-                                             + glob.glob(os.path.join(args.runs, "**", "model.pt"), recursive=True))
+    paths = list(args.checkpoints) or sorted(
+        glob.glob(os.path.join(args.runs, "**", "checkpoint.pt"), recursive=True)
+        + glob.glob(os.path.join(args.runs, "**", "model.pt"), recursive=True)
+    )
     if not paths:
         raise UserError(f"no checkpoint.pt or model.pt under {args.runs}; pass checkpoint files or train with --save-model.")
     loaded = [(path, *load_checkpoint(path)) for path in paths]
@@ -459,8 +561,10 @@ def best(args: Best) -> str:
     for path, _, _, run in loaded[1:]:
         differ = [k for k in REWARD_FLAGS if getattr(run, k) != getattr(first, k)]
         if differ:
-            raise UserError(f"{path} differs from {paths[0]} in {', '.join('--' + k.replace('_', '-') for k in differ)}; "
-                            "CLIP returns compare only under one reward: pass runs of one configuration.")
+            raise UserError(
+                f"{path} differs from {paths[0]} in {', '.join('--' + k.replace('_', '-') for k in differ)}; "
+                "CLIP returns compare only under one reward: pass runs of one configuration."
+            )
     if args.clip_cache_dir is not None:
         first.clip_cache_dir = args.clip_cache_dir
     loaded[0][2].check_clip_args(first)
@@ -479,9 +583,11 @@ def best(args: Best) -> str:
         print(f"{path}: mean CLIP return {means[path]:.4f} (std {np.std(returns):.4f}) over {args.episodes} episodes")
     chosen = max(means, key=means.get)
     others = sorted((v for p, v in means.items() if p != chosen), reverse=True)
-    print(f"best: {chosen}: the highest mean CLIP return, {means[chosen]:.4f}"
-          + (f" (next best {others[0]:.4f})" if others else " (the only checkpoint)")
-          + f", over {args.episodes} {'deterministic' if args.deterministic else 'stochastic'} episodes each")
+    print(
+        f"best: {chosen}: the highest mean CLIP return, {means[chosen]:.4f}"
+        + (f" (next best {others[0]:.4f})" if others else " (the only checkpoint)")
+        + f", over {args.episodes} {'deterministic' if args.deterministic else 'stochastic'} episodes each"
+    )
     return chosen
 
 
@@ -507,8 +613,9 @@ def model_parameters(names: set[str], given: tuple[str, ...], configs: tuple[str
             open_clip.add_model_config(config)
         for name in missing:
             if name not in open_clip.list_models():
-                raise UserError(f"the size of {name} is unknown; pass --model-params {name}=COUNT or "
-                                "--model-configs <its .json>.")
+                raise UserError(
+                    f"the size of {name} is unknown; pass --model-params {name}=COUNT or --model-configs <its .json>."
+                )
             logging.disable(logging.WARNING)  # open_clip's "no pretrained weights": none are wanted here
             try:
                 with torch.device("meta"):
@@ -538,14 +645,25 @@ def read_csvs(paths: tuple[str, ...], needed: list[str], flag: str) -> list[dict
 def study(args: Study) -> list[dict]:
     if not args.epic and not args.success:
         raise UserError("pass --epic (epic.csv of `epic_eval.py score`) and/or --success (CSV of `success_eval.py report`).")
-    epic_rows = [r for r in read_csvs(args.epic, ["model", "alpha", "epic"], "--epic")
-                 if r.get("family", "projection") == "projection"]  # the softmax family has no alpha
-    success_rows = [r for r in read_csvs(args.success, ["model", "alpha", "n", "successes"], "--success")
-                    if r["model"] != "gt"]  # a --reward gt run has no CLIP model
+    epic_rows = [
+        r for r in read_csvs(args.epic, ["model", "alpha", "epic"], "--epic") if r.get("family", "projection") == "projection"
+    ]  # the softmax family has no alpha
+    success_rows = [
+        r for r in read_csvs(args.success, ["model", "alpha", "n", "successes"], "--success") if r["model"] != "gt"
+    ]  # a --reward gt run has no CLIP model
     table = []
     for r in epic_rows:
-        table.append({"metric": "epic", "model": r["model"], "alpha": float(r["alpha"]), "value": float(r["epic"]),
-                      "low": r.get("epic_low", ""), "high": r.get("epic_high", ""), "n": r.get("n", "")})
+        table.append(
+            {
+                "metric": "epic",
+                "model": r["model"],
+                "alpha": float(r["alpha"]),
+                "value": float(r["epic"]),
+                "low": r.get("epic_low", ""),
+                "high": r.get("epic_high", ""),
+                "n": r.get("n", ""),
+            }
+        )
     pooled: dict[tuple, list[int]] = {}
     for r in success_rows:  # seeds of one model and alpha pooled into one proportion
         counts = pooled.setdefault((r["model"], float(r["alpha"])), [0, 0])
@@ -554,8 +672,9 @@ def study(args: Study) -> list[dict]:
     for (model, alpha), (k, n) in pooled.items():
         if n:
             low, high = wilson(k, n)
-            table.append({"metric": "success_rate", "model": model, "alpha": alpha, "value": k / n, "low": low, "high": high,
-                          "n": n})
+            table.append(
+                {"metric": "success_rate", "model": model, "alpha": alpha, "value": k / n, "low": low, "high": high, "n": n}
+            )
     if not table:
         raise UserError("the --epic and --success files hold no rows to plot.")
     architectures = {row["model"].split("/")[0] for row in table}

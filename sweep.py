@@ -97,8 +97,14 @@ class PointJob(submitit.helpers.Checkpointable):
             log.flush()
             self._offset, self._start = log.tell(), time.time()
             # SLURM signals every process of the job: the script must not die of submitit's SIGUSR2 (default action: exit)
-            self._proc = subprocess.Popen(cmd, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT,
-                                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=ignore_user_signals)
+            self._proc = subprocess.Popen(
+                cmd,
+                cwd=self.workdir,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                preexec_fn=ignore_user_signals,
+            )
         threading.Thread(target=self._proc.wait, daemon=True).start()  # only this thread waits: no lock in signal handlers
         # SIGTERM to this job: checkpoint, then end. On SLURM the script got the same signal (SLURM signals every
         # process of a job step); a second SIGTERM would make it quit without saving.
@@ -122,8 +128,12 @@ class PointJob(submitit.helpers.Checkpointable):
         stopped = "stopped; continue with" in text
         rc = proc.returncode
         status = "done" if rc == 0 and not stopped else "stopped" if rc == 0 else f"failed (exit {rc})"
-        result = {"status": status, "run_dir": run_dir, **state,
-                  "last_line": next((line for line in reversed(text.splitlines()) if line.strip()), "")}
+        result = {
+            "status": status,
+            "run_dir": run_dir,
+            **state,
+            "last_line": next((line for line in reversed(text.splitlines()) if line.strip()), ""),
+        }
         if status == "done":
             (self.folder / "done.json").write_text(json.dumps(result))
         return result
@@ -204,8 +214,12 @@ def final_numbers(run_dir: Optional[str], last: int) -> dict:
     tags, out = acc.Tags()["scalars"], {}
     if "charts/episodic_length" in tags:
         out["steps"] = acc.Scalars("charts/episodic_length")[-1].step
-    for column, tag in [("gt_return", "charts/gt_return"), ("gt_success", "charts/gt_success"),
-                        ("clip_return", "charts/clip_return"), ("eval_gt_return", "eval/gt_return")]:
+    for column, tag in [
+        ("gt_return", "charts/gt_return"),
+        ("gt_success", "charts/gt_success"),
+        ("clip_return", "charts/clip_return"),
+        ("eval_gt_return", "eval/gt_return"),
+    ]:
         if tag in tags:
             values = [e.value for e in acc.Scalars(tag)][-last:]
             out[column] = round(sum(values) / len(values), 4)
@@ -228,27 +242,44 @@ def main(args: Args, fixed: list[str]) -> None:
     for values, flags, parsed in grid_points(args.grid, fixed, script):
         point_id = slug("_".join(f"{k}={v}" for k, v in values) or "point")
         command = [str(script), *flags, "--exp-name", f"{name}-{point_id}", *SWEEP_FLAGS]
-        points.append({"values": dict(values), "label": " ".join(f"{k}={v}" for k, v in values) or "(no axes)",
-                       "folder": root / point_id, "parsed": parsed,
-                       "job": PointJob(command, f"{name}-{point_id}", str(root / point_id), os.getcwd())})
+        points.append(
+            {
+                "values": dict(values),
+                "label": " ".join(f"{k}={v}" for k, v in values) or "(no axes)",
+                "folder": root / point_id,
+                "parsed": parsed,
+                "job": PointJob(command, f"{name}-{point_id}", str(root / point_id), os.getcwd()),
+            }
+        )
         points[-1]["folder"].mkdir(parents=True, exist_ok=True)
         (root / point_id / "point.json").write_text(json.dumps({"values": dict(values), "command": command}))
 
     todo = [p for p in points if not (p["folder"] / "done.json").exists()]
     resuming = sum(p["job"].run_dir() is not None for p in todo)
-    print(f"sweep {name}: {len(points)} points ({len(points) - len(todo)} finished, {resuming} to resume, "
-          f"{len(todo) - resuming} to start) on {cluster}; folder {root}", flush=True)
+    print(
+        f"sweep {name}: {len(points)} points ({len(points) - len(todo)} finished, {resuming} to resume, "
+        f"{len(todo) - resuming} to start) on {cluster}; folder {root}",
+        flush=True,
+    )
     executor = submitit.AutoExecutor(folder=root / "submitit" / "%j", cluster=cluster)
-    executor.update_parameters(name=name, timeout_min=args.timeout_min, cpus_per_task=args.cpus_per_job,
-                               gpus_per_node=args.gpus_per_job, **({"mem_gb": args.mem_gb} if cluster == "slurm" else {}),
-                               **({"slurm_partition": args.partition} if cluster == "slurm" and args.partition else {}))
+    executor.update_parameters(
+        name=name,
+        timeout_min=args.timeout_min,
+        cpus_per_task=args.cpus_per_job,
+        gpus_per_node=args.gpus_per_job,
+        **({"mem_gb": args.mem_gb} if cluster == "slurm" else {}),
+        **({"slurm_partition": args.partition} if cluster == "slurm" and args.partition else {}),
+    )
     local_slots = max(1, (os.cpu_count() or 1) // max(1, args.cpus_per_job))
     limit = args.max_parallel or (len(todo) if cluster == "slurm" else local_slots)
     waiting, running, finished, start = list(todo), [], 0, time.time()
     for point in list(waiting):  # a rerun while the last sweep's SLURM jobs still run: wait for them, submit no twin
         job_file = point["folder"] / "slurm_job_id"
-        if cluster == "slurm" and job_file.exists() and subprocess.run(
-                ["squeue", "-h", "-j", job_file.read_text()], capture_output=True, text=True).stdout.strip():
+        if (
+            cluster == "slurm"
+            and job_file.exists()
+            and subprocess.run(["squeue", "-h", "-j", job_file.read_text()], capture_output=True, text=True).stdout.strip()
+        ):
             waiting.remove(point)
             running.append((point, submitit.SlurmJob(root / "submitit" / "%j", job_file.read_text())))
             print(f"{point['label']}: job {job_file.read_text()} is still queued or running; waiting for it", flush=True)
@@ -265,14 +296,17 @@ def main(args: Args, fixed: list[str]) -> None:
                 try:
                     result = job.result()
                     detail = {"done": "done", "stopped": "stopped at a checkpoint (rerun the same command to resume)"}.get(
-                        result["status"], f"{result['status']}: {result['last_line']}")
+                        result["status"], f"{result['status']}: {result['last_line']}"
+                    )
                 except Exception as e:  # the job itself failed (not the script): submitit's error holds its traceback
                     detail = f"job failed ({type(e).__name__}); see {root / 'submitit'}"
                 print(f"[{finished}/{len(todo)}] {point['label']}: {detail} ({time.time() - start:.0f} s)", flush=True)
             time.sleep(2.0 if running else 0)
     except KeyboardInterrupt:
-        print(f"interrupted: rerun the same command to resume the {len(waiting) + len(running)} unfinished points",
-              file=sys.stderr)
+        print(
+            f"interrupted: rerun the same command to resume the {len(waiting) + len(running)} unfinished points",
+            file=sys.stderr,
+        )
         sys.exit(130)
     write_table(points, root, args.last_episodes)
 
@@ -288,11 +322,25 @@ def write_table(points: list[dict], root: Path, last: int) -> None:
         if done:
             numbers["steps"] = p["parsed"].total_timesteps
         state = json.loads(state_file.read_text()) if state_file.exists() else {}
-        rows.append({**p["values"], "status": "done" if done else "unfinished" if run else "not started", **numbers,
-                     "wall_s": round(state["wall_s"]) if state else "",
-                     "run_dir": os.path.relpath(done.get("run_dir") or run, os.getcwd()) if (done or run) else ""})
-    columns = list(points[0]["values"]) + ["status", "steps", "gt_return", "gt_success", "clip_return", "eval_gt_return",
-                                          "wall_s", "run_dir"]
+        rows.append(
+            {
+                **p["values"],
+                "status": "done" if done else "unfinished" if run else "not started",
+                **numbers,
+                "wall_s": round(state["wall_s"]) if state else "",
+                "run_dir": os.path.relpath(done.get("run_dir") or run, os.getcwd()) if (done or run) else "",
+            }
+        )
+    columns = list(points[0]["values"]) + [
+        "status",
+        "steps",
+        "gt_return",
+        "gt_success",
+        "clip_return",
+        "eval_gt_return",
+        "wall_s",
+        "run_dir",
+    ]
     columns = [c for c in columns if any(c in r for r in rows)]
     with open(root / "sweep.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, columns)
@@ -306,7 +354,7 @@ def write_table(points: list[dict], root: Path, last: int) -> None:
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    fixed = argv[argv.index("--") + 1:] if "--" in argv else []
+    fixed = argv[argv.index("--") + 1 :] if "--" in argv else []
     try:
         main(tyro.cli(Args, args=argv[: argv.index("--")] if "--" in argv else argv), fixed)
     except UserError as e:

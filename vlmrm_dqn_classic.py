@@ -164,48 +164,78 @@ def check_args(args: Args) -> None:
     if not 0.0 <= args.alpha <= 1.0:
         raise UserError(f"--alpha must be in [0, 1], got {args.alpha}.")
     if not args.goal or any(not g.strip() for g in args.goal):
-        raise UserError('--goal needs at least one non-empty prompt, e.g. --goal "pole vertically upright on top of the cart".')
+        raise UserError(
+            '--goal needs at least one non-empty prompt, e.g. --goal "pole vertically upright on top of the cart".'
+        )
     if args.alpha > 0 and (not args.baseline or any(not b.strip() for b in args.baseline)):
         raise UserError("--baseline needs at least one non-empty prompt when --alpha > 0.")
     if args.alpha > 0 and same_prompts(args.goal, args.baseline):
-        raise UserError(f"--goal and --baseline are the same prompts (ignoring case and spaces), so the goal-baseline direction is zero; change one or use --alpha 0 (got --alpha {args.alpha}).")
+        raise UserError(
+            f"--goal and --baseline are the same prompts (ignoring case and spaces), so the goal-baseline direction is zero; change one or use --alpha 0 (got --alpha {args.alpha})."
+        )
     if not 0 < args.temperature < float("inf"):  # also rejects nan
         raise UserError(f"--temperature must be a positive number, got {args.temperature}.")
     if not 0 < args.threshold < 1:
         raise UserError(f"--threshold must be in (0, 1), got {args.threshold}.")
     if args.reward_family == "softmax":
         args.negatives = resolve_negatives(args.goal, args.negatives, "--reward-family softmax")
-    for name in ["total_timesteps", "num_envs", "buffer_size", "batch_size", "train_frequency",
-                 "target_network_frequency", "episode_length", "reward_batch_size", "eval_episodes", "video_interval",
-                 "checkpoint_frequency"]:
+    for name in [
+        "total_timesteps",
+        "num_envs",
+        "buffer_size",
+        "batch_size",
+        "train_frequency",
+        "target_network_frequency",
+        "episode_length",
+        "reward_batch_size",
+        "eval_episodes",
+        "video_interval",
+        "checkpoint_frequency",
+    ]:
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}.")
-    for name, low, high in [("gamma", 0, 1), ("tau", 0, 1), ("start_e", 0, 1), ("end_e", 0, 1), ("exploration_fraction", 0, 1)]:
+    for name, low, high in [
+        ("gamma", 0, 1),
+        ("tau", 0, 1),
+        ("start_e", 0, 1),
+        ("end_e", 0, 1),
+        ("exploration_fraction", 0, 1),
+    ]:
         if not low <= getattr(args, name) <= high:
             raise UserError(f"--{name.replace('_', '-')} must be in [{low}, {high}], got {getattr(args, name)}.")
     if not args.learning_rate > 0:
         raise UserError(f"--learning-rate must be positive, got {args.learning_rate}.")
     if args.total_timesteps % args.num_envs:  # every vector step takes one step in each env
         rounded = -(-args.total_timesteps // args.num_envs) * args.num_envs
-        print(f"note: --total-timesteps {args.total_timesteps} rounded up to {rounded}, a multiple of --num-envs {args.num_envs}")
+        print(
+            f"note: --total-timesteps {args.total_timesteps} rounded up to {rounded}, a multiple of --num-envs {args.num_envs}"
+        )
         args.total_timesteps = rounded
     if args.learning_starts >= args.total_timesteps:
-        raise UserError(f"--learning-starts {args.learning_starts} is not below --total-timesteps {args.total_timesteps}, so no gradient step would "
-                        f"ever be taken; lower it, e.g. --learning-starts {args.total_timesteps // 4} (a quarter of the run).")
+        raise UserError(
+            f"--learning-starts {args.learning_starts} is not below --total-timesteps {args.total_timesteps}, so no gradient step would "
+            f"ever be taken; lower it, e.g. --learning-starts {args.total_timesteps // 4} (a quarter of the run)."
+        )
     if args.batch_size > args.buffer_size:
         raise UserError(f"--batch-size {args.batch_size} cannot exceed --buffer-size {args.buffer_size}.")
     if args.evaluate is not None:  # the checks of --resume: a truncated file, the other script's, another env's
         saved = read_checkpoint(args.evaluate, "--evaluate")
         if "q_network" not in saved:
-            raise UserError(f"--evaluate {args.evaluate} holds no trained networks; pass a checkpoint.pt written by this script.")
+            raise UserError(
+                f"--evaluate {args.evaluate} holds no trained networks; pass a checkpoint.pt written by this script."
+            )
         if saved["args"].get("env_id", args.env_id) != args.env_id:
-            raise UserError(f"--evaluate {args.evaluate} was trained on {saved['args']['env_id']}, not {args.env_id}; pass --env-id {saved['args']['env_id']}.")
+            raise UserError(
+                f"--evaluate {args.evaluate} was trained on {saved['args']['env_id']}, not {args.env_id}; pass --env-id {saved['args']['env_id']}."
+            )
     if args.torch_threads is not None and args.torch_threads < 0:
         raise UserError(f"--torch-threads must be 0 (torch's default) or a positive number, got {args.torch_threads}.")
     known = ["cpu", *(["cuda"] if torch.cuda.is_available() else []), *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
     if any(name not in known for name in args.reward_devices):
-        raise UserError(f"--reward-devices {next(n for n in args.reward_devices if n not in known)} is not a device of this "
-                        f"machine; its devices are: {', '.join(known)}.")
+        raise UserError(
+            f"--reward-devices {next(n for n in args.reward_devices if n not in known)} is not a device of this "
+            f"machine; its devices are: {', '.join(known)}."
+        )
     check_writable("runs")
     if args.capture_video:
         check_writable("videos")
@@ -222,13 +252,17 @@ def check_writable(folder: str) -> None:
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
-        raise UserError(f"cannot write outputs to {os.path.abspath(folder)}/ ({existing} is not a writable folder); run from a folder you can write to.")
+        raise UserError(
+            f"cannot write outputs to {os.path.abspath(folder)}/ ({existing} is not a writable folder); run from a folder you can write to."
+        )
 
 
 def check_resources(args: Args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple) -> None:
     """Estimate host memory (replay buffer + frames waiting for their reward) and refuse what cannot fit."""
     action_bytes = 8 if isinstance(action_space, gym.spaces.Discrete) else 4 * int(np.prod(action_space.shape))
-    buffer_bytes = args.buffer_size * (2 * 4 * int(np.prod(observation_space.shape)) + action_bytes + 4 + 4)  # obs, next_obs, action, reward, done
+    buffer_bytes = args.buffer_size * (
+        2 * 4 * int(np.prod(observation_space.shape)) + action_bytes + 4 + 4
+    )  # obs, next_obs, action, reward, done
     pending_frames = args.reward_batch_size * max(1, len(args.reward_devices)) + args.num_envs  # one batch per reward device
     frame_bytes = pending_frames * int(np.prod(frame_shape)) if args.reward == "clip" else 0
     # a sampled batch: its transitions plus the activations kept for the backward pass (~16 layers of 256 floats)
@@ -236,15 +270,19 @@ def check_resources(args: Args, observation_space: gym.Space, action_space: gym.
     # --resume loads the saved buffer before copying it in: a new run needs room for both (a resumed one holds it already)
     copy_bytes = buffer_bytes if args.save_buffer and args.resume is None else 0
     available = available_memory()
-    print(f"memory: replay buffer {buffer_bytes / 2**30:.2f} GiB + pending frames {frame_bytes / 2**30:.2f} GiB"
-          + (f" + batch {batch_bytes / 2**30:.2f} GiB" if batch_bytes >= 2**29 else "")
-          + (f" + buffer copy on --resume {copy_bytes / 2**30:.2f} GiB" if copy_bytes else "")
-          + (f" (available: {available / 2**30:.1f} GiB)" if available else ""))
+    print(
+        f"memory: replay buffer {buffer_bytes / 2**30:.2f} GiB + pending frames {frame_bytes / 2**30:.2f} GiB"
+        + (f" + batch {batch_bytes / 2**30:.2f} GiB" if batch_bytes >= 2**29 else "")
+        + (f" + buffer copy on --resume {copy_bytes / 2**30:.2f} GiB" if copy_bytes else "")
+        + (f" (available: {available / 2**30:.1f} GiB)" if available else "")
+    )
     needs = {"--buffer-size": buffer_bytes + copy_bytes, "--reward-batch-size": frame_bytes, "--batch-size": batch_bytes}
     if available and sum(needs.values()) > 0.9 * available:
         flag = max(needs, key=needs.get)
-        raise UserError(f"{flag} {getattr(args, flag[2:].replace('-', '_'))} makes the run need {sum(needs.values()) / 2**30:.1f} GiB of memory "
-                        f"({', '.join(f'{k}: {v / 2**30:.1f} GiB' for k, v in needs.items() if v)}) but only {available / 2**30:.1f} GiB is available; lower {flag}.")
+        raise UserError(
+            f"{flag} {getattr(args, flag[2:].replace('-', '_'))} makes the run need {sum(needs.values()) / 2**30:.1f} GiB of memory "
+            f"({', '.join(f'{k}: {v / 2**30:.1f} GiB' for k, v in needs.items() if v)}) but only {available / 2**30:.1f} GiB is available; lower {flag}."
+        )
 
 
 def available_memory() -> int:
@@ -264,21 +302,36 @@ def read_checkpoint(path: str, flag: str = "--resume") -> dict:
         # our own file with RNG states and arrays: weights_only=False, so only resume checkpoints you trust
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file
-        raise UserError(f"{flag} {path} is not a readable checkpoint ({type(e).__name__}); pass the checkpoint.pt written by this script.") from None
-    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("args"), dict) or not set(checkpoint["args"]) <= {f.name for f in fields(Args)}:
+        raise UserError(
+            f"{flag} {path} is not a readable checkpoint ({type(e).__name__}); pass the checkpoint.pt written by this script."
+        ) from None
+    if (
+        not isinstance(checkpoint, dict)
+        or not isinstance(checkpoint.get("args"), dict)
+        or not set(checkpoint["args"]) <= {f.name for f in fields(Args)}
+    ):
         raise UserError(f"{flag} {path} was written by another script; pass a checkpoint.pt of {os.path.basename(__file__)}.")
     if flag == "--resume" and ("iteration" not in checkpoint or "rng" not in checkpoint):
-        raise UserError(f"--resume {path} holds no resumable training state (a model.pt, or networks saved when training stopped on a non-finite value); pass a checkpoint.pt saved at an episode boundary.")
+        raise UserError(
+            f"--resume {path} holds no resumable training state (a model.pt, or networks saved when training stopped on a non-finite value); pass a checkpoint.pt saved at an episode boundary."
+        )
     return checkpoint
 
 
 def resumed_args(args: Args, checkpoint: dict) -> Args:
     """The run's own flags; a flag given next to --resume that would change them is refused, never silently ignored."""
     default, saved = Args(), checkpoint["args"]
-    changed = [f.name for f in fields(Args) if f.name != "resume" and getattr(args, f.name) != getattr(default, f.name)
-               and getattr(args, f.name) != saved.get(f.name, getattr(default, f.name))]
+    changed = [
+        f.name
+        for f in fields(Args)
+        if f.name != "resume"
+        and getattr(args, f.name) != getattr(default, f.name)
+        and getattr(args, f.name) != saved.get(f.name, getattr(default, f.name))
+    ]
     if changed:
-        raise UserError(f"--resume continues a run with the flags it was started with; drop {', '.join('--' + n.replace('_', '-') for n in changed)} (or start a new run).")
+        raise UserError(
+            f"--resume continues a run with the flags it was started with; drop {', '.join('--' + n.replace('_', '-') for n in changed)} (or start a new run)."
+        )
     return Args(**{"episodes": "fixed", **saved, "resume": args.resume})  # older checkpoints: fixed
 
 
@@ -294,37 +347,50 @@ def check_clip_args(args: Args) -> None:
             with open(args.clip_model, encoding="utf-8") as f:
                 config = json.load(f)
         except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
-            raise UserError(f"--clip-model {args.clip_model} is not a readable JSON file ({type(e).__name__}: "
-                            f"{str(e)[:120]}); pass an open_clip model config such as tests/vlmrm-tiny-test.json.") from None
+            raise UserError(
+                f"--clip-model {args.clip_model} is not a readable JSON file ({type(e).__name__}: "
+                f"{str(e)[:120]}); pass an open_clip model config such as tests/vlmrm-tiny-test.json."
+            ) from None
         # open_clip silently skips a config without these, and then reports an unknown model
         required = [("embed_dim", int), ("vision_cfg", dict), ("text_cfg", dict)]
         if not isinstance(config, dict) or not all(isinstance(config.get(k), t) for k, t in required):
-            raise UserError(f"--clip-model {args.clip_model} is JSON but not an open_clip model config (it needs an integer "
-                            "embed_dim and the objects vision_cfg and text_cfg, as in tests/vlmrm-tiny-test.json).")
+            raise UserError(
+                f"--clip-model {args.clip_model} is JSON but not an open_clip model config (it needs an integer "
+                "embed_dim and the objects vision_cfg and text_cfg, as in tests/vlmrm-tiny-test.json)."
+            )
         return
     if args.clip_model not in open_clip.list_models():
-        raise UserError(f"--clip-model {args.clip_model} is not an open_clip architecture; run `python -c \"import open_clip; print(open_clip.list_models())\"` to see them (e.g. ViT-bigG-14, ViT-L-14, RN50).")
+        raise UserError(
+            f'--clip-model {args.clip_model} is not an open_clip architecture; run `python -c "import open_clip; print(open_clip.list_models())"` to see them (e.g. ViT-bigG-14, ViT-L-14, RN50).'
+        )
     if args.clip_checkpoint is not None:
         if not os.path.isfile(args.clip_checkpoint):
-            raise UserError(f"--clip-checkpoint {args.clip_checkpoint}: no such file; pass the path of a downloaded open_clip weights file.")
+            raise UserError(
+                f"--clip-checkpoint {args.clip_checkpoint}: no such file; pass the path of a downloaded open_clip weights file."
+            )
         return
     tags = open_clip.list_pretrained_tags_by_model(args.clip_model)
     if args.clip_pretrained != "none" and args.clip_pretrained not in tags:
-        raise UserError(f"--clip-pretrained {args.clip_pretrained} is not a pretrained tag of {args.clip_model}; its tags are: {', '.join(tags) or 'none'}.")
+        raise UserError(
+            f"--clip-pretrained {args.clip_pretrained} is not a pretrained tag of {args.clip_model}; its tags are: {', '.join(tags) or 'none'}."
+        )
 
 
 def same_prompts(goal: tuple[str, ...], baseline: tuple[str, ...]) -> bool:
     """Goal and baseline prompts that CLIP cannot tell apart: its tokenizer ignores case and extra spaces."""
+
     def canonical(prompts):
         return sorted({" ".join(p.lower().split()) for p in prompts})
+
     return canonical(goal) == canonical(baseline)
 
 
 # ----------------------------------------------------------------------------------------------
 # CLIP reward
 # ----------------------------------------------------------------------------------------------
-def vlm_reward(image_embeddings: torch.Tensor, goal_embeddings: torch.Tensor,
-               baseline_embeddings: torch.Tensor, alpha: float) -> torch.Tensor:
+def vlm_reward(
+    image_embeddings: torch.Tensor, goal_embeddings: torch.Tensor, baseline_embeddings: torch.Tensor, alpha: float
+) -> torch.Tensor:
     """R(s) = 1 - 0.5 * ||(s - g) P||^2 with P = alpha * d d^T / ||d||^2 + (1 - alpha) I, d = g - b.
 
     Takes raw (N, D) image and (G, D) / (B, D) prompt embeddings; returns (N,) rewards in float32.
@@ -346,14 +412,26 @@ def vlm_reward(image_embeddings: torch.Tensor, goal_embeddings: torch.Tensor,
 
 
 DEFAULT_NEGATIVES = {  # softmax family: our own negatives for the default goals (not the paper's), states the goal is not
-    ("pole vertically upright on top of the cart",): ("pole tilted to the side of the cart", "pole lying flat next to the cart"),
-    ("a car at the peak of the mountain, next to the yellow flag",): ("a car at the bottom of the valley", "a car on the slope, far from the yellow flag"),
+    ("pole vertically upright on top of the cart",): (
+        "pole tilted to the side of the cart",
+        "pole lying flat next to the cart",
+    ),
+    ("a car at the peak of the mountain, next to the yellow flag",): (
+        "a car at the bottom of the valley",
+        "a car on the slope, far from the yellow flag",
+    ),
     ("a humanoid robot kneeling",): ("a humanoid robot standing", "a humanoid robot lying on the ground"),
 }
 
 
-def softmax_reward(image_embeddings: torch.Tensor, goal_embeddings: torch.Tensor, negative_embeddings: torch.Tensor,
-                   temperature: float, threshold: float, soft: bool = False) -> torch.Tensor:
+def softmax_reward(
+    image_embeddings: torch.Tensor,
+    goal_embeddings: torch.Tensor,
+    negative_embeddings: torch.Tensor,
+    temperature: float,
+    threshold: float,
+    soft: bool = False,
+) -> torch.Tensor:
     """R(s) = 1 if p > threshold else 0, p = softmax_k(cos(s, e_k) / temperature)[goal] over the goal and each negative.
 
     Takes raw (N, D) image, (G, D) goal and (K, D) negative embeddings. Several goal prompts form one class: the mean
@@ -377,21 +455,28 @@ def resolve_negatives(goal: tuple[str, ...], negatives: Optional[tuple[str, ...]
     """The softmax family's negative prompts: --negatives, else the defaults of the default goal; one-sentence errors."""
     negatives = DEFAULT_NEGATIVES.get(tuple(goal), ()) if negatives is None else tuple(negatives)
     if not negatives or any(not n.strip() for n in negatives):
-        raise UserError(f"{flag} needs at least one non-empty --negatives prompt describing what the goal is not (default negatives go with the default --goal only).")
+        raise UserError(
+            f"{flag} needs at least one non-empty --negatives prompt describing what the goal is not (default negatives go with the default --goal only)."
+        )
     shared = sorted(set(negatives) & set(goal))
     if shared:
-        raise UserError(f"--negatives and --goal share the prompt {shared[0]!r}; a negative must describe something the goal is not.")
+        raise UserError(
+            f"--negatives and --goal share the prompt {shared[0]!r}; a negative must describe something the goal is not."
+        )
     return negatives
 
 
-def check_goal_direction(goal_embeddings: torch.Tensor, baseline_embeddings: torch.Tensor, alpha: float,
-                         flag: str = "--alpha") -> None:
+def check_goal_direction(
+    goal_embeddings: torch.Tensor, baseline_embeddings: torch.Tensor, alpha: float, flag: str = "--alpha"
+) -> None:
     """d = g - b must not vanish when alpha > 0: different strings can have one embedding (e.g. past CLIP's 77 tokens)."""
     g = F.normalize(goal_embeddings.float(), dim=-1).mean(0)
     b = F.normalize(baseline_embeddings.float(), dim=-1).mean(0)
     if alpha > 0 and (g - b).norm() < 1e-4:  # real prompt pairs are > 0.1 apart; float32 round-off is ~1e-6
-        raise UserError(f"--goal and --baseline have the same CLIP embedding, so the goal-baseline direction is zero; "
-                        f"change one or use {flag} 0 (got {alpha}).")
+        raise UserError(
+            f"--goal and --baseline have the same CLIP embedding, so the goal-baseline direction is zero; "
+            f"change one or use {flag} 0 (got {alpha})."
+        )
 
 
 HUB_TIMEOUT_S = 5.0  # how long to wait for the download host before saying it cannot be reached
@@ -419,8 +504,10 @@ def fetch_clip_weights(args: Args) -> bool:
         filename = filename or "open_clip_pytorch_model.bin"  # open_clip's default name on the hub
         safe_names = getattr(open_clip.pretrained, "_get_safe_alternatives", lambda name: [])  # tried first when present
         names = [*safe_names(filename), filename]
-        if any(isinstance(huggingface_hub.try_to_load_from_cache(repo_id, name, cache_dir=args.clip_cache_dir), str)
-               for name in names):
+        if any(
+            isinstance(huggingface_hub.try_to_load_from_cache(repo_id, name, cache_dir=args.clip_cache_dir), str)
+            for name in names
+        ):
             return True
         url = huggingface_hub.constants.ENDPOINT
         offline = huggingface_hub.constants.HF_HUB_OFFLINE
@@ -438,8 +525,11 @@ def fetch_clip_weights(args: Args) -> bool:
         pass
     finally:
         logging.disable(logging.NOTSET)
-    print(f"fetching the {model_name}/{args.clip_pretrained} CLIP weights{size} from {url} into "
-          f"{args.clip_cache_dir or 'the Hugging Face cache'}", flush=True)
+    print(
+        f"fetching the {model_name}/{args.clip_pretrained} CLIP weights{size} from {url} into "
+        f"{args.clip_cache_dir or 'the Hugging Face cache'}",
+        flush=True,
+    )
     detail = "HF_HUB_OFFLINE is set and they are not in the cache" if offline else can_reach(url)
     if detail is None:
         try:
@@ -448,9 +538,11 @@ def fetch_clip_weights(args: Args) -> bool:
         except Exception as e:  # noqa: BLE001 - every failure here has the same fixes
             detail = str(e).splitlines()[0] if str(e) else type(e).__name__
     detail = detail if len(detail) <= 160 else detail[:157] + "..."
-    raise UserError(f"could not download or find the {model_name}/{args.clip_pretrained} CLIP weights ({detail}); check the "
-                    "network connection, point --clip-cache-dir at a folder that already holds them, or pass a local weights "
-                    "file with --clip-checkpoint.")
+    raise UserError(
+        f"could not download or find the {model_name}/{args.clip_pretrained} CLIP weights ({detail}); check the "
+        "network connection, point --clip-cache-dir at a folder that already holds them, or pass a local weights "
+        "file with --clip-checkpoint."
+    )
 
 
 def can_reach(url: str, timeout: float = HUB_TIMEOUT_S) -> Optional[str]:
@@ -491,11 +583,17 @@ def load_clip(args: Args, device: torch.device) -> tuple[nn.Module, object]:
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
         detail = detail if len(detail) <= 160 else detail[:157] + "..."
         if args.clip_checkpoint is not None:
-            raise UserError(f"could not load --clip-checkpoint {args.clip_checkpoint} into {model_name} ({type(e).__name__}: {detail}); check that the file holds open_clip weights for that architecture.") from None
+            raise UserError(
+                f"could not load --clip-checkpoint {args.clip_checkpoint} into {model_name} ({type(e).__name__}: {detail}); check that the file holds open_clip weights for that architecture."
+            ) from None
         if pretrained is None:  # nothing was downloaded: the architecture itself could not be built
-            raise UserError(f"could not build {model_name} from --clip-model {args.clip_model} ({type(e).__name__}: "
-                            f"{detail}); check the values in that config file.") from None
-        raise UserError(f"could not download or find the {model_name}/{pretrained} CLIP weights ({detail}); check the network connection, point --clip-cache-dir at a folder that already holds them, or pass a local weights file with --clip-checkpoint.") from None
+            raise UserError(
+                f"could not build {model_name} from --clip-model {args.clip_model} ({type(e).__name__}: "
+                f"{detail}); check the values in that config file."
+            ) from None
+        raise UserError(
+            f"could not download or find the {model_name}/{pretrained} CLIP weights ({detail}); check the network connection, point --clip-cache-dir at a folder that already holds them, or pass a local weights file with --clip-checkpoint."
+        ) from None
     finally:
         logging.disable(logging.NOTSET)
         hub.HF_HUB_OFFLINE = hub_offline
@@ -512,10 +610,23 @@ class CLIPReward(nn.Module):
     clamp; `antialias=True` smooths a large downscale instead (closer to PIL, not the paper).
     """
 
-    def __init__(self, model: nn.Module, tokenizer, goal: tuple[str, ...], baseline: tuple[str, ...],
-                 alpha: float, batch_size: int, device: torch.device, family: str = "projection",
-                 negatives: tuple[str, ...] = (), temperature: float = 0.01, threshold: float = 0.5, soft: bool = False,
-                 antialias: bool = False, replicas: tuple = ()):
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        goal: tuple[str, ...],
+        baseline: tuple[str, ...],
+        alpha: float,
+        batch_size: int,
+        device: torch.device,
+        family: str = "projection",
+        negatives: tuple[str, ...] = (),
+        temperature: float = 0.01,
+        threshold: float = 0.5,
+        soft: bool = False,
+        antialias: bool = False,
+        replicas: tuple = (),
+    ):
         super().__init__()
         import open_clip
 
@@ -530,14 +641,22 @@ class CLIPReward(nn.Module):
         self.replicas = [(model, device), *replicas]
         # the model's own mean/std: the paper used OpenAI's for every model, wrong only for ViT-L-14 laion2b (0.5, 0.5)
         preprocess_cfg = open_clip.get_model_preprocess_cfg(model)
-        self.image_size = tuple(preprocess_cfg["size"]) if not isinstance(preprocess_cfg["size"], int) else (preprocess_cfg["size"],) * 2
+        self.image_size = (
+            tuple(preprocess_cfg["size"]) if not isinstance(preprocess_cfg["size"], int) else (preprocess_cfg["size"],) * 2
+        )
         self.register_buffer("mean", torch.tensor(preprocess_cfg["mean"], device=device).view(1, 3, 1, 1))
         self.register_buffer("std", torch.tensor(preprocess_cfg["std"], device=device).view(1, 3, 1, 1))
         with torch.no_grad():
             self.register_buffer("goal_embeddings", model.encode_text(tokenizer(list(goal)).to(device)).float())
-            self.register_buffer("baseline_embeddings", model.encode_text(tokenizer(list(baseline or goal)).to(device)).float())
-            self.register_buffer("negative_embeddings", model.encode_text(tokenizer(list(negatives)).to(device)).float() if negatives
-                                 else self.goal_embeddings.new_zeros(0, self.goal_embeddings.shape[1]))
+            self.register_buffer(
+                "baseline_embeddings", model.encode_text(tokenizer(list(baseline or goal)).to(device)).float()
+            )
+            self.register_buffer(
+                "negative_embeddings",
+                model.encode_text(tokenizer(list(negatives)).to(device)).float()
+                if negatives
+                else self.goal_embeddings.new_zeros(0, self.goal_embeddings.shape[1]),
+            )
 
     @torch.no_grad()
     def preprocess(self, frames: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
@@ -559,8 +678,9 @@ class CLIPReward(nn.Module):
     def rewards(self, image_embeddings: torch.Tensor) -> torch.Tensor:
         """The chosen family's rewards (N,) of raw image embeddings (N, D)."""
         if self.family == "softmax":
-            return softmax_reward(image_embeddings, self.goal_embeddings, self.negative_embeddings,
-                                  self.temperature, self.threshold, self.soft)
+            return softmax_reward(
+                image_embeddings, self.goal_embeddings, self.negative_embeddings, self.temperature, self.threshold, self.soft
+            )
         return vlm_reward(image_embeddings, self.goal_embeddings, self.baseline_embeddings, self.alpha)
 
     @torch.no_grad()
@@ -582,9 +702,22 @@ def make_reward_model(args: Args, device: torch.device) -> CLIPReward:
     devices = [torch.device(name) for name in args.reward_devices] or [device]
     model, tokenizer = load_clip(args, devices[0])
     replicas = [(copy.deepcopy(model).to(d), d) for d in devices[1:]]  # copies: the same weights (even random test ones)
-    reward_model = CLIPReward(model, tokenizer, args.goal, args.baseline, args.alpha, args.reward_batch_size, devices[0],
-                              args.reward_family, args.negatives or (), args.temperature, args.threshold, args.soft,
-                              args.antialias, replicas)
+    reward_model = CLIPReward(
+        model,
+        tokenizer,
+        args.goal,
+        args.baseline,
+        args.alpha,
+        args.reward_batch_size,
+        devices[0],
+        args.reward_family,
+        args.negatives or (),
+        args.temperature,
+        args.threshold,
+        args.soft,
+        args.antialias,
+        replicas,
+    )
     if args.reward_family == "projection":
         check_goal_direction(reward_model.goal_embeddings, reward_model.baseline_embeddings, args.alpha)
     return reward_model
@@ -601,9 +734,15 @@ def warn_if_slow_on_cpu(reward_model: CLIPReward, args: Args, frame_shape: tuple
     seconds = (time.perf_counter() - start) / len(frames)
     total = seconds * args.total_timesteps
     duration = f"{total / 3600:.1f} h" if total >= 3600 else f"{total / 60:.0f} min"
-    print(f"note: scoring a frame with {Path(args.clip_model).stem} on CPU takes {seconds * 1000:.0f} ms, so this run "
-          f"will spend about {duration} in the reward model" + ("; use a GPU, or a smaller model such as "
-          "--clip-model RN50 --clip-pretrained openai" if seconds > 0.05 and args.clip_model != "RN50" else ""))
+    print(
+        f"note: scoring a frame with {Path(args.clip_model).stem} on CPU takes {seconds * 1000:.0f} ms, so this run "
+        f"will spend about {duration} in the reward model"
+        + (
+            "; use a GPU, or a smaller model such as --clip-model RN50 --clip-pretrained openai"
+            if seconds > 0.05 and args.clip_model != "RN50"
+            else ""
+        )
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -722,7 +861,9 @@ class RealisticMountainCar(gym.Wrapper):
         flag_x = int((MOUNTAINCAR_GOAL - self.min_x) * self.scale)
         flag_y = self.height - int(self._pixel_height(MOUNTAINCAR_GOAL)) - 4
         pygame.draw.line(background, (60, 60, 60), (flag_x, flag_y), (flag_x, flag_y - 60), 3)
-        pygame.draw.polygon(background, (250, 210, 20), [(flag_x + 2, flag_y - 60), (flag_x + 32, flag_y - 50), (flag_x + 2, flag_y - 40)])
+        pygame.draw.polygon(
+            background, (250, 210, 20), [(flag_x + 2, flag_y - 60), (flag_x + 32, flag_y - 50), (flag_x + 2, flag_y - 40)]
+        )
         self.background = background
         # the car sprite, drawn once and rotated per frame: red body, cabin with windows, two wheels
         sprite = pygame.Surface((56, 34), pygame.SRCALPHA)
@@ -806,7 +947,9 @@ class ReplayBuffer:
         self.rewards = np.zeros((size,), dtype=np.float32)
         self.terminations = np.zeros((size,), dtype=np.float32)
 
-    def add(self, obs: np.ndarray, next_obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminations: np.ndarray) -> None:
+    def add(
+        self, obs: np.ndarray, next_obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminations: np.ndarray
+    ) -> None:
         idx = (self.pos + np.arange(len(obs))) % self.size  # one vectorised write, wrapping around the end
         self.obs[idx], self.next_obs[idx], self.actions[idx] = obs, next_obs, actions
         self.rewards[idx], self.terminations[idx] = rewards, terminations
@@ -818,8 +961,14 @@ class ReplayBuffer:
 
     def state_dict(self) -> dict:
         n = len(self)
-        return {"pos": self.pos, "full": self.full, **{name: torch.from_numpy(getattr(self, name)[:n]) for name in
-                                                         ("obs", "next_obs", "actions", "rewards", "terminations")}}
+        return {
+            "pos": self.pos,
+            "full": self.full,
+            **{
+                name: torch.from_numpy(getattr(self, name)[:n])
+                for name in ("obs", "next_obs", "actions", "rewards", "terminations")
+            },
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.pos, self.full = state["pos"], state["full"]
@@ -828,8 +977,10 @@ class ReplayBuffer:
 
     def sample(self, batch_size: int) -> tuple[torch.Tensor, ...]:
         idx = np.random.randint(0, len(self), size=batch_size)
-        return tuple(torch.from_numpy(a[idx]).to(self.device) for a in
-                     (self.obs, self.actions, self.rewards, self.next_obs, self.terminations))
+        return tuple(
+            torch.from_numpy(a[idx]).to(self.device)
+            for a in (self.obs, self.actions, self.rewards, self.next_obs, self.terminations)
+        )
 
 
 def save_video(frames: list[np.ndarray], path: str, fps: int = 50) -> None:
@@ -839,11 +990,13 @@ def save_video(frames: list[np.ndarray], path: str, fps: int = 50) -> None:
     imageio.mimwrite(path, frames, fps=fps, macro_block_size=8)
 
 
-def evaluate(model_path: str, args: Args, run_name: str, device: torch.device,
-             reward_model: Optional[CLIPReward] = None) -> list[float]:
+def evaluate(
+    model_path: str, args: Args, run_name: str, device: torch.device, reward_model: Optional[CLIPReward] = None
+) -> list[float]:
     """Greedy rollouts of a saved Q-network; logs ground-truth (and CLIP, when given) returns."""
-    envs = gym.vector.SyncVectorEnv([make_env(args.env_id, args.seed + 10_000, 0, args.episode_length, args.realistic,
-                                              args.episodes == "fixed")])
+    envs = gym.vector.SyncVectorEnv(
+        [make_env(args.env_id, args.seed + 10_000, 0, args.episode_length, args.realistic, args.episodes == "fixed")]
+    )
     q_network = QNetwork(envs).to(device)
     # a model.pt or a checkpoint.pt (RNG states and arrays: weights_only=False, only evaluate files you trust)
     q_network.load_state_dict(torch.load(model_path, map_location=device, weights_only=False)["q_network"])
@@ -868,7 +1021,9 @@ def evaluate(model_path: str, args: Args, run_name: str, device: torch.device,
                 if reward_model is not None:
                     clip_return += float(reward_model(frame[None])[0])
         gt_returns.append(gt_return)
-        print(f"eval episode {episode}: gt_return={gt_return:.1f}" + (f" clip_return={clip_return:.2f}" if reward_model else ""))
+        print(
+            f"eval episode {episode}: gt_return={gt_return:.1f}" + (f" clip_return={clip_return:.2f}" if reward_model else "")
+        )
         if args.capture_video:
             save_video(frames, f"videos/{run_name}/eval-episode-{episode}.mp4")
     envs.close()
@@ -888,7 +1043,9 @@ def save_checkpoint(path: str, state: dict) -> None:
     except BaseException as e:
         os.unlink(tmp)
         if isinstance(e, OSError):
-            raise UserError(f"could not write {path} ({e.strerror or e}); the previous file there is intact, the partial one was removed.") from None
+            raise UserError(
+                f"could not write {path} ({e.strerror or e}); the previous file there is intact, the partial one was removed."
+            ) from None
         raise
     dir_fd = os.open(folder, os.O_RDONLY)
     try:
@@ -911,16 +1068,22 @@ def make_run_folder(run_name: str) -> str:
 
 def rng_state(envs: gym.vector.VectorEnv) -> dict:
     """Every random number generator the run draws from, so a resumed run continues the same stream."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "envs": list(envs.get_attr("np_random"))}
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "envs": list(envs.get_attr("np_random")),
+    }
 
 
 def save_nonfinite(run_name: str, networks: dict) -> str:
     """Networks of a run stopped on a NaN, saved beside (never over) its resumable checkpoint; says where both are."""
     path, checkpoint = f"runs/{run_name}/nonfinite_networks.pt", f"runs/{run_name}/checkpoint.pt"
     save_checkpoint(path, networks)
-    return f"finite networks from before it were saved to {path}" + (f" and the last resumable checkpoint {checkpoint} is kept" if os.path.exists(checkpoint) else "")
+    return f"finite networks from before it were saved to {path}" + (
+        f" and the last resumable checkpoint {checkpoint} is kept" if os.path.exists(checkpoint) else ""
+    )
 
 
 def install_stop_handlers() -> dict:
@@ -931,8 +1094,11 @@ def install_stop_handlers() -> dict:
         if stop["requested"]:
             raise KeyboardInterrupt
         stop["requested"] = True
-        print(f"\n{signal.Signals(signum).name} received: saving a checkpoint at the end of the current episodes "
-              "(stock episodes: at the next step; send it again to quit without saving)", flush=True)
+        print(
+            f"\n{signal.Signals(signum).name} received: saving a checkpoint at the end of the current episodes "
+            "(stock episodes: at the next step; send it again to quit without saving)",
+            flush=True,
+        )
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
@@ -978,8 +1144,10 @@ class Progress:
         self.last, elapsed = now, now - self.start
         sps = (step - self.start_step) / max(elapsed, 1e-9)
         left = (self.total - step) / sps if sps > 0 else math.inf
-        line = (f"step {step}/{self.total} ({100 * step / self.total:.0f}%) | {sps:.0f} steps/s"
-                f" | elapsed {format_duration(elapsed)} | left {format_duration(left)}")
+        line = (
+            f"step {step}/{self.total} ({100 * step / self.total:.0f}%) | {sps:.0f} steps/s"
+            f" | elapsed {format_duration(elapsed)} | left {format_duration(left)}"
+        )
         if self.gt_returns:
             line += f" | last {len(self.gt_returns)} episodes: gt_return {np.mean(self.gt_returns):.1f}"
             line += f", clip_return {np.mean(self.clip_returns):.2f}" if self.clip else ""
@@ -1022,9 +1190,13 @@ def main(args: Args) -> None:
     reward_model = make_reward_model(args, device) if args.reward == "clip" else None
     # We reset finished envs ourselves (autoreset off): no reset step, so no reset frame or reset
     # observation can ever be stored as a transition, and episode boundaries are explicit for checkpoints.
-    envs = gym.vector.SyncVectorEnv([make_env(args.env_id, args.seed, i, args.episode_length, args.realistic,
-                                              args.episodes == "fixed") for i in range(args.num_envs)],
-                                    autoreset_mode=gym.vector.AutoresetMode.DISABLED)
+    envs = gym.vector.SyncVectorEnv(
+        [
+            make_env(args.env_id, args.seed, i, args.episode_length, args.realistic, args.episodes == "fixed")
+            for i in range(args.num_envs)
+        ],
+        autoreset_mode=gym.vector.AutoresetMode.DISABLED,
+    )
     if reward_model is not None:
         warn_if_slow_on_cpu(reward_model, args, (400, 600, 3))  # the pygame frames are 600x400
     num_iterations = args.total_timesteps // args.num_envs
@@ -1032,11 +1204,19 @@ def main(args: Args) -> None:
     run_name = run_name if checkpoint else make_run_folder(run_name)
     # purge_step drops whatever a crashed run logged after its checkpoint, so the curves continue cleanly: from the first
     # step still pending in the checkpoint (the episodes ending there were logged only after it was saved)
-    writer = SummaryWriter(f"runs/{run_name}", purge_step=(start_iteration - len(checkpoint["pending"]["obs"])) * args.num_envs if checkpoint else None)
+    writer = SummaryWriter(
+        f"runs/{run_name}",
+        purge_step=(start_iteration - len(checkpoint["pending"]["obs"])) * args.num_envs if checkpoint else None,
+    )
     if checkpoint is None:
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n%s" % "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
-    print(f"run: runs/{run_name} on {device}, reward: {args.reward}" + (f", goal={args.goal}, baseline={args.baseline}, alpha={args.alpha}" if args.reward == "clip" else "")
-          + (f", resumed at step {start_iteration * args.num_envs}" if checkpoint else ""))
+        writer.add_text(
+            "hyperparameters", "|param|value|\n|-|-|\n%s" % "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+        )
+    print(
+        f"run: runs/{run_name} on {device}, reward: {args.reward}"
+        + (f", goal={args.goal}, baseline={args.baseline}, alpha={args.alpha}" if args.reward == "clip" else "")
+        + (f", resumed at step {start_iteration * args.num_envs}" if checkpoint else "")
+    )
 
     q_network = QNetwork(envs).to(device)
     optimizer = optim.Adam(q_network.parameters(), lr=args.learning_rate, fused=True)  # one kernel per step
@@ -1078,7 +1258,10 @@ def main(args: Args) -> None:
     start_time = time.time()
     time_limit = args.episode_length if args.episodes == "fixed" else gym.spec(args.env_id).max_episode_steps
     progress = Progress(args.total_timesteps, start_iteration * args.num_envs, args.reward == "clip", max(10, args.num_envs))
-    iteration, dones = start_iteration - 1, np.ones(args.num_envs, dtype=bool)  # as they stay when a resumed run has no steps left
+    iteration, dones = (
+        start_iteration - 1,
+        np.ones(args.num_envs, dtype=bool),
+    )  # as they stay when a resumed run has no steps left
     try:
         for iteration in range(start_iteration, num_iterations):
             global_step = iteration * args.num_envs
@@ -1124,8 +1307,11 @@ def main(args: Args) -> None:
             num_pending = len(pending["obs"]) * args.num_envs
             # a stock-episode checkpoint holds no pending transitions: their episodes restart on resume
             # one --reward-batch-size chunk per reward device and call, so that every device has work
-            flush_now = (train_now or num_pending >= args.reward_batch_size * max(1, len(args.reward_devices))
-                         or iteration == num_iterations - 1)
+            flush_now = (
+                train_now
+                or num_pending >= args.reward_batch_size * max(1, len(args.reward_devices))
+                or iteration == num_iterations - 1
+            )
             if flush_now or (save_now and args.episodes == "stock"):
                 t0 = time.perf_counter()
                 gt = np.concatenate(pending["gt"])
@@ -1133,11 +1319,20 @@ def main(args: Args) -> None:
                 timing["reward_model"] += time.perf_counter() - t0
                 rewards = clip_rewards if args.reward == "clip" else gt[:, 0]
                 if not np.all(np.isfinite(rewards)):  # never let a NaN into the buffer: it would poison every Q-value
-                    saved = save_nonfinite(run_name, {"q_network": q_network.state_dict(), "args": asdict(args), "run_name": run_name})
-                    raise NonFiniteError(f"the {args.reward} reward is not finite for {np.sum(~np.isfinite(rewards))} of {len(rewards)} frames at step {global_step}; {saved}.")
+                    saved = save_nonfinite(
+                        run_name, {"q_network": q_network.state_dict(), "args": asdict(args), "run_name": run_name}
+                    )
+                    raise NonFiniteError(
+                        f"the {args.reward} reward is not finite for {np.sum(~np.isfinite(rewards))} of {len(rewards)} frames at step {global_step}; {saved}."
+                    )
                 dones_flat = np.concatenate(pending["dones"])
-                rb.add(np.concatenate(pending["obs"]), np.concatenate(pending["next_obs"]), np.concatenate(pending["actions"]),
-                       rewards, np.concatenate(pending["terminations"]))
+                rb.add(
+                    np.concatenate(pending["obs"]),
+                    np.concatenate(pending["next_obs"]),
+                    np.concatenate(pending["actions"]),
+                    rewards,
+                    np.concatenate(pending["terminations"]),
+                )
                 # episode bookkeeping, in step order (rows are step-major: env i of step t is row t * num_envs + i)
                 for k in range(len(rewards)):
                     env_i = k % args.num_envs
@@ -1147,7 +1342,9 @@ def main(args: Args) -> None:
                     episode["length"][env_i] += 1
                     episode["success"][env_i] = gt[k, 1]
                     if dones_flat[k]:
-                        step = global_step - (len(pending["obs"]) - 1 - k // args.num_envs) * args.num_envs  # the step it ended at
+                        step = (
+                            global_step - (len(pending["obs"]) - 1 - k // args.num_envs) * args.num_envs
+                        )  # the step it ended at
                         length = episode["length"][env_i]
                         # CartPole: share of the time limit's steps spent upright (a stock episode ends when the pole falls);
                         # MountainCar: 1 if the flag was reached
@@ -1155,8 +1352,10 @@ def main(args: Args) -> None:
                         success = episode["gt_return"][env_i] / time_limit if cartpole else episode["success"][env_i]
                         progress.episode(episode["gt_return"][env_i], episode["clip_return"][env_i])
                         if args.log_episodes:
-                            print(f"global_step={step}, episodic_return={episode['return'][env_i]:.2f}, "
-                                  f"gt_return={episode['gt_return'][env_i]:.0f}")
+                            print(
+                                f"global_step={step}, episodic_return={episode['return'][env_i]:.2f}, "
+                                f"gt_return={episode['gt_return'][env_i]:.0f}"
+                            )
                         writer.add_scalar("charts/episodic_return", episode["return"][env_i], step)
                         writer.add_scalar("charts/episodic_length", length, step)
                         writer.add_scalar("charts/gt_return", episode["gt_return"][env_i], step)
@@ -1179,15 +1378,23 @@ def main(args: Args) -> None:
                     old_val = q_network(b_obs).gather(1, b_actions[:, None]).squeeze(1)
                     loss = F.mse_loss(td_target, old_val)
                     if not torch.isfinite(loss):  # checked before the update: the saved networks are the last finite ones
-                        saved = save_nonfinite(run_name, {"q_network": q_network.state_dict(), "args": asdict(args), "run_name": run_name})
-                        raise NonFiniteError(f"losses/td_loss is {loss.item()} at step {global_step}; {saved}; lower --learning-rate or check the rewards.")
+                        saved = save_nonfinite(
+                            run_name, {"q_network": q_network.state_dict(), "args": asdict(args), "run_name": run_name}
+                        )
+                        raise NonFiniteError(
+                            f"losses/td_loss is {loss.item()} at step {global_step}; {saved}; lower --learning-rate or check the rewards."
+                        )
                     optimizer.zero_grad()
                     loss.backward()
                     optimizer.step()
                     if iteration % (100 * args.train_frequency) == 0:
                         writer.add_scalar("losses/td_loss", loss.item(), global_step)
                         writer.add_scalar("losses/q_values", old_val.mean().item(), global_step)
-                        writer.add_scalar("charts/SPS", int((global_step - start_iteration * args.num_envs) / (time.time() - start_time)), global_step)
+                        writer.add_scalar(
+                            "charts/SPS",
+                            int((global_step - start_iteration * args.num_envs) / (time.time() - start_time)),
+                            global_step,
+                        )
                         writer.add_scalar("charts/epsilon", epsilon, global_step)
                         for k, v in timing.items():
                             writer.add_scalar(f"time/{k}_s", v, global_step)
@@ -1198,14 +1405,30 @@ def main(args: Args) -> None:
 
             if boundary:
                 if save_now:
-                    save_checkpoint(f"runs/{run_name}/checkpoint.pt", {
-                        "run_name": run_name, "iteration": iteration + 1, "args": asdict(args),
-                        "q_network": q_network.state_dict(), "target_network": target_network.state_dict(), "optimizer": optimizer.state_dict(),
-                        "rng": rng_state(envs), "pending": pending, "episode": episode, "video_episode": video_episode,
-                        "replay_buffer": rb.state_dict() if args.save_buffer else None})
-                    print(f"checkpoint saved at step {next_step}: runs/{run_name}/checkpoint.pt" + ("" if args.save_buffer else " (without the replay buffer: pass --save-buffer for an exact resume)"))
+                    save_checkpoint(
+                        f"runs/{run_name}/checkpoint.pt",
+                        {
+                            "run_name": run_name,
+                            "iteration": iteration + 1,
+                            "args": asdict(args),
+                            "q_network": q_network.state_dict(),
+                            "target_network": target_network.state_dict(),
+                            "optimizer": optimizer.state_dict(),
+                            "rng": rng_state(envs),
+                            "pending": pending,
+                            "episode": episode,
+                            "video_episode": video_episode,
+                            "replay_buffer": rb.state_dict() if args.save_buffer else None,
+                        },
+                    )
+                    print(
+                        f"checkpoint saved at step {next_step}: runs/{run_name}/checkpoint.pt"
+                        + ("" if args.save_buffer else " (without the replay buffer: pass --save-buffer for an exact resume)")
+                    )
                 if stopping:
-                    print(f"stopped; continue with: python {os.path.basename(__file__)} --resume runs/{run_name}/checkpoint.pt")
+                    print(
+                        f"stopped; continue with: python {os.path.basename(__file__)} --resume runs/{run_name}/checkpoint.pt"
+                    )
                     break
             if dones.any():  # reset finished envs: their reset observations start the next episodes, never a transition
                 reset_obs, _ = envs.reset(options={"reset_mask": dones})
@@ -1221,8 +1444,10 @@ def main(args: Args) -> None:
     progress.update((iteration + 1) * args.num_envs, final=True)
     elapsed = time.time() - start_time
     steps = (iteration + 1 - start_iteration) * args.num_envs
-    print(f"done: {steps} steps in {elapsed:.0f} s ({int(steps / max(elapsed, 1e-9))} SPS); time in "
-          + ", ".join(f"{k} {v:.2f} s" for k, v in timing.items()))
+    print(
+        f"done: {steps} steps in {elapsed:.0f} s ({int(steps / max(elapsed, 1e-9))} SPS); time in "
+        + ", ".join(f"{k} {v:.2f} s" for k, v in timing.items())
+    )
     if args.save_model and not stop["requested"]:
         model_path = f"runs/{run_name}/model.pt"
         save_checkpoint(model_path, {"q_network": q_network.state_dict(), "args": asdict(args)})

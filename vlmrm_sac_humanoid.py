@@ -182,15 +182,28 @@ def check_args(args: Args) -> None:
     if args.alpha > 0 and (not args.baseline or any(not b.strip() for b in args.baseline)):
         raise UserError("--baseline needs at least one non-empty prompt when --alpha > 0.")
     if args.alpha > 0 and same_prompts(args.goal, args.baseline):
-        raise UserError(f"--goal and --baseline are the same prompts (ignoring case and spaces), so the goal-baseline direction is zero; change one or use --alpha 0 (got --alpha {args.alpha}).")
+        raise UserError(
+            f"--goal and --baseline are the same prompts (ignoring case and spaces), so the goal-baseline direction is zero; change one or use --alpha 0 (got --alpha {args.alpha})."
+        )
     if not 0 < args.temperature < float("inf"):  # also rejects nan
         raise UserError(f"--temperature must be a positive number, got {args.temperature}.")
     if not 0 < args.threshold < 1:
         raise UserError(f"--threshold must be in (0, 1), got {args.threshold}.")
     if args.reward_family == "softmax":
         args.negatives = resolve_negatives(args.goal, args.negatives, "--reward-family softmax")
-    for name in ["total_timesteps", "num_envs", "buffer_size", "batch_size", "train_frequency", "gradient_steps",
-                 "episode_length", "reward_batch_size", "eval_episodes", "video_frequency", "checkpoint_frequency"]:
+    for name in [
+        "total_timesteps",
+        "num_envs",
+        "buffer_size",
+        "batch_size",
+        "train_frequency",
+        "gradient_steps",
+        "episode_length",
+        "reward_batch_size",
+        "eval_episodes",
+        "video_frequency",
+        "checkpoint_frequency",
+    ]:
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}.")
     for name, low, high in [("gamma", 0, 1), ("tau", 0, 1)]:
@@ -201,11 +214,15 @@ def check_args(args: Args) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
     if args.total_timesteps % args.num_envs:  # every vector step takes one step in each env
         rounded = -(-args.total_timesteps // args.num_envs) * args.num_envs
-        print(f"note: --total-timesteps {args.total_timesteps} rounded up to {rounded}, a multiple of --num-envs {args.num_envs}")
+        print(
+            f"note: --total-timesteps {args.total_timesteps} rounded up to {rounded}, a multiple of --num-envs {args.num_envs}"
+        )
         args.total_timesteps = rounded
     if args.learning_starts >= args.total_timesteps:
-        raise UserError(f"--learning-starts {args.learning_starts} is not below --total-timesteps {args.total_timesteps}, so no gradient step would "
-                        f"ever be taken; lower it, e.g. --learning-starts {args.total_timesteps // 4} (a quarter of the run).")
+        raise UserError(
+            f"--learning-starts {args.learning_starts} is not below --total-timesteps {args.total_timesteps}, so no gradient step would "
+            f"ever be taken; lower it, e.g. --learning-starts {args.total_timesteps // 4} (a quarter of the run)."
+        )
     if args.batch_size > args.buffer_size:
         raise UserError(f"--batch-size {args.batch_size} cannot exceed --buffer-size {args.buffer_size}.")
     if not 16 <= args.render_size <= 2048:
@@ -213,25 +230,37 @@ def check_args(args: Args) -> None:
     try:
         entry_point = str(gym.spec(args.env_id).entry_point)
     except gym.error.Error:
-        raise UserError(f"--env-id {args.env_id} is not a registered Gymnasium environment; use e.g. Humanoid-v5, Hopper-v5 or InvertedPendulum-v5.") from None
+        raise UserError(
+            f"--env-id {args.env_id} is not a registered Gymnasium environment; use e.g. Humanoid-v5, Hopper-v5 or InvertedPendulum-v5."
+        ) from None
     if "mujoco" not in entry_point and not mountain_car:
-        raise UserError(f"--env-id {args.env_id} is not a Gymnasium MuJoCo task or MountainCarContinuous-v0; "
-                        "this script renders MuJoCo scenes (e.g. Humanoid-v5, Hopper-v5).")
+        raise UserError(
+            f"--env-id {args.env_id} is not a Gymnasium MuJoCo task or MountainCarContinuous-v0; "
+            "this script renders MuJoCo scenes (e.g. Humanoid-v5, Hopper-v5)."
+        )
     if args.env_id == "Humanoid-v4":  # its constructor takes neither our XML nor our camera
-        raise UserError("--env-id Humanoid-v4 cannot load the textured scene or the paper's camera; "
-                        "use Humanoid-v5 (the same XML physics, a 348-d instead of 376-d observation).")
+        raise UserError(
+            "--env-id Humanoid-v4 cannot load the textured scene or the paper's camera; "
+            "use Humanoid-v5 (the same XML physics, a 348-d instead of 376-d observation)."
+        )
     if args.evaluate is not None:  # the checks of --resume: a truncated file, the other script's, another env's
         saved = read_checkpoint(args.evaluate, "--evaluate")
         if "actor" not in saved:
-            raise UserError(f"--evaluate {args.evaluate} holds no trained networks; pass a checkpoint.pt written by this script.")
+            raise UserError(
+                f"--evaluate {args.evaluate} holds no trained networks; pass a checkpoint.pt written by this script."
+            )
         if saved["args"].get("env_id", args.env_id) != args.env_id:
-            raise UserError(f"--evaluate {args.evaluate} was trained on {saved['args']['env_id']}, not {args.env_id}; pass --env-id {saved['args']['env_id']}.")
+            raise UserError(
+                f"--evaluate {args.evaluate} was trained on {saved['args']['env_id']}, not {args.env_id}; pass --env-id {saved['args']['env_id']}."
+            )
     if args.torch_threads is not None and args.torch_threads < 0:
         raise UserError(f"--torch-threads must be 0 (torch's default) or a positive number, got {args.torch_threads}.")
     known = ["cpu", *(["cuda"] if torch.cuda.is_available() else []), *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
     if any(name not in known for name in args.reward_devices):
-        raise UserError(f"--reward-devices {next(n for n in args.reward_devices if n not in known)} is not a device of this "
-                        f"machine; its devices are: {', '.join(known)}.")
+        raise UserError(
+            f"--reward-devices {next(n for n in args.reward_devices if n not in known)} is not a device of this "
+            f"machine; its devices are: {', '.join(known)}."
+        )
     check_writable("runs")
     if args.capture_video or args.evaluate is not None:
         check_writable("videos")
@@ -249,13 +278,17 @@ def check_writable(folder: str) -> None:
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
-        raise UserError(f"cannot write outputs to {os.path.abspath(folder)}/ ({existing} is not a writable folder); run from a folder you can write to.")
+        raise UserError(
+            f"cannot write outputs to {os.path.abspath(folder)}/ ({existing} is not a writable folder); run from a folder you can write to."
+        )
 
 
 def check_resources(args: Args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple) -> None:
     """Estimate host memory (replay buffer + frames waiting for their reward) and refuse what cannot fit."""
     action_bytes = 8 if isinstance(action_space, gym.spaces.Discrete) else 4 * int(np.prod(action_space.shape))
-    buffer_bytes = args.buffer_size * (2 * 4 * int(np.prod(observation_space.shape)) + action_bytes + 4 + 4)  # obs, next_obs, action, reward, done
+    buffer_bytes = args.buffer_size * (
+        2 * 4 * int(np.prod(observation_space.shape)) + action_bytes + 4 + 4
+    )  # obs, next_obs, action, reward, done
     pending_frames = args.reward_batch_size * max(1, len(args.reward_devices)) + args.num_envs  # one batch per reward device
     frame_bytes = pending_frames * int(np.prod(frame_shape)) if args.reward == "clip" else 0
     # a sampled batch: its transitions plus the activations kept for the backward pass (~16 layers of 256 floats)
@@ -263,15 +296,19 @@ def check_resources(args: Args, observation_space: gym.Space, action_space: gym.
     # --resume loads the saved buffer before copying it in: a new run needs room for both (a resumed one holds it already)
     copy_bytes = buffer_bytes if args.save_buffer and args.resume is None else 0
     available = available_memory()
-    print(f"memory: replay buffer {buffer_bytes / 2**30:.2f} GiB + pending frames {frame_bytes / 2**30:.2f} GiB"
-          + (f" + batch {batch_bytes / 2**30:.2f} GiB" if batch_bytes >= 2**29 else "")
-          + (f" + buffer copy on --resume {copy_bytes / 2**30:.2f} GiB" if copy_bytes else "")
-          + (f" (available: {available / 2**30:.1f} GiB)" if available else ""))
+    print(
+        f"memory: replay buffer {buffer_bytes / 2**30:.2f} GiB + pending frames {frame_bytes / 2**30:.2f} GiB"
+        + (f" + batch {batch_bytes / 2**30:.2f} GiB" if batch_bytes >= 2**29 else "")
+        + (f" + buffer copy on --resume {copy_bytes / 2**30:.2f} GiB" if copy_bytes else "")
+        + (f" (available: {available / 2**30:.1f} GiB)" if available else "")
+    )
     needs = {"--buffer-size": buffer_bytes + copy_bytes, "--reward-batch-size": frame_bytes, "--batch-size": batch_bytes}
     if available and sum(needs.values()) > 0.9 * available:
         flag = max(needs, key=needs.get)
-        raise UserError(f"{flag} {getattr(args, flag[2:].replace('-', '_'))} makes the run need {sum(needs.values()) / 2**30:.1f} GiB of memory "
-                        f"({', '.join(f'{k}: {v / 2**30:.1f} GiB' for k, v in needs.items() if v)}) but only {available / 2**30:.1f} GiB is available; lower {flag}.")
+        raise UserError(
+            f"{flag} {getattr(args, flag[2:].replace('-', '_'))} makes the run need {sum(needs.values()) / 2**30:.1f} GiB of memory "
+            f"({', '.join(f'{k}: {v / 2**30:.1f} GiB' for k, v in needs.items() if v)}) but only {available / 2**30:.1f} GiB is available; lower {flag}."
+        )
 
 
 def available_memory() -> int:
@@ -291,21 +328,36 @@ def read_checkpoint(path: str, flag: str = "--resume") -> dict:
         # our own file with RNG states and arrays: weights_only=False, so only resume checkpoints you trust
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file
-        raise UserError(f"{flag} {path} is not a readable checkpoint ({type(e).__name__}); pass the checkpoint.pt written by this script.") from None
-    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("args"), dict) or not set(checkpoint["args"]) <= {f.name for f in fields(Args)}:
+        raise UserError(
+            f"{flag} {path} is not a readable checkpoint ({type(e).__name__}); pass the checkpoint.pt written by this script."
+        ) from None
+    if (
+        not isinstance(checkpoint, dict)
+        or not isinstance(checkpoint.get("args"), dict)
+        or not set(checkpoint["args"]) <= {f.name for f in fields(Args)}
+    ):
         raise UserError(f"{flag} {path} was written by another script; pass a checkpoint.pt of {os.path.basename(__file__)}.")
     if flag == "--resume" and ("iteration" not in checkpoint or "rng" not in checkpoint):
-        raise UserError(f"--resume {path} holds no resumable training state (a model.pt, or networks saved when training stopped on a non-finite value); pass a checkpoint.pt saved at an episode boundary.")
+        raise UserError(
+            f"--resume {path} holds no resumable training state (a model.pt, or networks saved when training stopped on a non-finite value); pass a checkpoint.pt saved at an episode boundary."
+        )
     return checkpoint
 
 
 def resumed_args(args: Args, checkpoint: dict) -> Args:
     """The run's own flags; a flag given next to --resume that would change them is refused, never silently ignored."""
     default, saved = Args(), checkpoint["args"]
-    changed = [f.name for f in fields(Args) if f.name != "resume" and getattr(args, f.name) != getattr(default, f.name)
-               and getattr(args, f.name) != saved.get(f.name, getattr(default, f.name))]
+    changed = [
+        f.name
+        for f in fields(Args)
+        if f.name != "resume"
+        and getattr(args, f.name) != getattr(default, f.name)
+        and getattr(args, f.name) != saved.get(f.name, getattr(default, f.name))
+    ]
     if changed:
-        raise UserError(f"--resume continues a run with the flags it was started with; drop {', '.join('--' + n.replace('_', '-') for n in changed)} (or start a new run).")
+        raise UserError(
+            f"--resume continues a run with the flags it was started with; drop {', '.join('--' + n.replace('_', '-') for n in changed)} (or start a new run)."
+        )
     return Args(**{"episodes": "fixed", **saved, "resume": args.resume})  # older checkpoints: fixed
 
 
@@ -321,37 +373,50 @@ def check_clip_args(args: Args) -> None:
             with open(args.clip_model, encoding="utf-8") as f:
                 config = json.load(f)
         except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
-            raise UserError(f"--clip-model {args.clip_model} is not a readable JSON file ({type(e).__name__}: "
-                            f"{str(e)[:120]}); pass an open_clip model config such as tests/vlmrm-tiny-test.json.") from None
+            raise UserError(
+                f"--clip-model {args.clip_model} is not a readable JSON file ({type(e).__name__}: "
+                f"{str(e)[:120]}); pass an open_clip model config such as tests/vlmrm-tiny-test.json."
+            ) from None
         # open_clip silently skips a config without these, and then reports an unknown model
         required = [("embed_dim", int), ("vision_cfg", dict), ("text_cfg", dict)]
         if not isinstance(config, dict) or not all(isinstance(config.get(k), t) for k, t in required):
-            raise UserError(f"--clip-model {args.clip_model} is JSON but not an open_clip model config (it needs an integer "
-                            "embed_dim and the objects vision_cfg and text_cfg, as in tests/vlmrm-tiny-test.json).")
+            raise UserError(
+                f"--clip-model {args.clip_model} is JSON but not an open_clip model config (it needs an integer "
+                "embed_dim and the objects vision_cfg and text_cfg, as in tests/vlmrm-tiny-test.json)."
+            )
         return
     if args.clip_model not in open_clip.list_models():
-        raise UserError(f"--clip-model {args.clip_model} is not an open_clip architecture; run `python -c \"import open_clip; print(open_clip.list_models())\"` to see them (e.g. ViT-bigG-14, ViT-L-14, RN50).")
+        raise UserError(
+            f'--clip-model {args.clip_model} is not an open_clip architecture; run `python -c "import open_clip; print(open_clip.list_models())"` to see them (e.g. ViT-bigG-14, ViT-L-14, RN50).'
+        )
     if args.clip_checkpoint is not None:
         if not os.path.isfile(args.clip_checkpoint):
-            raise UserError(f"--clip-checkpoint {args.clip_checkpoint}: no such file; pass the path of a downloaded open_clip weights file.")
+            raise UserError(
+                f"--clip-checkpoint {args.clip_checkpoint}: no such file; pass the path of a downloaded open_clip weights file."
+            )
         return
     tags = open_clip.list_pretrained_tags_by_model(args.clip_model)
     if args.clip_pretrained != "none" and args.clip_pretrained not in tags:
-        raise UserError(f"--clip-pretrained {args.clip_pretrained} is not a pretrained tag of {args.clip_model}; its tags are: {', '.join(tags) or 'none'}.")
+        raise UserError(
+            f"--clip-pretrained {args.clip_pretrained} is not a pretrained tag of {args.clip_model}; its tags are: {', '.join(tags) or 'none'}."
+        )
 
 
 def same_prompts(goal: tuple[str, ...], baseline: tuple[str, ...]) -> bool:
     """Goal and baseline prompts that CLIP cannot tell apart: its tokenizer ignores case and extra spaces."""
+
     def canonical(prompts):
         return sorted({" ".join(p.lower().split()) for p in prompts})
+
     return canonical(goal) == canonical(baseline)
 
 
 # ----------------------------------------------------------------------------------------------
 # CLIP reward
 # ----------------------------------------------------------------------------------------------
-def vlm_reward(image_embeddings: torch.Tensor, goal_embeddings: torch.Tensor,
-               baseline_embeddings: torch.Tensor, alpha: float) -> torch.Tensor:
+def vlm_reward(
+    image_embeddings: torch.Tensor, goal_embeddings: torch.Tensor, baseline_embeddings: torch.Tensor, alpha: float
+) -> torch.Tensor:
     """R(s) = 1 - 0.5 * ||(s - g) P||^2 with P = alpha * d d^T / ||d||^2 + (1 - alpha) I, d = g - b.
 
     Takes raw (N, D) image and (G, D) / (B, D) prompt embeddings; returns (N,) rewards in float32.
@@ -373,14 +438,26 @@ def vlm_reward(image_embeddings: torch.Tensor, goal_embeddings: torch.Tensor,
 
 
 DEFAULT_NEGATIVES = {  # softmax family: our own negatives for the default goals (not the paper's), states the goal is not
-    ("pole vertically upright on top of the cart",): ("pole tilted to the side of the cart", "pole lying flat next to the cart"),
-    ("a car at the peak of the mountain, next to the yellow flag",): ("a car at the bottom of the valley", "a car on the slope, far from the yellow flag"),
+    ("pole vertically upright on top of the cart",): (
+        "pole tilted to the side of the cart",
+        "pole lying flat next to the cart",
+    ),
+    ("a car at the peak of the mountain, next to the yellow flag",): (
+        "a car at the bottom of the valley",
+        "a car on the slope, far from the yellow flag",
+    ),
     ("a humanoid robot kneeling",): ("a humanoid robot standing", "a humanoid robot lying on the ground"),
 }
 
 
-def softmax_reward(image_embeddings: torch.Tensor, goal_embeddings: torch.Tensor, negative_embeddings: torch.Tensor,
-                   temperature: float, threshold: float, soft: bool = False) -> torch.Tensor:
+def softmax_reward(
+    image_embeddings: torch.Tensor,
+    goal_embeddings: torch.Tensor,
+    negative_embeddings: torch.Tensor,
+    temperature: float,
+    threshold: float,
+    soft: bool = False,
+) -> torch.Tensor:
     """R(s) = 1 if p > threshold else 0, p = softmax_k(cos(s, e_k) / temperature)[goal] over the goal and each negative.
 
     Takes raw (N, D) image, (G, D) goal and (K, D) negative embeddings. Several goal prompts form one class: the mean
@@ -404,21 +481,28 @@ def resolve_negatives(goal: tuple[str, ...], negatives: Optional[tuple[str, ...]
     """The softmax family's negative prompts: --negatives, else the defaults of the default goal; one-sentence errors."""
     negatives = DEFAULT_NEGATIVES.get(tuple(goal), ()) if negatives is None else tuple(negatives)
     if not negatives or any(not n.strip() for n in negatives):
-        raise UserError(f"{flag} needs at least one non-empty --negatives prompt describing what the goal is not (default negatives go with the default --goal only).")
+        raise UserError(
+            f"{flag} needs at least one non-empty --negatives prompt describing what the goal is not (default negatives go with the default --goal only)."
+        )
     shared = sorted(set(negatives) & set(goal))
     if shared:
-        raise UserError(f"--negatives and --goal share the prompt {shared[0]!r}; a negative must describe something the goal is not.")
+        raise UserError(
+            f"--negatives and --goal share the prompt {shared[0]!r}; a negative must describe something the goal is not."
+        )
     return negatives
 
 
-def check_goal_direction(goal_embeddings: torch.Tensor, baseline_embeddings: torch.Tensor, alpha: float,
-                         flag: str = "--alpha") -> None:
+def check_goal_direction(
+    goal_embeddings: torch.Tensor, baseline_embeddings: torch.Tensor, alpha: float, flag: str = "--alpha"
+) -> None:
     """d = g - b must not vanish when alpha > 0: different strings can have one embedding (e.g. past CLIP's 77 tokens)."""
     g = F.normalize(goal_embeddings.float(), dim=-1).mean(0)
     b = F.normalize(baseline_embeddings.float(), dim=-1).mean(0)
     if alpha > 0 and (g - b).norm() < 1e-4:  # real prompt pairs are > 0.1 apart; float32 round-off is ~1e-6
-        raise UserError(f"--goal and --baseline have the same CLIP embedding, so the goal-baseline direction is zero; "
-                        f"change one or use {flag} 0 (got {alpha}).")
+        raise UserError(
+            f"--goal and --baseline have the same CLIP embedding, so the goal-baseline direction is zero; "
+            f"change one or use {flag} 0 (got {alpha})."
+        )
 
 
 HUB_TIMEOUT_S = 5.0  # how long to wait for the download host before saying it cannot be reached
@@ -446,8 +530,10 @@ def fetch_clip_weights(args: Args) -> bool:
         filename = filename or "open_clip_pytorch_model.bin"  # open_clip's default name on the hub
         safe_names = getattr(open_clip.pretrained, "_get_safe_alternatives", lambda name: [])  # tried first when present
         names = [*safe_names(filename), filename]
-        if any(isinstance(huggingface_hub.try_to_load_from_cache(repo_id, name, cache_dir=args.clip_cache_dir), str)
-               for name in names):
+        if any(
+            isinstance(huggingface_hub.try_to_load_from_cache(repo_id, name, cache_dir=args.clip_cache_dir), str)
+            for name in names
+        ):
             return True
         url = huggingface_hub.constants.ENDPOINT
         offline = huggingface_hub.constants.HF_HUB_OFFLINE
@@ -465,8 +551,11 @@ def fetch_clip_weights(args: Args) -> bool:
         pass
     finally:
         logging.disable(logging.NOTSET)
-    print(f"fetching the {model_name}/{args.clip_pretrained} CLIP weights{size} from {url} into "
-          f"{args.clip_cache_dir or 'the Hugging Face cache'}", flush=True)
+    print(
+        f"fetching the {model_name}/{args.clip_pretrained} CLIP weights{size} from {url} into "
+        f"{args.clip_cache_dir or 'the Hugging Face cache'}",
+        flush=True,
+    )
     detail = "HF_HUB_OFFLINE is set and they are not in the cache" if offline else can_reach(url)
     if detail is None:
         try:
@@ -475,9 +564,11 @@ def fetch_clip_weights(args: Args) -> bool:
         except Exception as e:  # noqa: BLE001 - every failure here has the same fixes
             detail = str(e).splitlines()[0] if str(e) else type(e).__name__
     detail = detail if len(detail) <= 160 else detail[:157] + "..."
-    raise UserError(f"could not download or find the {model_name}/{args.clip_pretrained} CLIP weights ({detail}); check the "
-                    "network connection, point --clip-cache-dir at a folder that already holds them, or pass a local weights "
-                    "file with --clip-checkpoint.")
+    raise UserError(
+        f"could not download or find the {model_name}/{args.clip_pretrained} CLIP weights ({detail}); check the "
+        "network connection, point --clip-cache-dir at a folder that already holds them, or pass a local weights "
+        "file with --clip-checkpoint."
+    )
 
 
 def can_reach(url: str, timeout: float = HUB_TIMEOUT_S) -> Optional[str]:
@@ -518,11 +609,17 @@ def load_clip(args: Args, device: torch.device) -> tuple[nn.Module, object]:
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
         detail = detail if len(detail) <= 160 else detail[:157] + "..."
         if args.clip_checkpoint is not None:
-            raise UserError(f"could not load --clip-checkpoint {args.clip_checkpoint} into {model_name} ({type(e).__name__}: {detail}); check that the file holds open_clip weights for that architecture.") from None
+            raise UserError(
+                f"could not load --clip-checkpoint {args.clip_checkpoint} into {model_name} ({type(e).__name__}: {detail}); check that the file holds open_clip weights for that architecture."
+            ) from None
         if pretrained is None:  # nothing was downloaded: the architecture itself could not be built
-            raise UserError(f"could not build {model_name} from --clip-model {args.clip_model} ({type(e).__name__}: "
-                            f"{detail}); check the values in that config file.") from None
-        raise UserError(f"could not download or find the {model_name}/{pretrained} CLIP weights ({detail}); check the network connection, point --clip-cache-dir at a folder that already holds them, or pass a local weights file with --clip-checkpoint.") from None
+            raise UserError(
+                f"could not build {model_name} from --clip-model {args.clip_model} ({type(e).__name__}: "
+                f"{detail}); check the values in that config file."
+            ) from None
+        raise UserError(
+            f"could not download or find the {model_name}/{pretrained} CLIP weights ({detail}); check the network connection, point --clip-cache-dir at a folder that already holds them, or pass a local weights file with --clip-checkpoint."
+        ) from None
     finally:
         logging.disable(logging.NOTSET)
         hub.HF_HUB_OFFLINE = hub_offline
@@ -539,10 +636,23 @@ class CLIPReward(nn.Module):
     clamp; `antialias=True` smooths a large downscale instead (closer to PIL, not the paper).
     """
 
-    def __init__(self, model: nn.Module, tokenizer, goal: tuple[str, ...], baseline: tuple[str, ...],
-                 alpha: float, batch_size: int, device: torch.device, family: str = "projection",
-                 negatives: tuple[str, ...] = (), temperature: float = 0.01, threshold: float = 0.5, soft: bool = False,
-                 antialias: bool = False, replicas: tuple = ()):
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        goal: tuple[str, ...],
+        baseline: tuple[str, ...],
+        alpha: float,
+        batch_size: int,
+        device: torch.device,
+        family: str = "projection",
+        negatives: tuple[str, ...] = (),
+        temperature: float = 0.01,
+        threshold: float = 0.5,
+        soft: bool = False,
+        antialias: bool = False,
+        replicas: tuple = (),
+    ):
         super().__init__()
         import open_clip
 
@@ -557,14 +667,22 @@ class CLIPReward(nn.Module):
         self.replicas = [(model, device), *replicas]
         # the model's own mean/std: the paper used OpenAI's for every model, wrong only for ViT-L-14 laion2b (0.5, 0.5)
         preprocess_cfg = open_clip.get_model_preprocess_cfg(model)
-        self.image_size = tuple(preprocess_cfg["size"]) if not isinstance(preprocess_cfg["size"], int) else (preprocess_cfg["size"],) * 2
+        self.image_size = (
+            tuple(preprocess_cfg["size"]) if not isinstance(preprocess_cfg["size"], int) else (preprocess_cfg["size"],) * 2
+        )
         self.register_buffer("mean", torch.tensor(preprocess_cfg["mean"], device=device).view(1, 3, 1, 1))
         self.register_buffer("std", torch.tensor(preprocess_cfg["std"], device=device).view(1, 3, 1, 1))
         with torch.no_grad():
             self.register_buffer("goal_embeddings", model.encode_text(tokenizer(list(goal)).to(device)).float())
-            self.register_buffer("baseline_embeddings", model.encode_text(tokenizer(list(baseline or goal)).to(device)).float())
-            self.register_buffer("negative_embeddings", model.encode_text(tokenizer(list(negatives)).to(device)).float() if negatives
-                                 else self.goal_embeddings.new_zeros(0, self.goal_embeddings.shape[1]))
+            self.register_buffer(
+                "baseline_embeddings", model.encode_text(tokenizer(list(baseline or goal)).to(device)).float()
+            )
+            self.register_buffer(
+                "negative_embeddings",
+                model.encode_text(tokenizer(list(negatives)).to(device)).float()
+                if negatives
+                else self.goal_embeddings.new_zeros(0, self.goal_embeddings.shape[1]),
+            )
 
     @torch.no_grad()
     def preprocess(self, frames: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
@@ -586,8 +704,9 @@ class CLIPReward(nn.Module):
     def rewards(self, image_embeddings: torch.Tensor) -> torch.Tensor:
         """The chosen family's rewards (N,) of raw image embeddings (N, D)."""
         if self.family == "softmax":
-            return softmax_reward(image_embeddings, self.goal_embeddings, self.negative_embeddings,
-                                  self.temperature, self.threshold, self.soft)
+            return softmax_reward(
+                image_embeddings, self.goal_embeddings, self.negative_embeddings, self.temperature, self.threshold, self.soft
+            )
         return vlm_reward(image_embeddings, self.goal_embeddings, self.baseline_embeddings, self.alpha)
 
     @torch.no_grad()
@@ -609,9 +728,22 @@ def make_reward_model(args: Args, device: torch.device) -> CLIPReward:
     devices = [torch.device(name) for name in args.reward_devices] or [device]
     model, tokenizer = load_clip(args, devices[0])
     replicas = [(copy.deepcopy(model).to(d), d) for d in devices[1:]]  # copies: the same weights (even random test ones)
-    reward_model = CLIPReward(model, tokenizer, args.goal, args.baseline, args.alpha, args.reward_batch_size, devices[0],
-                              args.reward_family, args.negatives or (), args.temperature, args.threshold, args.soft,
-                              args.antialias, replicas)
+    reward_model = CLIPReward(
+        model,
+        tokenizer,
+        args.goal,
+        args.baseline,
+        args.alpha,
+        args.reward_batch_size,
+        devices[0],
+        args.reward_family,
+        args.negatives or (),
+        args.temperature,
+        args.threshold,
+        args.soft,
+        args.antialias,
+        replicas,
+    )
     if args.reward_family == "projection":
         check_goal_direction(reward_model.goal_embeddings, reward_model.baseline_embeddings, args.alpha)
     return reward_model
@@ -628,9 +760,15 @@ def warn_if_slow_on_cpu(reward_model: CLIPReward, args: Args, frame_shape: tuple
     seconds = (time.perf_counter() - start) / len(frames)
     total = seconds * args.total_timesteps
     duration = f"{total / 3600:.1f} h" if total >= 3600 else f"{total / 60:.0f} min"
-    print(f"note: scoring a frame with {Path(args.clip_model).stem} on CPU takes {seconds * 1000:.0f} ms, so this run "
-          f"will spend about {duration} in the reward model" + ("; use a GPU, or a smaller model such as "
-          "--clip-model RN50 --clip-pretrained openai" if seconds > 0.05 and args.clip_model != "RN50" else ""))
+    print(
+        f"note: scoring a frame with {Path(args.clip_model).stem} on CPU takes {seconds * 1000:.0f} ms, so this run "
+        f"will spend about {duration} in the reward model"
+        + (
+            "; use a GPU, or a smaller model such as --clip-model RN50 --clip-pretrained openai"
+            if seconds > 0.05 and args.clip_model != "RN50"
+            else ""
+        )
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -653,7 +791,7 @@ def _fractal_noise(rng: np.random.Generator, size: int, cells: int, octaves: int
     for o in range(octaves):  # upsample a 3x3 tiling of the grid and keep the middle: no seams at the borders
         grid = torch.from_numpy(rng.random((1, 1, cells * 2**o, cells * 2**o))).repeat(1, 1, 3, 3)
         up = F.interpolate(grid, scale_factor=size / (cells * 2**o), mode="bicubic")[0, 0]
-        out = out + 0.5**o * up[size:2 * size, size:2 * size]
+        out = out + 0.5**o * up[size : 2 * size, size : 2 * size]
     out = out.numpy()
     return (out - out.min()) / (out.max() - out.min())
 
@@ -690,8 +828,14 @@ def _sky_pngs(folder: str, size: int = 256) -> dict[str, str]:
     MuJoCo's skybox convention, measured: face pixel (a, b) in [-1, 1] (b grows downwards) looks along the
     world direction below (x forward of the humanoid, z up); clouds are drawn in (azimuth, elevation).
     """
-    faces = {"right": lambda a, b: (1, a, -b), "left": lambda a, b: (-1, -a, -b), "back": lambda a, b: (-a, 1, -b),
-             "front": lambda a, b: (a, -1, -b), "up": lambda a, b: (a, -b, 1), "down": lambda a, b: (a, b, -1)}
+    faces = {
+        "right": lambda a, b: (1, a, -b),
+        "left": lambda a, b: (-1, -a, -b),
+        "back": lambda a, b: (-a, 1, -b),
+        "front": lambda a, b: (a, -1, -b),
+        "up": lambda a, b: (a, -b, 1),
+        "down": lambda a, b: (a, b, -1),
+    }
     clouds = torch.from_numpy(_fractal_noise(np.random.default_rng(4321), 1024, 6, 6))[None, None].float()
     a, b = np.meshgrid(*[(np.arange(size) + 0.5) / size * 2 - 1] * 2)
     paths = {}
@@ -742,10 +886,12 @@ def textured_humanoid_xml() -> str:
     ET.SubElement(asset, "texture", type="skybox", **{f"file{face}": p for face, p in _sky_pngs(cache).items()})
     ET.SubElement(asset, "texture", name="texplane", type="2d", file=_slate_floor_png(os.path.join(cache, "slate.png")))
     ET.SubElement(asset, "texture", name="texgeom", type="cube", file=_brushed_metal_png(os.path.join(cache, "metal.png")))
-    ET.SubElement(asset, "material", name="MatPlane", texture="texplane", texrepeat="60 60", reflectance="0",
-                  shininess="0", specular="0")
-    ET.SubElement(asset, "material", name="geom", texture="texgeom", texuniform="true", rgba="1 1 1 1", specular="1",
-                  shininess="1")
+    ET.SubElement(
+        asset, "material", name="MatPlane", texture="texplane", texrepeat="60 60", reflectance="0", shininess="0", specular="0"
+    )
+    ET.SubElement(
+        asset, "material", name="geom", texture="texgeom", texuniform="true", rgba="1 1 1 1", specular="1", shininess="1"
+    )
     # One light from above, as in the paper; MuJoCo's default headlight stays as it is (nothing brighter added).
     light = root.find("worldbody/light")
     light.attrib.update(diffuse="1 1 1", pos="0 0 1", dir="0 0 -1.5", specular="0.5 0.5 0.5")
@@ -866,7 +1012,9 @@ class RealisticMountainCar(gym.Wrapper):
         flag_x = int((MOUNTAINCAR_GOAL - self.min_x) * self.scale)
         flag_y = self.height - int(self._pixel_height(MOUNTAINCAR_GOAL)) - 4
         pygame.draw.line(background, (60, 60, 60), (flag_x, flag_y), (flag_x, flag_y - 60), 3)
-        pygame.draw.polygon(background, (250, 210, 20), [(flag_x + 2, flag_y - 60), (flag_x + 32, flag_y - 50), (flag_x + 2, flag_y - 40)])
+        pygame.draw.polygon(
+            background, (250, 210, 20), [(flag_x + 2, flag_y - 60), (flag_x + 32, flag_y - 50), (flag_x + 2, flag_y - 40)]
+        )
         self.background = background
         # the car sprite, drawn once and rotated per frame: red body, cabin with windows, two wheels
         sprite = pygame.Surface((56, 34), pygame.SRCALPHA)
@@ -923,12 +1071,21 @@ def make_env(
                 env = RealisticMountainCar(env)
             env.action_space.seed(seed + idx)
             return env
-        common = dict(render_mode="rgb_array", width=render_size, height=render_size,
-                      **({"max_episode_steps": episode_length} if fixed_length else {}))
+        common = dict(
+            render_mode="rgb_array",
+            width=render_size,
+            height=render_size,
+            **({"max_episode_steps": episode_length} if fixed_length else {}),
+        )
         if env_id.startswith("Humanoid-"):  # not HumanoidStandup: its own model and arguments
             # Fixed length: no early termination, a fallen humanoid keeps being rendered and rewarded until the end.
-            env = gym.make(env_id, terminate_when_unhealthy=not fixed_length, default_camera_config=HUMANOID_CAMERA,
-                           **({"xml_file": textured_humanoid_xml()} if textured else {}), **common)
+            env = gym.make(
+                env_id,
+                terminate_when_unhealthy=not fixed_length,
+                default_camera_config=HUMANOID_CAMERA,
+                **({"xml_file": textured_humanoid_xml()} if textured else {}),
+                **common,
+            )
             if camera == "tracking":
                 env = TrackingCamera(env)
         else:
@@ -951,7 +1108,9 @@ class SoftQNetwork(nn.Module):
         super().__init__()
         obs_dim = np.array(envs.single_observation_space.shape).prod()
         action_dim = np.prod(envs.single_action_space.shape)
-        self.network = nn.Sequential(nn.Linear(obs_dim + action_dim, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))
+        self.network = nn.Sequential(
+            nn.Linear(obs_dim + action_dim, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)
+        )
 
     def forward(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         return self.network(torch.cat([x, a], 1))
@@ -988,7 +1147,9 @@ class Actor(nn.Module):
     def get_action(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(sampled unit-box action, its log-probability on the unit box, the deterministic action in env units)."""
         mean, log_std = self(x)
-        normal = torch.distributions.Normal(mean, log_std.exp(), validate_args=False)  # NaNs surface in our own check, with a message
+        normal = torch.distributions.Normal(
+            mean, log_std.exp(), validate_args=False
+        )  # NaNs surface in our own check, with a message
         x_t = normal.rsample()  # reparameterisation trick
         y_t = torch.tanh(x_t)
         # change of variables through tanh only: the paper's (SB3's) entropy scale, whatever the env's bounds
@@ -1007,7 +1168,9 @@ class ReplayBuffer:
         self.rewards = np.zeros((size,), dtype=np.float32)
         self.terminations = np.zeros((size,), dtype=np.float32)
 
-    def add(self, obs: np.ndarray, next_obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminations: np.ndarray) -> None:
+    def add(
+        self, obs: np.ndarray, next_obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminations: np.ndarray
+    ) -> None:
         idx = (self.pos + np.arange(len(obs))) % self.size  # one vectorised write, wrapping around the end
         self.obs[idx], self.next_obs[idx], self.actions[idx] = obs, next_obs, actions
         self.rewards[idx], self.terminations[idx] = rewards, terminations
@@ -1019,8 +1182,14 @@ class ReplayBuffer:
 
     def state_dict(self) -> dict:
         n = len(self)
-        return {"pos": self.pos, "full": self.full, **{name: torch.from_numpy(getattr(self, name)[:n]) for name in
-                                                         ("obs", "next_obs", "actions", "rewards", "terminations")}}
+        return {
+            "pos": self.pos,
+            "full": self.full,
+            **{
+                name: torch.from_numpy(getattr(self, name)[:n])
+                for name in ("obs", "next_obs", "actions", "rewards", "terminations")
+            },
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.pos, self.full = state["pos"], state["full"]
@@ -1029,8 +1198,10 @@ class ReplayBuffer:
 
     def sample(self, batch_size: int) -> tuple[torch.Tensor, ...]:
         idx = np.random.randint(0, len(self), size=batch_size)
-        return tuple(torch.from_numpy(a[idx]).to(self.device) for a in
-                     (self.obs, self.actions, self.rewards, self.next_obs, self.terminations))
+        return tuple(
+            torch.from_numpy(a[idx]).to(self.device)
+            for a in (self.obs, self.actions, self.rewards, self.next_obs, self.terminations)
+        )
 
 
 def save_video(frames: list[np.ndarray], path: str, fps: int = 30) -> None:
@@ -1051,7 +1222,9 @@ def save_checkpoint(path: str, state: dict) -> None:
     except BaseException as e:
         os.unlink(tmp)
         if isinstance(e, OSError):
-            raise UserError(f"could not write {path} ({e.strerror or e}); the previous file there is intact, the partial one was removed.") from None
+            raise UserError(
+                f"could not write {path} ({e.strerror or e}); the previous file there is intact, the partial one was removed."
+            ) from None
         raise
     dir_fd = os.open(folder, os.O_RDONLY)
     try:
@@ -1074,16 +1247,22 @@ def make_run_folder(run_name: str) -> str:
 
 def rng_state(envs: gym.vector.VectorEnv) -> dict:
     """Every random number generator the run draws from, so a resumed run continues the same stream."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "envs": list(envs.get_attr("np_random"))}
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "envs": list(envs.get_attr("np_random")),
+    }
 
 
 def save_nonfinite(run_name: str, networks: dict) -> str:
     """Networks of a run stopped on a NaN, saved beside (never over) its resumable checkpoint; says where both are."""
     path, checkpoint = f"runs/{run_name}/nonfinite_networks.pt", f"runs/{run_name}/checkpoint.pt"
     save_checkpoint(path, networks)
-    return f"finite networks from before it were saved to {path}" + (f" and the last resumable checkpoint {checkpoint} is kept" if os.path.exists(checkpoint) else "")
+    return f"finite networks from before it were saved to {path}" + (
+        f" and the last resumable checkpoint {checkpoint} is kept" if os.path.exists(checkpoint) else ""
+    )
 
 
 def all_finite(state) -> bool:
@@ -1103,8 +1282,11 @@ def install_stop_handlers() -> dict:
         if stop["requested"]:
             raise KeyboardInterrupt
         stop["requested"] = True
-        print(f"\n{signal.Signals(signum).name} received: saving a checkpoint at the end of the current episodes "
-              "(stock episodes: at the next step; send it again to quit without saving)", flush=True)
+        print(
+            f"\n{signal.Signals(signum).name} received: saving a checkpoint at the end of the current episodes "
+            "(stock episodes: at the next step; send it again to quit without saving)",
+            flush=True,
+        )
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
@@ -1150,8 +1332,10 @@ class Progress:
         self.last, elapsed = now, now - self.start
         sps = (step - self.start_step) / max(elapsed, 1e-9)
         left = (self.total - step) / sps if sps > 0 else math.inf
-        line = (f"step {step}/{self.total} ({100 * step / self.total:.0f}%) | {sps:.0f} steps/s"
-                f" | elapsed {format_duration(elapsed)} | left {format_duration(left)}")
+        line = (
+            f"step {step}/{self.total} ({100 * step / self.total:.0f}%) | {sps:.0f} steps/s"
+            f" | elapsed {format_duration(elapsed)} | left {format_duration(left)}"
+        )
         if self.gt_returns:
             line += f" | last {len(self.gt_returns)} episodes: gt_return {np.mean(self.gt_returns):.1f}"
             line += f", clip_return {np.mean(self.clip_returns):.2f}" if self.clip else ""
@@ -1163,8 +1347,15 @@ class Progress:
             self.printed = step
 
 
-def evaluate(actor: Actor, eval_envs: gym.vector.VectorEnv, args: Args, device: torch.device,
-             reward_model: Optional[CLIPReward], episodes: int, seed: int) -> list[dict]:
+def evaluate(
+    actor: Actor,
+    eval_envs: gym.vector.VectorEnv,
+    args: Args,
+    device: torch.device,
+    reward_model: Optional[CLIPReward],
+    episodes: int,
+    seed: int,
+) -> list[dict]:
     """Deterministic episodes of the policy: frames, ground-truth return and CLIP return of each."""
     results = []
     for episode in range(episodes):
@@ -1204,15 +1395,29 @@ def main(args: Args) -> None:
     torch.backends.cudnn.deterministic = args.torch_deterministic
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     set_torch_threads(args, device)
-    make_eval_envs = lambda: gym.vector.SyncVectorEnv([make_env(args.env_id, args.seed + 10_000, 0, args.episode_length,  # noqa: E731
-                                                                args.render_size, args.render_quality, args.textured,
-                                                                args.camera, args.episodes == "fixed")])
+    make_eval_envs = lambda: gym.vector.SyncVectorEnv(
+        [
+            make_env(
+                args.env_id,
+                args.seed + 10_000,
+                0,
+                args.episode_length,  # noqa: E731
+                args.render_size,
+                args.render_quality,
+                args.textured,
+                args.camera,
+                args.episodes == "fixed",
+            )
+        ]
+    )
 
     if args.evaluate is not None:
         eval_envs = make_eval_envs()
         actor = Actor(eval_envs).to(device)
         actor.load_state_dict(torch.load(args.evaluate, map_location=device, weights_only=False)["actor"])
-        reward_model = make_reward_model(args, device) if args.reward == "clip" else None  # --reward gt: no CLIP weights needed
+        reward_model = (
+            make_reward_model(args, device) if args.reward == "clip" else None
+        )  # --reward gt: no CLIP weights needed
         results = evaluate(actor, eval_envs, args, device, reward_model, args.eval_episodes, args.seed + 10_000)
         for episode, result in enumerate(results):
             folder = f"videos/{run_name}/eval-episode-{episode}"
@@ -1220,7 +1425,9 @@ def main(args: Args) -> None:
             os.makedirs(folder, exist_ok=True)
             for t, frame in enumerate(result["frames"]):
                 imageio.imwrite(f"{folder}/frame-{t:04d}.png", frame)
-            print(f"eval episode {episode}: clip_return={result['clip_return']:.2f} gt_return={result['gt_return']:.1f} -> {folder}.mp4")
+            print(
+                f"eval episode {episode}: clip_return={result['clip_return']:.2f} gt_return={result['gt_return']:.1f} -> {folder}.mp4"
+            )
         return
 
     # The reward model before the env processes: what is downloaded is said at once, and a failed download or
@@ -1240,9 +1447,23 @@ def main(args: Args) -> None:
     handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # nothing to render with --reward gt: stepping in-process beats the pipe round trips to subprocesses
     vector_env = gym.vector.SyncVectorEnv if args.reward == "gt" else gym.vector.AsyncVectorEnv
-    envs = vector_env([make_env(args.env_id, args.seed, i, args.episode_length, args.render_size, args.render_quality,
-                                args.textured, args.camera, args.episodes == "fixed") for i in range(args.num_envs)],
-                                     autoreset_mode=gym.vector.AutoresetMode.DISABLED)
+    envs = vector_env(
+        [
+            make_env(
+                args.env_id,
+                args.seed,
+                i,
+                args.episode_length,
+                args.render_size,
+                args.render_quality,
+                args.textured,
+                args.camera,
+                args.episodes == "fixed",
+            )
+            for i in range(args.num_envs)
+        ],
+        autoreset_mode=gym.vector.AutoresetMode.DISABLED,
+    )
     signal.signal(signal.SIGINT, handlers[0])
     signal.signal(signal.SIGTERM, handlers[1])
     writer = None
@@ -1257,11 +1478,19 @@ def main(args: Args) -> None:
         run_name = run_name if checkpoint else make_run_folder(run_name)
         # purge_step drops whatever a crashed run logged after its checkpoint, so the curves continue cleanly: from the first
         # step still pending in the checkpoint (the episodes ending there were logged only after it was saved)
-        writer = SummaryWriter(f"runs/{run_name}", purge_step=(start_iteration - len(checkpoint["pending"]["obs"])) * args.num_envs if checkpoint else None)
+        writer = SummaryWriter(
+            f"runs/{run_name}",
+            purge_step=(start_iteration - len(checkpoint["pending"]["obs"])) * args.num_envs if checkpoint else None,
+        )
         if checkpoint is None:
-            writer.add_text("hyperparameters", "|param|value|\n|-|-|\n%s" % "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
-        print(f"run: runs/{run_name} on {device}, reward: {args.reward}" + (f", goal={args.goal}, baseline={args.baseline}, alpha={args.alpha}" if args.reward == "clip" else "")
-              + (f", resumed at step {start_iteration * args.num_envs}" if checkpoint else ""))
+            writer.add_text(
+                "hyperparameters", "|param|value|\n|-|-|\n%s" % "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+            )
+        print(
+            f"run: runs/{run_name} on {device}, reward: {args.reward}"
+            + (f", goal={args.goal}, baseline={args.baseline}, alpha={args.alpha}" if args.reward == "clip" else "")
+            + (f", resumed at step {start_iteration * args.num_envs}" if checkpoint else "")
+        )
 
         actor = Actor(envs).to(device)
         qf1, qf2 = SoftQNetwork(envs).to(device), SoftQNetwork(envs).to(device)
@@ -1273,13 +1502,23 @@ def main(args: Args) -> None:
         actor_optimizer = optim.Adam(actor.parameters(), lr=args.policy_lr, fused=True)
         target_entropy = -float(np.prod(envs.single_action_space.shape))
         low, high = envs.single_action_space.low, envs.single_action_space.high
-        action_scale, action_bias = (high - low) / 2.0, (high + low) / 2.0  # as the actor's, on the host: no device sync per step
+        action_scale, action_bias = (
+            (high - low) / 2.0,
+            (high + low) / 2.0,
+        )  # as the actor's, on the host: no device sync per step
         log_ent_coef = torch.tensor([math.log(args.ent_coef)], device=device, requires_grad=args.autotune)
         ent_coef_optimizer = optim.Adam([log_ent_coef], lr=args.q_lr, fused=True) if args.autotune else None
         rb = ReplayBuffer(args.buffer_size, envs.single_observation_space.shape, envs.single_action_space.shape, device)
         # everything a gradient step changes, by name: checkpointed, and snapshotted as the last finite state
-        learner = {"actor": actor, "qf1": qf1, "qf2": qf2, "qf1_target": qf1_target, "qf2_target": qf2_target,
-                   "actor_optimizer": actor_optimizer, "q_optimizer": q_optimizer}
+        learner = {
+            "actor": actor,
+            "qf1": qf1,
+            "qf2": qf2,
+            "qf1_target": qf1_target,
+            "qf2_target": qf2_target,
+            "actor_optimizer": actor_optimizer,
+            "q_optimizer": q_optimizer,
+        }
         if args.autotune:
             learner["ent_coef_optimizer"] = ent_coef_optimizer
 
@@ -1315,8 +1554,13 @@ def main(args: Args) -> None:
         last_finite, steps_since_snapshot = None, math.inf
         stop = install_stop_handlers()
         start_time = time.time()
-        progress = Progress(args.total_timesteps, start_iteration * args.num_envs, args.reward == "clip", max(10, args.num_envs))
-        iteration, dones = start_iteration - 1, np.ones(args.num_envs, dtype=bool)  # as they stay when a resumed run has no steps left
+        progress = Progress(
+            args.total_timesteps, start_iteration * args.num_envs, args.reward == "clip", max(10, args.num_envs)
+        )
+        iteration, dones = (
+            start_iteration - 1,
+            np.ones(args.num_envs, dtype=bool),
+        )  # as they stay when a resumed run has no steps left
         for iteration in range(start_iteration, num_iterations):
             global_step = iteration * args.num_envs
             # actions on the unit box (stored so); the env gets them rescaled to its bounds
@@ -1359,8 +1603,11 @@ def main(args: Args) -> None:
             num_pending = len(pending["obs"]) * args.num_envs
             # a stock-episode checkpoint holds no pending transitions: their episodes restart on resume
             # one --reward-batch-size chunk per reward device and call, so that every device has work
-            flush_now = (train_now or num_pending >= args.reward_batch_size * max(1, len(args.reward_devices))
-                         or iteration == num_iterations - 1)
+            flush_now = (
+                train_now
+                or num_pending >= args.reward_batch_size * max(1, len(args.reward_devices))
+                or iteration == num_iterations - 1
+            )
             if flush_now or (save_now and args.episodes == "stock"):
                 t0 = time.perf_counter()
                 gt = np.concatenate(pending["gt"])
@@ -1369,10 +1616,17 @@ def main(args: Args) -> None:
                 rewards = clip_rewards if args.reward == "clip" else gt[:, 0]
                 if not np.all(np.isfinite(rewards)):  # never let a NaN into the buffer: it would poison every Q-value
                     saved = save_nonfinite(run_name, {"actor": actor.state_dict(), "args": asdict(args), "run_name": run_name})
-                    raise NonFiniteError(f"the {args.reward} reward is not finite for {np.sum(~np.isfinite(rewards))} of {len(rewards)} frames at step {global_step}; {saved}.")
+                    raise NonFiniteError(
+                        f"the {args.reward} reward is not finite for {np.sum(~np.isfinite(rewards))} of {len(rewards)} frames at step {global_step}; {saved}."
+                    )
                 dones_flat = np.concatenate(pending["dones"])
-                rb.add(np.concatenate(pending["obs"]), np.concatenate(pending["next_obs"]), np.concatenate(pending["actions"]),
-                       rewards, np.concatenate(pending["terminations"]))
+                rb.add(
+                    np.concatenate(pending["obs"]),
+                    np.concatenate(pending["next_obs"]),
+                    np.concatenate(pending["actions"]),
+                    rewards,
+                    np.concatenate(pending["terminations"]),
+                )
                 # episode bookkeeping, in step order (rows are step-major: env i of step t is row t * num_envs + i)
                 for k in range(len(rewards)):
                     env_i = k % args.num_envs
@@ -1384,12 +1638,16 @@ def main(args: Args) -> None:
                         episode.setdefault(name, np.zeros(args.num_envs))[env_i] += gt[k, 2 + c]
                     episode["success"][env_i] = gt[k, 1]  # latched by the env, cleared at its reset
                     if dones_flat[k]:
-                        step = global_step - (len(pending["obs"]) - 1 - k // args.num_envs) * args.num_envs  # the step it ended at
+                        step = (
+                            global_step - (len(pending["obs"]) - 1 - k // args.num_envs) * args.num_envs
+                        )  # the step it ended at
                         length = episode["length"][env_i]
                         progress.episode(episode["gt_return"][env_i], episode["clip_return"][env_i])
                         if args.log_episodes:
-                            print(f"global_step={step}, episodic_return={episode['return'][env_i]:.2f}, "
-                                  f"gt_return={episode['gt_return'][env_i]:.1f}")
+                            print(
+                                f"global_step={step}, episodic_return={episode['return'][env_i]:.2f}, "
+                                f"gt_return={episode['gt_return'][env_i]:.1f}"
+                            )
                         writer.add_scalar("charts/episodic_return", episode["return"][env_i], step)
                         writer.add_scalar("charts/episodic_length", length, step)
                         writer.add_scalar("charts/gt_return", episode["gt_return"][env_i], step)
@@ -1419,7 +1677,10 @@ def main(args: Args) -> None:
                     b_obs, b_actions, b_rewards, b_next_obs, b_terminations = rb.sample(args.batch_size)
                     with torch.no_grad():
                         next_actions, next_log_pi, _ = actor.get_action(b_next_obs)
-                        min_qf_next_target = torch.min(qf1_target(b_next_obs, next_actions), qf2_target(b_next_obs, next_actions)) - ent_coef * next_log_pi
+                        min_qf_next_target = (
+                            torch.min(qf1_target(b_next_obs, next_actions), qf2_target(b_next_obs, next_actions))
+                            - ent_coef * next_log_pi
+                        )
                         # time limits are truncations: we bootstrap through them (the reference treated them as terminal)
                         next_q_value = b_rewards + (1 - b_terminations) * args.gamma * min_qf_next_target.view(-1)
                     qf1_a_values = qf1(b_obs, b_actions).view(-1)
@@ -1456,10 +1717,15 @@ def main(args: Args) -> None:
                         for param, target_param in zip(qf2.parameters(), qf2_target.parameters()):
                             target_param.lerp_(param, args.tau)
                 if not finite:
-                    saved = (save_nonfinite(run_name, {**last_finite, "args": asdict(args), "run_name": run_name}) if last_finite
-                             else "the networks were not finite already when training started")  # e.g. a resumed checkpoint
-                    raise NonFiniteError(f"a SAC loss (qf_loss {qf_loss.item()}, actor_loss {actor_loss.item()}) is not finite in the training phase at step {global_step}; "
-                                         f"{saved}; lower --q-lr / --policy-lr or check the rewards.")
+                    saved = (
+                        save_nonfinite(run_name, {**last_finite, "args": asdict(args), "run_name": run_name})
+                        if last_finite
+                        else "the networks were not finite already when training started"
+                    )  # e.g. a resumed checkpoint
+                    raise NonFiniteError(
+                        f"a SAC loss (qf_loss {qf_loss.item()}, actor_loss {actor_loss.item()}) is not finite in the training phase at step {global_step}; "
+                        f"{saved}; lower --q-lr / --policy-lr or check the rewards."
+                    )
                 timing["learning"] += time.perf_counter() - t0
 
                 if iteration % (10 * args.train_frequency) == 0:
@@ -1472,11 +1738,17 @@ def main(args: Args) -> None:
                     writer.add_scalar("losses/ent_coef", ent_coef.item(), global_step)
                     if args.autotune:
                         writer.add_scalar("losses/ent_coef_loss", ent_coef_loss.item(), global_step)
-                    writer.add_scalar("charts/SPS", int((global_step - start_iteration * args.num_envs) / (time.time() - start_time)), global_step)
+                    writer.add_scalar(
+                        "charts/SPS",
+                        int((global_step - start_iteration * args.num_envs) / (time.time() - start_time)),
+                        global_step,
+                    )
                     for k, v in timing.items():
                         writer.add_scalar(f"time/{k}_s", v, global_step)
 
-            if args.capture_video and (global_step // args.video_frequency != next_step // args.video_frequency or iteration == num_iterations - 1):
+            if args.capture_video and (
+                global_step // args.video_frequency != next_step // args.video_frequency or iteration == num_iterations - 1
+            ):
                 (result,) = evaluate(actor, eval_envs, args, device, reward_model, 1, args.seed + 10_000)
                 save_video(result["frames"], f"videos/{run_name}/step-{next_step}.mp4")
                 writer.add_scalar("eval/gt_return", result["gt_return"], next_step)
@@ -1484,14 +1756,30 @@ def main(args: Args) -> None:
                     writer.add_scalar("eval/clip_return", result["clip_return"], next_step)
             if boundary:
                 if save_now:
-                    save_checkpoint(f"runs/{run_name}/checkpoint.pt", {
-                        "run_name": run_name, "iteration": iteration + 1, "global_step": next_step, "args": asdict(args),
-                        **{name: module.state_dict() for name, module in learner.items()}, "log_ent_coef": log_ent_coef.detach().cpu(),
-                        "rng": rng_state(envs), "pending": pending, "episode": episode, "components": components,
-                        "replay_buffer": rb.state_dict() if args.save_buffer else None})
-                    print(f"checkpoint saved at step {next_step}: runs/{run_name}/checkpoint.pt" + ("" if args.save_buffer else " (without the replay buffer: pass --save-buffer for an exact resume)"))
+                    save_checkpoint(
+                        f"runs/{run_name}/checkpoint.pt",
+                        {
+                            "run_name": run_name,
+                            "iteration": iteration + 1,
+                            "global_step": next_step,
+                            "args": asdict(args),
+                            **{name: module.state_dict() for name, module in learner.items()},
+                            "log_ent_coef": log_ent_coef.detach().cpu(),
+                            "rng": rng_state(envs),
+                            "pending": pending,
+                            "episode": episode,
+                            "components": components,
+                            "replay_buffer": rb.state_dict() if args.save_buffer else None,
+                        },
+                    )
+                    print(
+                        f"checkpoint saved at step {next_step}: runs/{run_name}/checkpoint.pt"
+                        + ("" if args.save_buffer else " (without the replay buffer: pass --save-buffer for an exact resume)")
+                    )
                 if stopping:
-                    print(f"stopped; continue with: python {os.path.basename(__file__)} --resume runs/{run_name}/checkpoint.pt")
+                    print(
+                        f"stopped; continue with: python {os.path.basename(__file__)} --resume runs/{run_name}/checkpoint.pt"
+                    )
                     break
             if dones.any():  # reset finished envs: their reset observations start the next episodes, never a transition
                 reset_obs, _ = envs.reset(options={"reset_mask": dones})
@@ -1508,11 +1796,20 @@ def main(args: Args) -> None:
     progress.update((iteration + 1) * args.num_envs, final=True)
     elapsed = time.time() - start_time
     steps = (iteration + 1 - start_iteration) * args.num_envs
-    print(f"done: {steps} steps in {elapsed:.0f} s ({int(steps / max(elapsed, 1e-9))} SPS); time in "
-          + ", ".join(f"{k} {v:.2f} s" for k, v in timing.items()))
+    print(
+        f"done: {steps} steps in {elapsed:.0f} s ({int(steps / max(elapsed, 1e-9))} SPS); time in "
+        + ", ".join(f"{k} {v:.2f} s" for k, v in timing.items())
+    )
     if args.save_model and not stop["requested"]:
         if args.episodes == "fixed" and not dones.all():  # ended mid-episode: the final networks, to evaluate, not resume
-            save_checkpoint(f"runs/{run_name}/checkpoint.pt", {**{name: module.state_dict() for name, module in learner.items()}, "args": asdict(args), "run_name": run_name})
+            save_checkpoint(
+                f"runs/{run_name}/checkpoint.pt",
+                {
+                    **{name: module.state_dict() for name, module in learner.items()},
+                    "args": asdict(args),
+                    "run_name": run_name,
+                },
+            )
         print(f"roll the policy out with: python {os.path.basename(__file__)} --evaluate runs/{run_name}/checkpoint.pt")
 
 

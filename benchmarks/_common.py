@@ -37,16 +37,21 @@ def machine() -> str:
     import torch
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{cpu}, {os.cpu_count()} cores, {gpu}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-            f"Python {platform.python_version()}, load average {load()}\nscripts: {scripts()}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {gpu}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"Python {platform.python_version()}, load average {load()}\nscripts: {scripts()}"
+    )
 
 
 def scripts() -> str:
     """Which version of our scripts is measured: folder and a short hash of each file."""
     import hashlib
 
-    sums = [f"{name} {hashlib.sha1((SCRIPTS / name).read_bytes()).hexdigest()[:8]}"
-            for name in ("vlmrm_sac_humanoid.py", "vlmrm_dqn_classic.py") if (SCRIPTS / name).exists()]
+    sums = [
+        f"{name} {hashlib.sha1((SCRIPTS / name).read_bytes()).hexdigest()[:8]}"
+        for name in ("vlmrm_sac_humanoid.py", "vlmrm_dqn_classic.py")
+        if (SCRIPTS / name).exists()
+    ]
     return f"{SCRIPTS} ({', '.join(sums)})"
 
 
@@ -58,7 +63,7 @@ def run_worker(script: str, payload: dict, timeout: float = 1800) -> dict:
     """Run `python script --worker '<json>'` in a fresh process; its last stdout line is a JSON result."""
     cmd = [sys.executable, script, "--worker", json.dumps(payload)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=os.environ.get("BENCH_CWD"))
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
         raise RuntimeError(f"worker {payload} failed with exit code {proc.returncode}")

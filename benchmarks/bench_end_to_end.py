@@ -29,11 +29,22 @@ def worker(c: dict) -> dict:
     import vlmrm_sac_humanoid as ours
 
     os.chdir(tempfile.mkdtemp(prefix="bench_e2e_"))
-    args = ours.Args(clip_model=c["model"], clip_pretrained="none", reward="clip", render_size=c["render_size"],
-                     render_quality=c["quality"], num_envs=c["num_envs"], total_timesteps=c["total_timesteps"],
-                     learning_starts=c["learning_starts"], train_frequency=c["train_frequency"],
-                     gradient_steps=c["train_frequency"], batch_size=c["batch_size"], reward_batch_size=c["reward_batch_size"],
-                     buffer_size=100_000, alpha=0.5)
+    args = ours.Args(
+        clip_model=c["model"],
+        clip_pretrained="none",
+        reward="clip",
+        render_size=c["render_size"],
+        render_quality=c["quality"],
+        num_envs=c["num_envs"],
+        total_timesteps=c["total_timesteps"],
+        learning_starts=c["learning_starts"],
+        train_frequency=c["train_frequency"],
+        gradient_steps=c["train_frequency"],
+        batch_size=c["batch_size"],
+        reward_batch_size=c["reward_batch_size"],
+        buffer_size=100_000,
+        alpha=0.5,
+    )
     done = run_main(ours, args)
     return dict(elapsed=c["total_timesteps"] / max(done["sps"], 1e-9), **done)
 
@@ -57,12 +68,26 @@ def main() -> None:
     a = p.parse_args()
     clock = Clock()
     print(f"machine: {machine()}")
-    configs = [dict(model=m, render_size=a.render_size, quality=a.render_quality, num_envs=a.num_envs, total_timesteps=a.total_timesteps,
-                    learning_starts=a.learning_starts, train_frequency=a.train_frequency, batch_size=a.batch_size,
-                    reward_batch_size=a.reward_batch_size) for m in a.clip_models]
-    print(f"Humanoid-v5 textured, {a.render_size}px {a.render_quality}, {a.num_envs} subprocess envs, {a.total_timesteps} steps, "
-          f"learning starts {a.learning_starts}, {a.train_frequency} gradient steps every {a.train_frequency} vector steps, "
-          f"batch {a.batch_size}, reward batch {a.reward_batch_size}")
+    configs = [
+        dict(
+            model=m,
+            render_size=a.render_size,
+            quality=a.render_quality,
+            num_envs=a.num_envs,
+            total_timesteps=a.total_timesteps,
+            learning_starts=a.learning_starts,
+            train_frequency=a.train_frequency,
+            batch_size=a.batch_size,
+            reward_batch_size=a.reward_batch_size,
+        )
+        for m in a.clip_models
+    ]
+    print(
+        f"Humanoid-v5 textured, {a.render_size}px {a.render_quality}, {a.num_envs} subprocess envs, "
+        f"{a.total_timesteps} steps, "
+        f"learning starts {a.learning_starts}, {a.train_frequency} gradient steps every {a.train_frequency} vector steps, "
+        f"batch {a.batch_size}, reward batch {a.reward_batch_size}"
+    )
     runs = {i: [] for i in range(len(configs))}
     for r in range(a.repeats):
         for i, c in enumerate(configs):
@@ -81,7 +106,9 @@ def main() -> None:
         summary.append(f"{name} {median(sps):.0f} SPS, bottleneck {top} ({share[top] * 100:.0f}%)")
     print()
     print(table(["CLIP model", "SPS (median)", "env", "render", "reward model", "learning", "other"], rows))
-    print(f"\nshares of the median run's wall time; {a.repeats} runs per model; load average at the end {load()}; took {clock}")
+    print(
+        f"\nshares of the median run's wall time; {a.repeats} runs per model; load average at the end {load()}; took {clock}"
+    )
     print("summary: end to end CLIP-rewarded SAC: " + "; ".join(summary))
 
 

@@ -34,9 +34,13 @@ def make_variant(patches: list[tuple[str, str]]) -> str | None:
     shutil.copy(SCRIPTS / "vlmrm_dqn_classic.py", folder)
     return folder
 
+
 GUARD = "if steps_since_snapshot >= 100:"
-VARIANTS = {"no guard": [(GUARD, "if False:")], "ours (copy every ~100 gradient steps)": [],
-            "copy before every phase (previous)": [(GUARD, "if True:")]}
+VARIANTS = {
+    "no guard": [(GUARD, "if False:")],
+    "ours (copy every ~100 gradient steps)": [],
+    "copy before every phase (previous)": [(GUARD, "if True:")],
+}
 
 
 def worker(c: dict) -> dict:
@@ -45,8 +49,19 @@ def worker(c: dict) -> dict:
     import vlmrm_sac_humanoid as ours
 
     assert os.path.dirname(ours.__file__) == c["folder"], ours.__file__
-    args = ours.Args(env_id="Hopper-v5", reward="gt", num_envs=1, total_timesteps=c["steps"], learning_starts=c["steps"] // 4,
-                     train_frequency=1, gradient_steps=1, batch_size=256, buffer_size=100_000, policy_lr=3e-4, q_lr=1e-3)
+    args = ours.Args(
+        env_id="Hopper-v5",
+        reward="gt",
+        num_envs=1,
+        total_timesteps=c["steps"],
+        learning_starts=c["steps"] // 4,
+        train_frequency=1,
+        gradient_steps=1,
+        batch_size=256,
+        buffer_size=100_000,
+        policy_lr=3e-4,
+        q_lr=1e-3,
+    )
     return dict(sps=run_main(ours, args)["sps"])
 
 
@@ -69,12 +84,18 @@ def main() -> None:
         print(f"  round {r + 1}/{a.repeats} done (load {load()})", flush=True)
     base = median(res["no guard"])
     print()
-    print(table(["variant", "median SPS", "spread", "vs no guard"],
-                [[k, f"{median(v):.0f}", spread(v), f"{median(v) / base:.3f}x"] for k, v in res.items()]))
+    print(
+        table(
+            ["variant", "median SPS", "spread", "vs no guard"],
+            [[k, f"{median(v):.0f}", spread(v), f"{median(v) / base:.3f}x"] for k, v in res.items()],
+        )
+    )
     ours = median(res["ours (copy every ~100 gradient steps)"]) / base
     previous = median(res["copy before every phase (previous)"]) / base
-    print(f"\n{a.repeats} rounds, {a.steps} env steps per run, Hopper-v5, --train-frequency 1 --gradient-steps 1, "
-          f"torch threads {a.threads or 'default'}; load average at the end {load()}; took {clock}")
+    print(
+        f"\n{a.repeats} rounds, {a.steps} env steps per run, Hopper-v5, --train-frequency 1 --gradient-steps 1, "
+        f"torch threads {a.threads or 'default'}; load average at the end {load()}; took {clock}"
+    )
     print(f"summary: NaN guard speed ratio (guarded / unguarded): ours {ours:.3f}, previous {previous:.3f}")
 
 

@@ -64,16 +64,33 @@ def main() -> None:
     for i, c in enumerate(configs):
         f = median(fps[i])
         one_env = median(fps[configs.index(dict(c, num_envs=a.num_envs[0]))])
-        rows.append([c["size"], c["quality"], c["num_envs"], f"{f:.1f}", f"{1000 / f:.1f}", f"{f / base:.2f}x", f"{f / one_env:.2f}x"])
+        rows.append(
+            [c["size"], c["quality"], c["num_envs"], f"{f:.1f}", f"{1000 / f:.1f}", f"{f / base:.2f}x", f"{f / one_env:.2f}x"]
+        )
     print()
-    print(table(["frame px", "quality", "envs", "frames/s", "ms/frame", f"vs {configs[0]['size']} {configs[0]['quality']} 1 env",
-                 f"vs {a.num_envs[0]} env, same size+quality"], rows))
+    print(
+        table(
+            [
+                "frame px",
+                "quality",
+                "envs",
+                "frames/s",
+                "ms/frame",
+                f"vs {configs[0]['size']} {configs[0]['quality']} 1 env",
+                f"vs {a.num_envs[0]} env, same size+quality",
+            ],
+            rows,
+        )
+    )
     print(f"\nmedian of {a.repeats} rounds; load average at the end {load()}; took {clock}")
     get = lambda s, q, n: median(fps[configs.index(dict(size=s, quality=q, num_envs=n, frames=a.frames))])  # noqa: E731
     s0, s1, n0, n1 = a.sizes[0], a.sizes[-1], a.num_envs[0], a.num_envs[-1]
     parts = [f"{s0}px fast {get(s0, 'fast', n0):.0f} frames/s with {n0} env"]
     if "high" in a.qualities and "fast" in a.qualities:
-        parts.append(f"fast/high {get(s0, 'fast', n0) / get(s0, 'high', n0):.1f}x at {s0}px, {get(s1, 'fast', n0) / get(s1, 'high', n0):.1f}x at {s1}px")
+        parts.append(
+            f"fast/high {get(s0, 'fast', n0) / get(s0, 'high', n0):.1f}x at {s0}px, "
+            f"{get(s1, 'fast', n0) / get(s1, 'high', n0):.1f}x at {s1}px"
+        )
     parts.append(f"{s0}/{s1}px {get(s0, 'fast', n0) / get(s1, 'fast', n0):.1f}x (fast)")
     if n1 != n0:
         parts.append(f"{n1} subprocess envs {get(s0, 'fast', n1) / get(s0, 'fast', n0):.2f}x the frames/s of {n0}")

@@ -36,8 +36,13 @@ def worker(c: dict) -> dict:
 
     import vlmrm_sac_humanoid as ours
 
-    args = ours.Args(clip_model=c["model"], clip_pretrained="none", reward_devices=tuple(c["devices"]), alpha=0.5,
-                     reward_batch_size=c["batch_size"])
+    args = ours.Args(
+        clip_model=c["model"],
+        clip_pretrained="none",
+        reward_devices=tuple(c["devices"]),
+        alpha=0.5,
+        reward_batch_size=c["batch_size"],
+    )
     reward_model = ours.make_reward_model(args, torch.device(c["devices"][0]))
     frames = np.random.default_rng(0).integers(0, 256, (c["frames"], c["frame_size"], c["frame_size"], 3), dtype=np.uint8)
     reward_model(frames)  # warm-up: allocator, cuDNN autotune, thread pools
@@ -59,8 +64,12 @@ def main() -> None:
 
     gpus = torch.cuda.device_count()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--devices", nargs="+", default=[f"cuda:{i}" for i in range(gpus)] if gpus else ["cpu", "cpu"],
-                   help="the N devices (default: every GPU, else two CPU replicas); the first alone is the 1-device run")
+    p.add_argument(
+        "--devices",
+        nargs="+",
+        default=[f"cuda:{i}" for i in range(gpus)] if gpus else ["cpu", "cpu"],
+        help="the N devices (default: every GPU, else two CPU replicas); the first alone is the 1-device run",
+    )
     p.add_argument("--model", default="ViT-bigG-14" if gpus else "RN50", help="open_clip architecture or .json config")
     p.add_argument("--frames", type=int, default=None, help="frames per scoring call (default: one batch per device)")
     p.add_argument("--batch-size", type=int, default=256 if gpus else 16, help="--reward-batch-size: frames per chunk")
@@ -86,23 +95,37 @@ def main() -> None:
         print(f"  round {r + 1}/{a.rounds} done (load {load()})", flush=True)
     rate_1 = median([x["fps"] for x in results[next(iter(contenders))]])
     chunks = math.ceil(a.frames / a.batch_size)
-    rows = [[name, "measured", f"{median([x['fps'] for x in res]):.2f}", f"{max(x['best_fps'] for x in res):.2f}",
-             f"{median([x['fps'] for x in res]) / rate_1:.2f}x"] for name, res in results.items()]
+    rows = [
+        [
+            name,
+            "measured",
+            f"{median([x['fps'] for x in res]):.2f}",
+            f"{max(x['best_fps'] for x in res):.2f}",
+            f"{median([x['fps'] for x in res]) / rate_1:.2f}x",
+        ]
+        for name, res in results.items()
+    ]
     for k in sorted({2, 4, 8, n} - {1}):  # what the chunk dealing allows, from the measured one-device rate
         rate_k = expected(rate_1, math.ceil(a.frames * k / n / a.batch_size), k)  # calls grow with the devices, as in training
         rows.append([f"{k} devices", "expected", f"{rate_k:.2f}", "-", f"{rate_k / rate_1:.2f}x"])
     print()
     print(table(["reward devices", "how", "frames/s (median)", "frames/s (best call)", "vs 1 device"], rows))
-    print(f"\n{os.path.basename(a.model).replace('.json', '')}, {a.frame_size}px frames, {a.frames} frames per call in "
-          f"{chunks} chunks of {a.batch_size}; {a.rounds} rounds x {a.calls} calls; load average at the end {load()}; "
-          f"took {clock}")
+    print(
+        f"\n{os.path.basename(a.model).replace('.json', '')}, {a.frame_size}px frames, {a.frames} frames per call in "
+        f"{chunks} chunks of {a.batch_size}; {a.rounds} rounds x {a.calls} calls; load average at the end {load()}; "
+        f"took {clock}"
+    )
     if distinct_gpus >= 2:
-        print(f"summary: speed-up with {distinct_gpus} GPUs measured: {rows[1][4]} "
-              f"(expected at most {expected(rate_1, chunks, n) / rate_1:.2f}x)")
+        print(
+            f"summary: speed-up with {distinct_gpus} GPUs measured: {rows[1][4]} "
+            f"(expected at most {expected(rate_1, chunks, n) / rate_1:.2f}x)"
+        )
     else:
-        print(f"summary: no {'multi-GPU machine' if not cpu else 'GPU'} here, so the GPU speed-up is NOT measured: the "
-              f"'expected' rows are computed from the measured one-device rate ({rate_1:.2f} frames/s)"
-              + (f"; measured on CPU with {n} replicas: {rows[1][4]}" if cpu and n > 1 else ""))
+        print(
+            f"summary: no {'multi-GPU machine' if not cpu else 'GPU'} here, so the GPU speed-up is NOT measured: the "
+            f"'expected' rows are computed from the measured one-device rate ({rate_1:.2f} frames/s)"
+            + (f"; measured on CPU with {n} replicas: {rows[1][4]}" if cpu and n > 1 else "")
+        )
 
 
 if __name__ == "__main__":

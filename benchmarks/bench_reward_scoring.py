@@ -45,7 +45,9 @@ def worker(c: dict) -> dict:
     out = []
     for frame_size in c["frame_sizes"]:
         for batch in c["batch_sizes"]:
-            reward = ours.CLIPReward(model, tokenizer, ("a humanoid robot kneeling",), ("a humanoid robot",), 0.5, batch, device)
+            reward = ours.CLIPReward(
+                model, tokenizer, ("a humanoid robot kneeling",), ("a humanoid robot",), 0.5, batch, device
+            )
             frames = np.random.default_rng(0).integers(0, 256, (batch, frame_size, frame_size, 3), dtype=np.uint8)
             x = torch.randn(batch, 3, *reward.image_size, device=device)
 
@@ -53,14 +55,19 @@ def worker(c: dict) -> dict:
                 reward(frames)
 
             def bare():
-                with torch.no_grad(), torch.autocast(device_type=device.type, dtype=torch.float16, enabled=device.type == "cuda"):
+                with (
+                    torch.no_grad(),
+                    torch.autocast(device_type=device.type, dtype=torch.float16, enabled=device.type == "cuda"),
+                ):
                     model.encode_image(x)
                 sync()
 
             def preprocess():  # embed_images without the encoder
                 with torch.no_grad():
                     t = torch.from_numpy(frames).to(device).permute(0, 3, 1, 2).float().div_(255)
-                    t = torch.nn.functional.interpolate(t, size=reward.image_size, mode="bicubic", align_corners=False, antialias=True).clamp_(0, 1)
+                    t = torch.nn.functional.interpolate(
+                        t, size=reward.image_size, mode="bicubic", align_corners=False, antialias=True
+                    ).clamp_(0, 1)
                     (t - reward.mean) / reward.std
                 sync()
 
@@ -77,8 +84,14 @@ def worker(c: dict) -> dict:
                     fn()
                     if rep:
                         times[k].append(time.perf_counter() - start)
-            out.append(dict(frame_size=frame_size, batch=batch, **{k: median(v) for k, v in times.items()},
-                            **{f"min_{k}": min(v) for k, v in times.items()}))
+            out.append(
+                dict(
+                    frame_size=frame_size,
+                    batch=batch,
+                    **{k: median(v) for k, v in times.items()},
+                    **{f"min_{k}": min(v) for k, v in times.items()},
+                )
+            )
     return dict(device=str(device), input=list(reward.image_size), results=out)
 
 
@@ -87,8 +100,12 @@ def main() -> None:
 
     gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", nargs="+", default=["ViT-L-14", "ViT-bigG-14"] if gpu else [TINY, "RN50", "ViT-B-32"],
-                   help="open_clip architectures or .json configs (random weights)")
+    p.add_argument(
+        "--models",
+        nargs="+",
+        default=["ViT-L-14", "ViT-bigG-14"] if gpu else [TINY, "RN50", "ViT-B-32"],
+        help="open_clip architectures or .json configs (random weights)",
+    )
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[32, 256] if gpu else [1, 8])
     p.add_argument("--frame-sizes", nargs="+", type=int, default=[224, 480], help="rendered frame size (480: the paper's)")
     p.add_argument("--repeats", type=int, default=4)
@@ -99,27 +116,64 @@ def main() -> None:
     print(f"machine: {machine()}")
     rows, overheads = [], []
     for m in a.models:
-        res = run_worker(__file__, dict(model=m, batch_sizes=a.batch_sizes, frame_sizes=a.frame_sizes, repeats=a.repeats, cpu=a.cpu, threads=a.threads))
+        res = run_worker(
+            __file__,
+            dict(
+                model=m, batch_sizes=a.batch_sizes, frame_sizes=a.frame_sizes, repeats=a.repeats, cpu=a.cpu, threads=a.threads
+            ),
+        )
         label = os.path.basename(m).replace(".json", "") + f" ({res['input'][0]}px in)"
         for r in res["results"]:
             # the encoder is the same code in both paths, so the overhead is what the full path adds around it:
             # preprocessing and scoring, each timed alone (robust on a noisy machine); full/bare - 1 cross-checks it
             overhead = (r["min_preprocess"] + r["min_score"]) / r["min_bare"]
             overheads.append((label, r["frame_size"], r["batch"], overhead))
-            rows.append([label, res["device"], r["frame_size"], r["batch"], f"{r['batch'] / r['full']:.2f}", f"{r['batch'] / r['bare']:.2f}",
-                         f"{r['min_preprocess'] / r['min_bare'] * 100:.2f}%", f"{r['min_score'] / r['min_bare'] * 100:.3f}%",
-                         f"**{overhead * 100:.2f}%**", f"{(r['min_full'] / r['min_bare'] - 1) * 100:+.1f}%"])
+            rows.append(
+                [
+                    label,
+                    res["device"],
+                    r["frame_size"],
+                    r["batch"],
+                    f"{r['batch'] / r['full']:.2f}",
+                    f"{r['batch'] / r['bare']:.2f}",
+                    f"{r['min_preprocess'] / r['min_bare'] * 100:.2f}%",
+                    f"{r['min_score'] / r['min_bare'] * 100:.3f}%",
+                    f"**{overhead * 100:.2f}%**",
+                    f"{(r['min_full'] / r['min_bare'] - 1) * 100:+.1f}%",
+                ]
+            )
         print(f"  {label} done (load {load()})", flush=True)
     print()
-    print(table(["model", "device", "frame px", "batch", "full frames/s (median)", "bare encoder frames/s (median)",
-                 "preprocess / bare", "vlm_reward / bare", "overhead (preprocess + vlm_reward) / bare", "cross-check: full / bare - 1"], rows))
-    print(f"\n{a.repeats} interleaved repeats; shares from the fastest repeat of each part; torch threads {a.threads or 'default'}; "
-          f"load average at the end {load()}; took {clock}")
+    print(
+        table(
+            [
+                "model",
+                "device",
+                "frame px",
+                "batch",
+                "full frames/s (median)",
+                "bare encoder frames/s (median)",
+                "preprocess / bare",
+                "vlm_reward / bare",
+                "overhead (preprocess + vlm_reward) / bare",
+                "cross-check: full / bare - 1",
+            ],
+            rows,
+        )
+    )
+    print(
+        f"\n{a.repeats} interleaved repeats; shares from the fastest repeat of each part; "
+        f"torch threads {a.threads or 'default'}; "
+        f"load average at the end {load()}; took {clock}"
+    )
     real = [o for o in overheads if "tiny" not in o[0]] or overheads
     worst = max(real, key=lambda o: o[3])
-    print(f"summary: scoring overhead (preprocess + vlm_reward) over the bare encoder, real-size architectures: median "
-          f"{median([o[3] for o in real]) * 100:.1f}%, worst {worst[3] * 100:.1f}% ({worst[0]}, {worst[1]}px frames, batch {worst[2]}); "
-          f"goal <= 10%: {'met' if worst[3] <= 0.10 else 'NOT met'}")
+    print(
+        f"summary: scoring overhead (preprocess + vlm_reward) over the bare encoder, real-size architectures: median "
+        f"{median([o[3] for o in real]) * 100:.1f}%, worst {worst[3] * 100:.1f}% "
+        f"({worst[0]}, {worst[1]}px frames, batch {worst[2]}); "
+        f"goal <= 10%: {'met' if worst[3] <= 0.10 else 'NOT met'}"
+    )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
     pip install -r requirements-bench.txt
     python benchmarks/bench_rl_vs_sb3.py                      # Hopper-v5, Humanoid-v5 (SAC), CartPole-v1 (DQN)
-    python benchmarks/bench_rl_vs_sb3.py --repeats 5 --sac-steps 8000 --sac-learning-starts 2000 --dqn-steps 50000 --dqn-learning-starts 10000   # longer, steadier
+    # longer, steadier:
+    python benchmarks/bench_rl_vs_sb3.py --repeats 5 --sac-steps 8000 --sac-learning-starts 2000 \
+        --dqn-steps 50000 --dqn-learning-starts 10000
 
 Ground-truth reward, no rendering: only the RL loop (env stepping, replay buffer, gradient steps) is timed.
 Both sides get the very same environment (our `make_env` thunk: fixed-length episodes), the same number of
@@ -38,21 +40,55 @@ from _common import Clock, emit, load, machine, median, run_main, run_worker, sp
 
 
 def sac_config(env_id: str, a) -> dict:
-    return dict(algo="sac", env_id=env_id, num_envs=a.sac_envs, total_timesteps=a.sac_steps, learning_starts=a.sac_learning_starts,
-                train_frequency=100, gradient_steps=100, batch_size=512, buffer_size=a.buffer_size, gamma=0.95, tau=0.005,
-                lr=6e-4, ent_coef=0.2, episode_length=100, seed=1)
+    return dict(
+        algo="sac",
+        env_id=env_id,
+        num_envs=a.sac_envs,
+        total_timesteps=a.sac_steps,
+        learning_starts=a.sac_learning_starts,
+        train_frequency=100,
+        gradient_steps=100,
+        batch_size=512,
+        buffer_size=a.buffer_size,
+        gamma=0.95,
+        tau=0.005,
+        lr=6e-4,
+        ent_coef=0.2,
+        episode_length=100,
+        seed=1,
+    )
 
 
 def dqn_config(a) -> dict:
-    return dict(algo="dqn", env_id="CartPole-v1", num_envs=1, total_timesteps=a.dqn_steps, learning_starts=a.dqn_learning_starts,
-                train_frequency=10, gradient_steps=1, batch_size=128, buffer_size=10_000, gamma=0.99, tau=1.0, lr=2.5e-4,
-                target_network_frequency=500, exploration_fraction=0.5, start_e=1.0, end_e=0.05, episode_length=200, seed=1)
+    return dict(
+        algo="dqn",
+        env_id="CartPole-v1",
+        num_envs=1,
+        total_timesteps=a.dqn_steps,
+        learning_starts=a.dqn_learning_starts,
+        train_frequency=10,
+        gradient_steps=1,
+        batch_size=128,
+        buffer_size=10_000,
+        gamma=0.99,
+        tau=1.0,
+        lr=2.5e-4,
+        target_network_frequency=500,
+        exploration_fraction=0.5,
+        start_e=1.0,
+        end_e=0.05,
+        episode_length=200,
+        seed=1,
+    )
 
 
 def our_gradient_steps(c: dict) -> int:
     """How many gradient steps our loop takes: after learning_starts, every train_frequency-th vector step."""
-    return sum(c["gradient_steps"] for it in range(c["total_timesteps"] // c["num_envs"])
-               if it * c["num_envs"] >= c["learning_starts"] and it % c["train_frequency"] == 0)
+    return sum(
+        c["gradient_steps"]
+        for it in range(c["total_timesteps"] // c["num_envs"])
+        if it * c["num_envs"] >= c["learning_starts"] and it % c["train_frequency"] == 0
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -63,26 +99,61 @@ def run_ours(c: dict) -> dict:
     if c["algo"] == "sac":
         import vlmrm_sac_humanoid as ours
 
-        args = ours.Args(env_id=c["env_id"], reward="gt", num_envs=c["num_envs"], total_timesteps=c["total_timesteps"],
-                         learning_starts=c["learning_starts"], train_frequency=c["train_frequency"],
-                         gradient_steps=c["gradient_steps"], batch_size=c["batch_size"], buffer_size=c["buffer_size"],
-                         gamma=c["gamma"], tau=c["tau"], policy_lr=c["lr"], q_lr=c["lr"], ent_coef=c["ent_coef"],
-                         episodes="fixed", episode_length=c["episode_length"], seed=c["seed"], cuda=c.get("cuda", True))
+        args = ours.Args(
+            env_id=c["env_id"],
+            reward="gt",
+            num_envs=c["num_envs"],
+            total_timesteps=c["total_timesteps"],
+            learning_starts=c["learning_starts"],
+            train_frequency=c["train_frequency"],
+            gradient_steps=c["gradient_steps"],
+            batch_size=c["batch_size"],
+            buffer_size=c["buffer_size"],
+            gamma=c["gamma"],
+            tau=c["tau"],
+            policy_lr=c["lr"],
+            q_lr=c["lr"],
+            ent_coef=c["ent_coef"],
+            episodes="fixed",
+            episode_length=c["episode_length"],
+            seed=c["seed"],
+            cuda=c.get("cuda", True),
+        )
     else:
         import vlmrm_dqn_classic as ours
 
-        args = ours.Args(env_id=c["env_id"], reward="gt", num_envs=c["num_envs"], total_timesteps=c["total_timesteps"],
-                         learning_starts=c["learning_starts"], train_frequency=c["train_frequency"], batch_size=c["batch_size"],
-                         buffer_size=c["buffer_size"], gamma=c["gamma"], tau=c["tau"], learning_rate=c["lr"],
-                         target_network_frequency=c["target_network_frequency"], exploration_fraction=c["exploration_fraction"],
-                         start_e=c["start_e"], end_e=c["end_e"], episodes="fixed", episode_length=c["episode_length"], seed=c["seed"],
-                         cuda=c.get("cuda", True))
+        args = ours.Args(
+            env_id=c["env_id"],
+            reward="gt",
+            num_envs=c["num_envs"],
+            total_timesteps=c["total_timesteps"],
+            learning_starts=c["learning_starts"],
+            train_frequency=c["train_frequency"],
+            batch_size=c["batch_size"],
+            buffer_size=c["buffer_size"],
+            gamma=c["gamma"],
+            tau=c["tau"],
+            learning_rate=c["lr"],
+            target_network_frequency=c["target_network_frequency"],
+            exploration_fraction=c["exploration_fraction"],
+            start_e=c["start_e"],
+            end_e=c["end_e"],
+            episodes="fixed",
+            episode_length=c["episode_length"],
+            seed=c["seed"],
+            cuda=c.get("cuda", True),
+        )
     with profiled(c) as gemm:
         done = run_main(ours, args)
     grad_steps = our_gradient_steps(c)
-    return dict(sps=done.pop("sps"), gradient_steps=grad_steps, ms_per_grad_step=done["learning"] / grad_steps * 1e3,
-                gemm_ms_per_grad_step=gemm["s"] / grad_steps * 1e3, gemm_gflops=gemm["flop"] / gemm["s"] / 1e9,
-                **{f"time_{k}": v for k, v in done.items()})
+    return dict(
+        sps=done.pop("sps"),
+        gradient_steps=grad_steps,
+        ms_per_grad_step=done["learning"] / grad_steps * 1e3,
+        gemm_ms_per_grad_step=gemm["s"] / grad_steps * 1e3,
+        gemm_gflops=gemm["flop"] / gemm["s"] / 1e9,
+        **{f"time_{k}": v for k, v in done.items()},
+    )
 
 
 def run_sb3(c: dict) -> dict:
@@ -99,21 +170,51 @@ def run_sb3(c: dict) -> dict:
         thunk = ours.make_env(c["env_id"], c["seed"], 0, c["episode_length"], 224, "fast", True)  # never rendered
         # ours steps the envs in-process with --reward gt (nothing to render), so SB3 gets its in-process DummyVecEnv
         envs = make_vec_env(lambda: thunk(), n_envs=c["num_envs"], seed=c["seed"], vec_env_cls=DummyVecEnv)
-        model = SAC("MlpPolicy", envs, learning_rate=c["lr"], buffer_size=c["buffer_size"], learning_starts=c["learning_starts"],
-                    batch_size=c["batch_size"], tau=c["tau"], gamma=c["gamma"], train_freq=(c["train_frequency"], "step"),
-                    gradient_steps=c["gradient_steps"], ent_coef=f"auto_{c['ent_coef']}", target_update_interval=1,
-                    target_entropy="auto", policy_kwargs=dict(net_arch=[256, 256]), device=device, seed=c["seed"], verbose=0)
+        model = SAC(
+            "MlpPolicy",
+            envs,
+            learning_rate=c["lr"],
+            buffer_size=c["buffer_size"],
+            learning_starts=c["learning_starts"],
+            batch_size=c["batch_size"],
+            tau=c["tau"],
+            gamma=c["gamma"],
+            train_freq=(c["train_frequency"], "step"),
+            gradient_steps=c["gradient_steps"],
+            ent_coef=f"auto_{c['ent_coef']}",
+            target_update_interval=1,
+            target_entropy="auto",
+            policy_kwargs=dict(net_arch=[256, 256]),
+            device=device,
+            seed=c["seed"],
+            verbose=0,
+        )
     else:
         import vlmrm_dqn_classic as ours
 
         thunk = ours.make_env(c["env_id"], c["seed"], 0, c["episode_length"], False)
         envs = make_vec_env(lambda: thunk(), n_envs=c["num_envs"], seed=c["seed"], vec_env_cls=DummyVecEnv)
-        model = DQN("MlpPolicy", envs, learning_rate=c["lr"], buffer_size=c["buffer_size"], learning_starts=c["learning_starts"],
-                    batch_size=c["batch_size"], tau=c["tau"], gamma=c["gamma"], train_freq=(c["train_frequency"], "step"),
-                    gradient_steps=c["gradient_steps"], target_update_interval=c["target_network_frequency"],
-                    exploration_fraction=c["exploration_fraction"], exploration_initial_eps=c["start_e"],
-                    exploration_final_eps=c["end_e"], max_grad_norm=float("inf"), policy_kwargs=dict(net_arch=[120, 84]),
-                    device=device, seed=c["seed"], verbose=0)
+        model = DQN(
+            "MlpPolicy",
+            envs,
+            learning_rate=c["lr"],
+            buffer_size=c["buffer_size"],
+            learning_starts=c["learning_starts"],
+            batch_size=c["batch_size"],
+            tau=c["tau"],
+            gamma=c["gamma"],
+            train_freq=(c["train_frequency"], "step"),
+            gradient_steps=c["gradient_steps"],
+            target_update_interval=c["target_network_frequency"],
+            exploration_fraction=c["exploration_fraction"],
+            exploration_initial_eps=c["start_e"],
+            exploration_final_eps=c["end_e"],
+            max_grad_norm=float("inf"),
+            policy_kwargs=dict(net_arch=[120, 84]),
+            device=device,
+            seed=c["seed"],
+            verbose=0,
+        )
     train, train_time = model.train, [0.0]
 
     def timed_train(*args, **kwargs):  # SB3's gradient steps all happen in train(): time them like our `learning` timer
@@ -127,9 +228,13 @@ def run_sb3(c: dict) -> dict:
         model.learn(total_timesteps=c["total_timesteps"])
         elapsed = time.perf_counter() - start
     envs.close()
-    return dict(sps=model.num_timesteps / elapsed, gradient_steps=model._n_updates,
-                ms_per_grad_step=train_time[0] / model._n_updates * 1e3, gemm_ms_per_grad_step=gemm["s"] / model._n_updates * 1e3,
-                gemm_gflops=gemm["flop"] / gemm["s"] / 1e9)
+    return dict(
+        sps=model.num_timesteps / elapsed,
+        gradient_steps=model._n_updates,
+        ms_per_grad_step=train_time[0] / model._n_updates * 1e3,
+        gemm_ms_per_grad_step=gemm["s"] / model._n_updates * 1e3,
+        gemm_gflops=gemm["flop"] / gemm["s"] / 1e9,
+    )
 
 
 @contextlib.contextmanager
@@ -145,8 +250,11 @@ def profiled(c: dict):
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         yield result
-    calls = [(e.key, e.input_shapes, e.count) for e in prof.key_averages(group_by_input_shape=True)
-             if e.key in ("aten::mm", "aten::addmm") and any(c["batch_size"] in s for s in e.input_shapes)]
+    calls = [
+        (e.key, e.input_shapes, e.count)
+        for e in prof.key_averages(group_by_input_shape=True)
+        if e.key in ("aten::mm", "aten::addmm") and any(c["batch_size"] in s for s in e.input_shapes)
+    ]
     device = "cuda" if torch.cuda.is_available() and c.get("cuda", True) else "cpu"  # where the run computed
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     total, flop = 0.0, 0.0
@@ -199,54 +307,106 @@ def main() -> None:
     p.add_argument("--dqn-steps", type=int, default=12000)
     p.add_argument("--dqn-learning-starts", type=int, default=2000)
     p.add_argument("--buffer-size", type=int, default=100_000, help="SAC replay buffer (the paper: 1M)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads on both sides (0: torch's default, one per core). Default 1: these MLPs are "
-                        "small, and on a loaded machine OpenMP threads waiting for each other made a SAC gradient step "
-                        "several times slower")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads on both sides (0: torch's default, one per core). Default 1: these MLPs are "
+        "small, and on a loaded machine OpenMP threads waiting for each other made a SAC gradient step "
+        "several times slower",
+    )
     p.add_argument("--tasks", nargs="+", default=["Hopper-v5", "Humanoid-v5", "CartPole-v1"])
     a = p.parse_args()
     clock = Clock()
     print(f"machine: {machine()}")
     configs = [dqn_config(a) if t == "CartPole-v1" else sac_config(t, a) for t in a.tasks]
     for c in configs:
-        print(f"{c['algo'].upper()} {c['env_id']}: {c['num_envs']} envs, {c['total_timesteps']} steps, learning starts {c['learning_starts']}, "
-              f"{c['gradient_steps']} gradient step(s) every {c['train_frequency']} vector steps, batch {c['batch_size']}, buffer {c['buffer_size']}")
+        print(
+            f"{c['algo'].upper()} {c['env_id']}: {c['num_envs']} envs, {c['total_timesteps']} steps, "
+            f"learning starts {c['learning_starts']}, {c['gradient_steps']} gradient step(s) every {c['train_frequency']} "
+            f"vector steps, batch {c['batch_size']}, buffer {c['buffer_size']}"
+        )
     rows, ratios, ceilings, gflops = [], [], [], []
     for c in configs:
         res = {"ours": [], "sb3": []}
         for r in range(a.repeats):
             for side in ("ours", "sb3"):
                 res[side].append(run_worker(__file__, dict(c, side=side, threads=a.threads)))
-                print(f"  {c['env_id']} run {r + 1}/{a.repeats} {side}: {res[side][-1]['sps']:.0f} SPS (load {load()})", flush=True)
+                print(
+                    f"  {c['env_id']} run {r + 1}/{a.repeats} {side}: {res[side][-1]['sps']:.0f} SPS (load {load()})",
+                    flush=True,
+                )
         # the profiled runs only need about 200 gradient steps: per-step shapes and counts do not change after learning starts
-        short = dict(c, total_timesteps=c["learning_starts"] + c["num_envs"] * c["train_frequency"] * max(1, 200 // c["gradient_steps"]))
-        prof = {side: run_worker(__file__, dict(short, side=side, threads=a.threads, profile=True)) for side in ("ours", "sb3")}
+        short = dict(
+            c, total_timesteps=c["learning_starts"] + c["num_envs"] * c["train_frequency"] * max(1, 200 // c["gradient_steps"])
+        )
+        prof = {
+            side: run_worker(__file__, dict(short, side=side, threads=a.threads, profile=True)) for side in ("ours", "sb3")
+        }
         print(f"  {c['env_id']} profiled runs done (load {load()})", flush=True)
         ours_sps, sb3_sps = [x["sps"] for x in res["ours"]], [x["sps"] for x in res["sb3"]]
-        ours_ms, sb3_ms = median([x["ms_per_grad_step"] for x in res["ours"]]), median([x["ms_per_grad_step"] for x in res["sb3"]])
+        ours_ms, sb3_ms = (
+            median([x["ms_per_grad_step"] for x in res["ours"]]),
+            median([x["ms_per_grad_step"] for x in res["sb3"]]),
+        )
         ours_gemm, sb3_gemm = prof["ours"]["gemm_ms_per_grad_step"], prof["sb3"]["gemm_ms_per_grad_step"]
         grad_steps = res["ours"][0]["gradient_steps"]
-        ceiling_sps = c["total_timesteps"] / (c["total_timesteps"] / median(ours_sps) - grad_steps * (ours_ms - ours_gemm) / 1e3)
+        ceiling_sps = c["total_timesteps"] / (
+            c["total_timesteps"] / median(ours_sps) - grad_steps * (ours_ms - ours_gemm) / 1e3
+        )
         ratio = median(ours_sps) / median(sb3_sps)
         paired = median([o / s for o, s in zip(ours_sps, sb3_sps)])
         ratios.append((f"{c['algo'].upper()} {c['env_id']}", ratio))
-        rows.append([f"{c['algo'].upper()} {c['env_id']}", c["total_timesteps"],
-                     f"{res['ours'][0]['gradient_steps']} / {res['sb3'][0]['gradient_steps']}",
-                     f"{median(ours_sps):.0f} ({spread(ours_sps)})", f"{median(sb3_sps):.0f} ({spread(sb3_sps)})",
-                     f"**{ratio:.2f}x**", f"{paired:.2f}x", f"{ours_ms:.2f} / {sb3_ms:.2f}",
-                     f"{ours_gemm:.2f} / {sb3_gemm:.2f}", f"{ceiling_sps:.0f} ({ceiling_sps / median(sb3_sps):.2f}x)"])
+        rows.append(
+            [
+                f"{c['algo'].upper()} {c['env_id']}",
+                c["total_timesteps"],
+                f"{res['ours'][0]['gradient_steps']} / {res['sb3'][0]['gradient_steps']}",
+                f"{median(ours_sps):.0f} ({spread(ours_sps)})",
+                f"{median(sb3_sps):.0f} ({spread(sb3_sps)})",
+                f"**{ratio:.2f}x**",
+                f"{paired:.2f}x",
+                f"{ours_ms:.2f} / {sb3_ms:.2f}",
+                f"{ours_gemm:.2f} / {sb3_gemm:.2f}",
+                f"{ceiling_sps:.0f} ({ceiling_sps / median(sb3_sps):.2f}x)",
+            ]
+        )
         ceilings.append(ceiling_sps / median(sb3_sps))
         gflops.append(f"{c['algo'].upper()} {c['env_id']} {prof['ours']['gemm_gflops']:.0f}")
     print()
-    print(table(["task", "env steps", "gradient steps ours / SB3", "ours SPS (min/max)", "SB3 SPS (min/max)",
-                 "ours / SB3", "median of paired ratios", "ms / gradient step ours / SB3", "matrix products alone ours / SB3",
-                 "ours ceiling SPS (vs SB3)"], rows))
-    print(f"\nmatrix products alone (ours), GFLOP/s: {', '.join(gflops)}; one large product (2048^3) on the same "
-          f"threads: {large_gemm_gflops(a.threads):.0f} GFLOP/s")
-    print(f"{a.repeats} runs per side, interleaved, torch threads {a.threads or 'default'}; load average at the end {load()}; took {clock}")
-    print("summary: ours vs Stable-Baselines3 (median SPS ratio): " + ", ".join(f"{n} {r:.2f}x" for n, r in ratios)
-          + f" (goal >= 1.5x: {'met' if min(r for _, r in ratios) >= 1.5 else 'NOT met'} on all; "
-          + "ceiling with matrix products only: " + ", ".join(f"{x:.2f}x" for x in ceilings) + ")")
+    print(
+        table(
+            [
+                "task",
+                "env steps",
+                "gradient steps ours / SB3",
+                "ours SPS (min/max)",
+                "SB3 SPS (min/max)",
+                "ours / SB3",
+                "median of paired ratios",
+                "ms / gradient step ours / SB3",
+                "matrix products alone ours / SB3",
+                "ours ceiling SPS (vs SB3)",
+            ],
+            rows,
+        )
+    )
+    print(
+        f"\nmatrix products alone (ours), GFLOP/s: {', '.join(gflops)}; one large product (2048^3) on the same "
+        f"threads: {large_gemm_gflops(a.threads):.0f} GFLOP/s"
+    )
+    print(
+        f"{a.repeats} runs per side, interleaved, torch threads {a.threads or 'default'}; "
+        f"load average at the end {load()}; took {clock}"
+    )
+    print(
+        "summary: ours vs Stable-Baselines3 (median SPS ratio): "
+        + ", ".join(f"{n} {r:.2f}x" for n, r in ratios)
+        + f" (goal >= 1.5x: {'met' if min(r for _, r in ratios) >= 1.5 else 'NOT met'} on all; "
+        + "ceiling with matrix products only: "
+        + ", ".join(f"{x:.2f}x" for x in ceilings)
+        + ")"
+    )
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ Stable-Baselines3's SAC with the same hyperparameters on a MuJoCo task, and prin
 policy's return for scale. Runs are fresh processes with one torch thread; `--jobs 2` runs two at once.
 
     pip install -r requirements-bench.txt
-    python benchmarks/bench_sac_learning_vs_sb3.py                       # Hopper-v5, 3 seeds, 30k steps (about 40 min on 2 cores)
+    python benchmarks/bench_sac_learning_vs_sb3.py  # Hopper-v5, 3 seeds, 30k steps (about 40 min on 2 cores)
     python benchmarks/bench_sac_learning_vs_sb3.py --steps 5000 --seeds 1  # a quick look
 """
 
@@ -27,11 +27,41 @@ HP = dict(learning_starts=5000, batch_size=256, gamma=0.99, lr=3e-4, tau=0.005)
 
 
 def ours(env_id: str, steps: int, seed: int, workdir: str) -> list[tuple[int, float]]:
-    cmd = [sys.executable, str(REPO / "vlmrm_sac_humanoid.py"), "--env-id", env_id, "--reward", "gt", "--seed", str(seed),
-           "--num-envs", "1", "--total-timesteps", str(steps), "--learning-starts", str(HP["learning_starts"]),
-           "--train-frequency", "1", "--gradient-steps", "1", "--batch-size", str(HP["batch_size"]), "--gamma", str(HP["gamma"]),
-           "--policy-lr", str(HP["lr"]), "--q-lr", str(HP["lr"]), "--tau", str(HP["tau"]), "--buffer-size", str(steps),
-           "--no-cuda", "--exp-name", f"bench{seed}"]
+    cmd = [
+        sys.executable,
+        str(REPO / "vlmrm_sac_humanoid.py"),
+        "--env-id",
+        env_id,
+        "--reward",
+        "gt",
+        "--seed",
+        str(seed),
+        "--num-envs",
+        "1",
+        "--total-timesteps",
+        str(steps),
+        "--learning-starts",
+        str(HP["learning_starts"]),
+        "--train-frequency",
+        "1",
+        "--gradient-steps",
+        "1",
+        "--batch-size",
+        str(HP["batch_size"]),
+        "--gamma",
+        str(HP["gamma"]),
+        "--policy-lr",
+        str(HP["lr"]),
+        "--q-lr",
+        str(HP["lr"]),
+        "--tau",
+        str(HP["tau"]),
+        "--buffer-size",
+        str(steps),
+        "--no-cuda",
+        "--exp-name",
+        f"bench{seed}",
+    ]
     subprocess.run(cmd, cwd=workdir, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -54,8 +84,9 @@ model = SAC("MlpPolicy", env, learning_rate={HP["lr"]}, buffer_size={steps}, lea
 model.learn({steps})
 print(json.dumps([[int(t), float(r)] for t, r in zip(env.get_episode_lengths(), env.get_episode_rewards())]))
 """
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    ).stdout
     lengths_returns = json.loads(out.strip().splitlines()[-1])
     steps_done = np.cumsum([length for length, _ in lengths_returns])
     return [(int(s), r) for s, (_, r) in zip(steps_done, lengths_returns)]
@@ -85,6 +116,7 @@ def main() -> None:
     a = p.parse_args()
     jobs = [(impl, seed) for seed in a.seeds for impl in ("ours", "sb3")]  # interleaved: load hits both sides alike
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(a.jobs) as pool:
+
         def run(job):
             impl, seed = job
             if impl == "ours":
@@ -92,18 +124,24 @@ def main() -> None:
             return sb3(a.env_id, a.steps, seed)
 
         curves = dict(zip(jobs, pool.map(run, jobs)))
-    print(f"SAC on {a.env_id}, {a.steps} steps, {HP}, one env, one gradient step per step; random policy: "
-          f"{random_return(a.env_id):.0f}")
+    print(
+        f"SAC on {a.env_id}, {a.steps} steps, {HP}, one env, one gradient step per step; random policy: "
+        f"{random_return(a.env_id):.0f}"
+    )
     print("| seed | ours final | SB3 final | ours mean | SB3 mean | episodes ours / SB3 |\n|---|---|---|---|---|---|")
     finals = {"ours": [], "sb3": []}
     for seed in a.seeds:
         row = {impl: np.array([r for _, r in curves[(impl, seed)]]) for impl in ("ours", "sb3")}
         for impl in finals:
             finals[impl].append(row[impl][-10:].mean())
-        print(f"| {seed} | {row['ours'][-10:].mean():.0f} | {row['sb3'][-10:].mean():.0f} | {row['ours'].mean():.0f} | "
-              f"{row['sb3'].mean():.0f} | {len(row['ours'])} / {len(row['sb3'])} |")
-    print(f"summary: final return over seeds, ours {np.mean(finals['ours']):.0f} +- {np.std(finals['ours']):.0f}, "
-          f"SB3 {np.mean(finals['sb3']):.0f} +- {np.std(finals['sb3']):.0f}")
+        print(
+            f"| {seed} | {row['ours'][-10:].mean():.0f} | {row['sb3'][-10:].mean():.0f} | {row['ours'].mean():.0f} | "
+            f"{row['sb3'].mean():.0f} | {len(row['ours'])} / {len(row['sb3'])} |"
+        )
+    print(
+        f"summary: final return over seeds, ours {np.mean(finals['ours']):.0f} +- {np.std(finals['ours']):.0f}, "
+        f"SB3 {np.mean(finals['sb3']):.0f} +- {np.std(finals['sb3']):.0f}"
+    )
 
 
 if __name__ == "__main__":

@@ -55,8 +55,10 @@ def main() -> None:
     contenders = [(version, mode) for version in scripts for mode in ("default", "omp1")]
 
     print(machine())
-    print(f"DQN CartPole-v1, {' '.join(flags)}; {os.cpu_count()} cores; scripts: "
-          + ", ".join(f"{v} = {p}" for v, p in scripts.items()))
+    print(
+        f"DQN CartPole-v1, {' '.join(flags)}; {os.cpu_count()} cores; scripts: "
+        + ", ".join(f"{v} = {p}" for v, p in scripts.items())
+    )
     print(f"{'round':>5} {'version':>7} {'threads':>8} {'SPS':>7}  load")
     sps: dict[tuple[str, str], list[float]] = {c: [] for c in contenders}
     for r in range(args.repeats):
@@ -68,6 +70,7 @@ def main() -> None:
     print("\nmedian SPS (min-max):")
     for c, values in sps.items():
         print(f"  {c[0]:>4} {c[1]:>8}: {statistics.median(values):7.0f} ({min(values):.0f}-{max(values):.0f})")
+
     # ratios of the same round (interleaved neighbours), then their median
     def ratio(a: tuple[str, str], b: tuple[str, str]) -> str:
         ratios = [x / y for x, y in zip(sps[a], sps[b])]
@@ -75,8 +78,10 @@ def main() -> None:
 
     lines = [f"new default / new OMP_NUM_THREADS=1 = {ratio(('new', 'default'), ('new', 'omp1'))}"]
     if "old" in scripts:
-        lines += [f"old default / old OMP_NUM_THREADS=1 = {ratio(('old', 'default'), ('old', 'omp1'))}",
-                  f"new default / old default = {ratio(('new', 'default'), ('old', 'default'))}"]
+        lines += [
+            f"old default / old OMP_NUM_THREADS=1 = {ratio(('old', 'default'), ('old', 'omp1'))}",
+            f"new default / old default = {ratio(('new', 'default'), ('old', 'default'))}",
+        ]
     print("\n".join(lines))
     print("summary: " + "; ".join(lines))
 

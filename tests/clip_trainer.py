@@ -39,19 +39,53 @@ LEARNING_RATE = 2e-3
 
 # state classes by |theta| in degrees (upper bounds), each with several phrasings; {side} is "left" or "right"
 CLASSES = [
-    (5, ["the pole is vertically upright on top of the cart", "a cart with its pole standing straight up",
-         "the pole is balanced upright above the cart", "an upright pole on a cart, perfectly vertical"]),
-    (20, ["the pole is slightly tilted to the {side}", "the pole leans a little to the {side} of the cart",
-          "a nearly upright pole, tipping slightly {side}"]),
-    (55, ["the pole is tilted far to the {side}", "the pole leans steeply to the {side} of the cart",
-          "a strongly tilted pole, leaning {side}"]),
-    (115, ["the pole has fallen flat to the {side}", "the pole lies horizontal on the {side} side of the cart",
-           "a fallen pole lying flat, pointing {side}"]),
-    (181, ["the pole hangs upside down below the cart", "the pole points down underneath the cart",
-           "an inverted pole hanging under the track"]),
+    (
+        5,
+        [
+            "the pole is vertically upright on top of the cart",
+            "a cart with its pole standing straight up",
+            "the pole is balanced upright above the cart",
+            "an upright pole on a cart, perfectly vertical",
+        ],
+    ),
+    (
+        20,
+        [
+            "the pole is slightly tilted to the {side}",
+            "the pole leans a little to the {side} of the cart",
+            "a nearly upright pole, tipping slightly {side}",
+        ],
+    ),
+    (
+        55,
+        [
+            "the pole is tilted far to the {side}",
+            "the pole leans steeply to the {side} of the cart",
+            "a strongly tilted pole, leaning {side}",
+        ],
+    ),
+    (
+        115,
+        [
+            "the pole has fallen flat to the {side}",
+            "the pole lies horizontal on the {side} side of the cart",
+            "a fallen pole lying flat, pointing {side}",
+        ],
+    ),
+    (
+        181,
+        [
+            "the pole hangs upside down below the cart",
+            "the pole points down underneath the cart",
+            "an inverted pole hanging under the track",
+        ],
+    ),
 ]
-CART = [(-1.0, "the cart is at the left end of the track"), (1.0, "the cart is in the middle of the track"),
-        (2.5, "the cart is at the right end of the track")]  # x upper bounds (track: +-2.4)
+CART = [
+    (-1.0, "the cart is at the left end of the track"),
+    (1.0, "the cart is in the middle of the track"),
+    (2.5, "the cart is at the right end of the track"),
+]  # x upper bounds (track: +-2.4)
 
 
 def caption(theta: float, x: float, rng: random.Random) -> str:
@@ -104,8 +138,9 @@ def model_and_transform():
     open_clip.add_model_config(str(CONFIG))
     model = open_clip.create_model(CONFIG.stem, pretrained=None)
     cfg = open_clip.get_model_preprocess_cfg(model)
-    transform = open_clip.image_transform(cfg["size"], is_train=False, mean=cfg["mean"], std=cfg["std"],
-                                          resize_mode="squash", interpolation="bicubic")
+    transform = open_clip.image_transform(
+        cfg["size"], is_train=False, mean=cfg["mean"], std=cfg["std"], resize_mode="squash", interpolation="bicubic"
+    )
     return model, transform, open_clip.get_tokenizer(CONFIG.stem)
 
 

@@ -24,8 +24,9 @@ torch.set_num_threads(1)
 def run_script(script: str, *args: str, cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run `python <script> <args>` from `cwd`, the way a user types it."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / script), *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -61,8 +62,14 @@ def interrupt_after(script: str, *args: str, cwd: Path, sig: int, after_lines: i
     import signal as _signal  # noqa: F401  (callers pass signal.SIGINT / SIGTERM)
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, str(ROOT / script), *args, "--log-episodes"], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / script), *args, "--log-episodes"],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     lines, seen = [], 0
     for line in proc.stdout:
         lines.append(line)
@@ -91,15 +98,22 @@ def assert_refused(module, flags: list[str], *words: str) -> None:
     assert not Path("runs").exists()  # refused before any output (tests run in a temporary folder)
 
 
-def run_timed(script: str, *args: str, cwd: Path, env: dict | None = None,
-              timeout: int = 120) -> tuple[int, list[tuple[float, str]]]:
+def run_timed(
+    script: str, *args: str, cwd: Path, env: dict | None = None, timeout: int = 120
+) -> tuple[int, list[tuple[float, str]]]:
     """Run `python <script> <args>`; (exit code, [(seconds since start, line)] of stdout and stderr together)."""
     import time
 
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=cwd, env=full_env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / script), *args],
+        cwd=cwd,
+        env=full_env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     lines = []
     try:
         for line in proc.stdout:

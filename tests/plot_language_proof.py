@@ -29,10 +29,21 @@ def curves(run_dirs: list[str], labels: list[str], path: Path) -> None:
         ax_clip.plot(steps, clip_return, marker=".", label=label)
         evals = [v / 200 for _, v in scalars.get("eval/gt_return", [])]
         if evals:
-            ax_gt.plot(steps[-1], np.mean(evals), marker="*", markersize=14, color=ax_gt.lines[-1].get_color(),
-                       linestyle="none", label=f"{label}: greedy evaluation, {np.mean(evals):.2f}")
-    ax_gt.set(xlabel="environment step", ylabel="ground-truth upright fraction of the episode", ylim=(-0.02, 1.02),
-              title="ground truth (never seen by the agent)")
+            ax_gt.plot(
+                steps[-1],
+                np.mean(evals),
+                marker="*",
+                markersize=14,
+                color=ax_gt.lines[-1].get_color(),
+                linestyle="none",
+                label=f"{label}: greedy evaluation, {np.mean(evals):.2f}",
+            )
+    ax_gt.set(
+        xlabel="environment step",
+        ylabel="ground-truth upright fraction of the episode",
+        ylim=(-0.02, 1.02),
+        title="ground truth (never seen by the agent)",
+    )
     ax_clip.set(xlabel="environment step", ylabel="CLIP return per episode (200 steps)", title="CLIP reward (learnt from)")
     ax_gt.legend(fontsize=7)
     ax_clip.legend(fontsize=7)

@@ -5,10 +5,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import TINY_CLIP, TINY_CLIP_FLAGS, assert_clean_error, assert_refused, read_scalars, run_script, run_timed
 from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 
 import vlmrm_dqn_classic as classic
-from conftest import TINY_CLIP, TINY_CLIP_FLAGS, assert_clean_error, assert_refused, read_scalars, run_script, run_timed
 
 SCRIPT = "vlmrm_dqn_classic.py"
 
@@ -109,9 +109,18 @@ def test_reward_belongs_to_the_frame_after_the_step_across_autoresets(in_tmp, mo
         original_add(self, obs, next_obs, actions, rewards, terminations)
 
     monkeypatch.setattr(classic.ReplayBuffer, "add", spy_add)
-    args = classic.Args(clip_model=TINY_CLIP, clip_pretrained="none", num_envs=2, episode_length=50,
-                        total_timesteps=600, learning_starts=100, train_frequency=4, reward_batch_size=7,
-                        buffer_size=1000, batch_size=16)
+    args = classic.Args(
+        clip_model=TINY_CLIP,
+        clip_pretrained="none",
+        num_envs=2,
+        episode_length=50,
+        total_timesteps=600,
+        learning_starts=100,
+        train_frequency=4,
+        reward_batch_size=7,
+        buffer_size=1000,
+        batch_size=16,
+    )
     classic.main(args)
 
     obs = np.concatenate([a[0] for a in added])
@@ -192,15 +201,42 @@ def test_stock_cartpole_env_terminates_and_truncates_at_500():
 
 # ---------------------------------------------------------------------------- CLI
 def test_clip_rewarded_smoke_run_trains_saves_evaluates_and_records(tmp_path):
-    result = run_script(SCRIPT, *TINY_CLIP_FLAGS, "--env-id", "MountainCar-v0", "--realistic", "--alpha", "0.5",
-                        "--total-timesteps", "1200", "--learning-starts", "400", "--train-frequency", "4",
-                        "--capture-video", "--video-interval", "2", "--save-model", "--eval-episodes", "1",
-                        cwd=tmp_path)
+    result = run_script(
+        SCRIPT,
+        *TINY_CLIP_FLAGS,
+        "--env-id",
+        "MountainCar-v0",
+        "--realistic",
+        "--alpha",
+        "0.5",
+        "--total-timesteps",
+        "1200",
+        "--learning-starts",
+        "400",
+        "--train-frequency",
+        "4",
+        "--capture-video",
+        "--video-interval",
+        "2",
+        "--save-model",
+        "--eval-episodes",
+        "1",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     scalars = read_scalars(run_dir)
-    for tag in ["charts/episodic_return", "charts/gt_return", "charts/gt_success", "charts/clip_reward_mean",
-                "losses/td_loss", "losses/q_values", "charts/SPS", "time/render_s", "time/reward_model_s"]:
+    for tag in [
+        "charts/episodic_return",
+        "charts/gt_return",
+        "charts/gt_success",
+        "charts/clip_reward_mean",
+        "losses/td_loss",
+        "losses/q_values",
+        "charts/SPS",
+        "time/render_s",
+        "time/reward_model_s",
+    ]:
         values = [v for _, v in scalars[tag]]
         assert values and np.all(np.isfinite(values)), tag
     assert len(scalars["charts/episodic_return"]) == 1200 // 200
@@ -211,8 +247,18 @@ def test_clip_rewarded_smoke_run_trains_saves_evaluates_and_records(tmp_path):
     assert all((tmp_path / "videos" / run_dir.name / v).stat().st_size > 1000 for v in videos)
     model = run_dir / "model.pt"
     assert "q_network" in torch.load(model)
-    evaluation = run_script(SCRIPT, *TINY_CLIP_FLAGS, "--env-id", "MountainCar-v0", "--realistic",
-                            "--evaluate", str(model), "--eval-episodes", "2", cwd=tmp_path)
+    evaluation = run_script(
+        SCRIPT,
+        *TINY_CLIP_FLAGS,
+        "--env-id",
+        "MountainCar-v0",
+        "--realistic",
+        "--evaluate",
+        str(model),
+        "--eval-episodes",
+        "2",
+        cwd=tmp_path,
+    )
     assert evaluation.returncode == 0, evaluation.stderr[-3000:]
     assert evaluation.stdout.count("eval episode") == 2 and "clip_return=" in evaluation.stdout
 
@@ -221,16 +267,25 @@ BAD_INPUT = {
     "alpha above 1": (["--alpha", "1.5"], ["--alpha"]),
     "alpha below 0": (["--alpha", "-0.1"], ["--alpha"]),
     "goal equals baseline": (["--goal", "a cart", "--baseline", "a cart", "--alpha", "0.5"], ["--goal", "--baseline"]),
-    "goal equals baseline up to case and spaces": (["--goal", "A Pole", "--baseline", "a  pole ", "--alpha", "0.5"], ["--goal", "--baseline"]),
+    "goal equals baseline up to case and spaces": (
+        ["--goal", "A Pole", "--baseline", "a  pole ", "--alpha", "0.5"],
+        ["--goal", "--baseline"],
+    ),
     "empty goal": (["--goal", ""], ["--goal"]),
     "unknown model": (["--clip-model", "ViT-Nope-99"], ["ViT-Nope-99", "list_models"]),
     "unknown pretrained tag": (["--clip-model", "RN50", "--clip-pretrained", "nope"], ["nope", "openai"]),
     "missing checkpoint": (["--clip-model", "RN50", "--clip-checkpoint", "missing.pt"], ["missing.pt"]),
     "missing model config": (["--clip-model", "nowhere/tiny.json"], ["nowhere/tiny.json"]),
     "non-positive steps": (["--total-timesteps", "0"], ["--total-timesteps"]),
-    "softmax without negatives": (["--reward-family", "softmax", "--goal", "a balanced pole"], ["--reward-family softmax", "--negatives"]),
+    "softmax without negatives": (
+        ["--reward-family", "softmax", "--goal", "a balanced pole"],
+        ["--reward-family softmax", "--negatives"],
+    ),
     "softmax with empty negatives": (["--reward-family", "softmax", "--negatives"], ["--negatives"]),
-    "negative equal to goal": (["--reward-family", "softmax", "--goal", "a pole", "--negatives", "a pole"], ["--negatives", "--goal"]),
+    "negative equal to goal": (
+        ["--reward-family", "softmax", "--goal", "a pole", "--negatives", "a pole"],
+        ["--negatives", "--goal"],
+    ),
     "temperature zero": (["--reward-family", "softmax", "--temperature", "0"], ["--temperature", "positive"]),
     "threshold one": (["--reward-family", "softmax", "--threshold", "1"], ["--threshold", "(0, 1)"]),
     "threshold negative": (["--threshold", "-0.2"], ["--threshold", "(0, 1)"]),
@@ -251,8 +306,17 @@ def test_bad_input_on_the_command_line_exits_2_with_one_line_and_no_traceback(tm
 
 def test_weights_that_cannot_be_downloaded(tmp_path):
     # HF_HUB_OFFLINE makes the hub fail at once, the same way it does without a network
-    result = run_script(SCRIPT, "--clip-model", "RN50", "--clip-pretrained", "openai", "--clip-cache-dir", str(tmp_path / "cache"),
-                        cwd=tmp_path, env={"HF_HUB_OFFLINE": "1"})
+    result = run_script(
+        SCRIPT,
+        "--clip-model",
+        "RN50",
+        "--clip-pretrained",
+        "openai",
+        "--clip-cache-dir",
+        str(tmp_path / "cache"),
+        cwd=tmp_path,
+        env={"HF_HUB_OFFLINE": "1"},
+    )
     assert_clean_error(result, "RN50", "network", "--clip-cache-dir", "--clip-checkpoint")
 
 
@@ -270,11 +334,14 @@ def test_prompts_with_the_same_embedding_are_refused_after_encoding(in_tmp):
     assert_refused(classic, [*TINY_CLIP_FLAGS, *SAME_EMBEDDING], "--goal", "--baseline", "embedding", "--alpha 0")
 
 
-@pytest.mark.parametrize("content, words", [
-    ("{not json", ["not a readable JSON file"]),
-    ('{"name": "not a model"}', ["not an open_clip model config", "embed_dim"]),
-    ('{"embed_dim": 32, "vision_cfg": {"layers": "two"}, "text_cfg": {}}', ["could not build", "config file"]),
-])
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        ("{not json", ["not a readable JSON file"]),
+        ('{"name": "not a model"}', ["not an open_clip model config", "embed_dim"]),
+        ('{"embed_dim": 32, "vision_cfg": {"layers": "two"}, "text_cfg": {}}', ["could not build", "config file"]),
+    ],
+)
 def test_a_bad_model_config_file_is_named_as_such(in_tmp, content, words):
     (in_tmp / "model.json").write_text(content)
     with pytest.raises(classic.UserError) as error:
@@ -288,8 +355,18 @@ def test_a_bad_model_config_file_is_named_as_such(in_tmp, content, words):
 def test_missing_weights_say_what_is_fetched_and_fail_within_seconds(tmp_path):
     # a documentation address (RFC 5737) stands for an unreachable hub, also where the machine has a network
     env = {"HF_ENDPOINT": "https://192.0.2.1", "HF_HUB_OFFLINE": "", "HTTPS_PROXY": "", "https_proxy": ""}
-    code, lines = run_timed(SCRIPT, "--clip-model", "RN50", "--clip-pretrained", "openai", "--clip-cache-dir",
-                            str(tmp_path / "cache"), cwd=tmp_path, env=env, timeout=120)
+    code, lines = run_timed(
+        SCRIPT,
+        "--clip-model",
+        "RN50",
+        "--clip-pretrained",
+        "openai",
+        "--clip-cache-dir",
+        str(tmp_path / "cache"),
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
     text = "\n".join(line for _, line in lines)
     assert code == 2 and "Traceback" not in text, text
     (fetching,) = [t for t, line in lines if line.startswith("fetching the RN50/openai CLIP weights (102M parameters")]

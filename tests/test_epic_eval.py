@@ -22,9 +22,10 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from conftest import assert_clean_error  # noqa: E402
+
 import epic_eval  # noqa: E402
 import vlmrm_dqn_classic  # noqa: E402
-from conftest import assert_clean_error  # noqa: E402
 from epic_eval import UserError, average_precision, bootstrap_epic, epic_distance, roc_auc  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "epic_eval.py")
@@ -70,7 +71,9 @@ def test_epic_matches_hand_computed_examples():
     # rewards 1 2 3, labels 1 3 2: deviations (-1 0 1), (-1 1 0); cov 1, variances 2 and 2 -> rho 1/2 -> sqrt(1/4)
     assert epic_distance(np.array([1.0, 2.0, 3.0]), np.array([1.0, 3.0, 2.0])) == pytest.approx(0.5, abs=1e-12)
     # deviations (-1.5 -0.5 0.5 1.5) and (0.5 -0.5 -0.5 0.5): dot 0 -> rho 0 -> sqrt(1/2)
-    assert epic_distance(np.array([1.0, 2.0, 3.0, 4.0]), np.array([1.0, 0.0, 0.0, 1.0])) == pytest.approx(math.sqrt(0.5), abs=1e-12)
+    assert epic_distance(np.array([1.0, 2.0, 3.0, 4.0]), np.array([1.0, 0.0, 0.0, 1.0])) == pytest.approx(
+        math.sqrt(0.5), abs=1e-12
+    )
 
 
 def test_epic_is_undefined_for_constant_sides():
@@ -171,20 +174,45 @@ def saved_policies(tmp_path_factory) -> dict[str, str]:
     cwd = os.getcwd()
     os.chdir(folder)  # runs/ lands here
     try:
-        vlmrm_dqn_classic.main(vlmrm_dqn_classic.Args(reward="gt", total_timesteps=400, learning_starts=100, episode_length=100,
-                                                      save_model=True, cuda=False))
-        vlmrm_sac_humanoid.main(vlmrm_sac_humanoid.Args(env_id="Humanoid-v5", reward="gt", num_envs=1, total_timesteps=100,
-                                                        learning_starts=50, batch_size=16, episode_length=50, save_model=True,
-                                                        cuda=False))
-        vlmrm_sac_humanoid.main(vlmrm_sac_humanoid.Args(env_id="MountainCarContinuous-v0", reward="gt", num_envs=1,
-                                                        total_timesteps=100, learning_starts=50, batch_size=16,
-                                                        episode_length=50, save_model=True, cuda=False))
+        vlmrm_dqn_classic.main(
+            vlmrm_dqn_classic.Args(
+                reward="gt", total_timesteps=400, learning_starts=100, episode_length=100, save_model=True, cuda=False
+            )
+        )
+        vlmrm_sac_humanoid.main(
+            vlmrm_sac_humanoid.Args(
+                env_id="Humanoid-v5",
+                reward="gt",
+                num_envs=1,
+                total_timesteps=100,
+                learning_starts=50,
+                batch_size=16,
+                episode_length=50,
+                save_model=True,
+                cuda=False,
+            )
+        )
+        vlmrm_sac_humanoid.main(
+            vlmrm_sac_humanoid.Args(
+                env_id="MountainCarContinuous-v0",
+                reward="gt",
+                num_envs=1,
+                total_timesteps=100,
+                learning_starts=50,
+                batch_size=16,
+                episode_length=50,
+                save_model=True,
+                cuda=False,
+            )
+        )
     finally:
         os.chdir(cwd)
     runs = sorted((folder / "runs").iterdir())
-    return {"dqn": str(next(r for r in runs if "CartPole" in r.name) / "model.pt"),
-            "sac": str(next(r for r in runs if "Humanoid" in r.name) / "checkpoint.pt"),
-            "sac_car": str(next(r for r in runs if "MountainCarContinuous" in r.name) / "checkpoint.pt")}
+    return {
+        "dqn": str(next(r for r in runs if "CartPole" in r.name) / "model.pt"),
+        "sac": str(next(r for r in runs if "Humanoid" in r.name) / "checkpoint.pt"),
+        "sac_car": str(next(r for r in runs if "MountainCarContinuous" in r.name) / "checkpoint.pt"),
+    }
 
 
 @pytest.mark.parametrize("which", ["dqn", "sac", "sac_car"])
@@ -195,14 +223,19 @@ def test_collect_follows_a_saved_policy(saved_policies, which, tmp_path):
 
     checkpoint = torch.load(saved_policies[which], map_location="cpu", weights_only=False)
     env_id = checkpoint["args"]["env_id"]
-    args = epic_eval.Collect(out=str(tmp_path / "policy"), policy=saved_policies[which], num_frames=12, episode_length=6,
-                             render_size=32, seed=5)
+    args = epic_eval.Collect(
+        out=str(tmp_path / "policy"), policy=saved_policies[which], num_frames=12, episode_length=6, render_size=32, seed=5
+    )
     epic_eval.collect(args)
     assert args.env_id == env_id  # the environment comes from the checkpoint
-    epic_eval.collect(epic_eval.Collect(out=str(tmp_path / "random"), env_id=env_id, num_frames=12, episode_length=6,
-                                        render_size=32, seed=5))
-    columns = {"dqn": ["x", "x_dot", "theta", "theta_dot"], "sac": ["qpos_0", "qpos_1", "qpos_2"],
-               "sac_car": ["position", "velocity"]}[which]
+    epic_eval.collect(
+        epic_eval.Collect(out=str(tmp_path / "random"), env_id=env_id, num_frames=12, episode_length=6, render_size=32, seed=5)
+    )
+    columns = {
+        "dqn": ["x", "x_dot", "theta", "theta_dot"],
+        "sac": ["qpos_0", "qpos_1", "qpos_2"],
+        "sac_car": ["position", "velocity"],
+    }[which]
 
     def states(name: str) -> np.ndarray:
         with open(tmp_path / name / "states.csv", newline="") as f:
@@ -254,8 +287,9 @@ def test_collect_policy_problems_are_one_sentence_errors(saved_policies, tmp_pat
         str(tmp_path / "missing.pt"): "no such file; pass the model.pt of vlmrm_dqn_classic.py",
         str(tmp_path / "text.pt"): "could not be read",
         str(tmp_path / "empty.pt"): "holds no policy",
-        str(tmp_path / "pendulum.pt"): ("was trained on InvertedPendulum-v5; collect supports its policies on "
-                                        "Humanoid-v5, MountainCarContinuous-v0 only"),
+        str(tmp_path / "pendulum.pt"): (
+            "was trained on InvertedPendulum-v5; collect supports its policies on Humanoid-v5, MountainCarContinuous-v0 only"
+        ),
         # CartPole's Q-network (4 inputs) under MountainCar's name (2 inputs): shapes do not fit
         str(tmp_path / "relabelled.pt"): "its q_network does not fit MountainCar-v0 .*size mismatch",
     }
@@ -268,8 +302,24 @@ def test_collect_policy_problems_are_one_sentence_errors(saved_policies, tmp_pat
 
 
 def test_end_to_end_collect_then_score_with_ground_truth_labels(cartpole_dataset, tmp_path):
-    result = run_cli("score", "--dataset", cartpole_dataset, "--labels", "gt", "--clip-models", TINY,
-                     "--clip-pretrained", "none", "--alphas", "0", "0.5", "1", "--bootstrap", "300", cwd=str(tmp_path))
+    result = run_cli(
+        "score",
+        "--dataset",
+        cartpole_dataset,
+        "--labels",
+        "gt",
+        "--clip-models",
+        TINY,
+        "--clip-pretrained",
+        "none",
+        "--alphas",
+        "0",
+        "0.5",
+        "1",
+        "--bootstrap",
+        "300",
+        cwd=str(tmp_path),
+    )
     assert result.returncode == 0, result.stderr
     (run_dir,) = [os.path.join(tmp_path, "runs", d) for d in os.listdir(tmp_path / "runs")]
     assert os.path.getsize(os.path.join(run_dir, "epic.png")) > 10_000
@@ -293,8 +343,9 @@ def test_end_to_end_collect_then_score_with_ground_truth_labels(cartpole_dataset
 
 
 def score_args(dataset: str, **kwargs) -> "epic_eval.Score":
-    return epic_eval.Score(dataset=dataset, clip_models=(TINY,), clip_pretrained=("none",), alphas=(0.0, 1.0),
-                           bootstrap=50, **kwargs)
+    return epic_eval.Score(
+        dataset=dataset, clip_models=(TINY,), clip_pretrained=("none",), alphas=(0.0, 1.0), bootstrap=50, **kwargs
+    )
 
 
 def test_score_defaults_to_the_papers_fig_4a_alphas():
@@ -312,12 +363,17 @@ def read_run(run_dir: str) -> tuple[list[dict], list[dict]]:
 def test_both_reward_families_side_by_side(cartpole_dataset, tmp_path, monkeypatch):
     """One run scores the projection (per alpha) and the thresholded softmax, and the binary reward is 1[p > beta]."""
     monkeypatch.chdir(tmp_path)
-    run_dir = epic_eval.score(score_args(cartpole_dataset, labels="gt", reward_families=("projection", "softmax"),
-                                         temperature=0.1, soft=True))
+    run_dir = epic_eval.score(
+        score_args(cartpole_dataset, labels="gt", reward_families=("projection", "softmax"), temperature=0.1, soft=True)
+    )
     table, rewards = read_run(run_dir)
     assert list(table[0])[:3] == ["model", "family", "alpha"]
     assert [(r["family"], r["alpha"]) for r in table] == [("projection", "0.0"), ("projection", "1.0"), ("softmax", "")]
-    assert list(rewards[0])[2:] == ["vlmrm-tiny-test/none@alpha=0", "vlmrm-tiny-test/none@alpha=1", "vlmrm-tiny-test/none@softmax-p"]
+    assert list(rewards[0])[2:] == [
+        "vlmrm-tiny-test/none@alpha=0",
+        "vlmrm-tiny-test/none@alpha=1",
+        "vlmrm-tiny-test/none@softmax-p",
+    ]
     labels = np.array([float(r["label"]) for r in rewards])
     p = np.array([float(r["vlmrm-tiny-test/none@softmax-p"]) for r in rewards])
     assert np.all((p > 0) & (p < 1)) and len(set(p)) > 30
@@ -334,7 +390,9 @@ def test_both_reward_families_side_by_side(cartpole_dataset, tmp_path, monkeypat
     ordered = np.sort(np.unique(p))
     beta = float((ordered[len(ordered) // 2] + ordered[len(ordered) // 2 + 1]) / 2)
     time.sleep(1)  # the run folder is named by the second
-    run_dir = epic_eval.score(score_args(cartpole_dataset, labels="gt", reward_families=("softmax",), temperature=0.1, threshold=beta))
+    run_dir = epic_eval.score(
+        score_args(cartpole_dataset, labels="gt", reward_families=("softmax",), temperature=0.1, threshold=beta)
+    )
     table, rewards = read_run(run_dir)
     assert [(r["family"], r["alpha"]) for r in table] == [("softmax", "")]
     binary = np.array([float(r["vlmrm-tiny-test/none@softmax"]) for r in rewards])
@@ -345,19 +403,24 @@ def test_both_reward_families_side_by_side(cartpole_dataset, tmp_path, monkeypat
     # a binary reward that never crosses the threshold is constant: EPIC is undefined, and the error says why
     time.sleep(1)
     with pytest.raises(UserError, match=r"softmax are the same for every frame \(a binary softmax reward .*--threshold"):
-        epic_eval.score(score_args(cartpole_dataset, labels="gt", reward_families=("softmax",), temperature=0.1, threshold=0.999999))
+        epic_eval.score(
+            score_args(cartpole_dataset, labels="gt", reward_families=("softmax",), temperature=0.1, threshold=0.999999)
+        )
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(reward_families=()), "--reward-families needs at least one of: projection, softmax"),
-    (dict(reward_families=("softmax",), goal=("a pole",)), "needs at least one non-empty --negatives prompt"),
-    (dict(reward_families=("softmax",), negatives=()), "needs at least one non-empty --negatives prompt"),
-    (dict(reward_families=("softmax",), negatives=("pole vertically upright on top of the cart",)), "share the prompt"),
-    (dict(temperature=0.0), "--temperature must be a positive number"),
-    (dict(temperature=float("nan")), "--temperature must be a positive number"),
-    (dict(threshold=1.0), r"--threshold must be in \(0, 1\)"),
-    (dict(threshold=0.0), r"--threshold must be in \(0, 1\)"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(reward_families=()), "--reward-families needs at least one of: projection, softmax"),
+        (dict(reward_families=("softmax",), goal=("a pole",)), "needs at least one non-empty --negatives prompt"),
+        (dict(reward_families=("softmax",), negatives=()), "needs at least one non-empty --negatives prompt"),
+        (dict(reward_families=("softmax",), negatives=("pole vertically upright on top of the cart",)), "share the prompt"),
+        (dict(temperature=0.0), "--temperature must be a positive number"),
+        (dict(temperature=float("nan")), "--temperature must be a positive number"),
+        (dict(threshold=1.0), r"--threshold must be in \(0, 1\)"),
+        (dict(threshold=0.0), r"--threshold must be in \(0, 1\)"),
+    ],
+)
 def test_softmax_family_bad_input(cartpole_dataset, tmp_path, monkeypatch, kwargs, message):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(epic_eval, "load_clip", lambda *a: pytest.fail("bad input must be refused before a model is loaded"))
@@ -367,8 +430,23 @@ def test_softmax_family_bad_input(cartpole_dataset, tmp_path, monkeypatch, kwarg
 
 
 def test_softmax_without_negatives_on_the_command_line(cartpole_dataset, tmp_path):
-    result = run_cli("score", "--dataset", cartpole_dataset, "--labels", "gt", "--clip-models", TINY, "--clip-pretrained", "none",
-                     "--reward-families", "projection", "softmax", "--goal", "a pole", cwd=str(tmp_path))
+    result = run_cli(
+        "score",
+        "--dataset",
+        cartpole_dataset,
+        "--labels",
+        "gt",
+        "--clip-models",
+        TINY,
+        "--clip-pretrained",
+        "none",
+        "--reward-families",
+        "projection",
+        "softmax",
+        "--goal",
+        "a pole",
+        cwd=str(tmp_path),
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.startswith("error: --reward-families softmax needs at least one non-empty --negatives prompt")
     assert result.stderr.count("\n") == 1 and not (tmp_path / "runs").exists()
@@ -415,7 +493,9 @@ def test_dataset_problems_are_one_sentence_errors(cartpole_dataset, tmp_path, mo
     with pytest.raises(UserError, match="are the same for every frame, so their correlation .* is undefined"):
         epic_eval.score(score_args(ds, labels="gt"))
     # the command line turns each of them into "error: <sentence>" and exit code 2, no traceback
-    result = run_cli("score", "--dataset", str(tmp_path / "words"), "--clip-models", TINY, "--clip-pretrained", "none", cwd=str(tmp_path))
+    result = run_cli(
+        "score", "--dataset", str(tmp_path / "words"), "--clip-models", TINY, "--clip-pretrained", "none", cwd=str(tmp_path)
+    )
     assert result.returncode == 2
     assert result.stderr.startswith("error: label 'yes'") and "Traceback" not in result.stderr
     # score reads datasets, never writes them
@@ -431,12 +511,12 @@ def valid_crc_broken_png(path: str) -> None:
     data = bytearray(open(path, "rb").read())
     at = 8
     while True:
-        length, kind = struct.unpack(">I4s", data[at:at + 8])
+        length, kind = struct.unpack(">I4s", data[at : at + 8])
         if kind == b"IDAT":
-            body = data[at + 8:at + 8 + length]
+            body = data[at + 8 : at + 8 + length]
             body[2:] = b"\xff" * (len(body) - 2)  # keep the zlib header, break the stream after it
-            data[at + 8:at + 8 + length] = body
-            data[at + 8 + length:at + 12 + length] = struct.pack(">I", zlib.crc32(kind + bytes(body)))
+            data[at + 8 : at + 8 + length] = body
+            data[at + 8 + length : at + 12 + length] = struct.pack(">I", zlib.crc32(kind + bytes(body)))
             break
         at += 12 + length
     open(path, "wb").write(bytes(data))
@@ -449,14 +529,18 @@ def test_unreadable_frames_are_one_sentence_and_leave_no_run_folder(cartpole_dat
     data = open(frame, "rb").read()
     open(frame, "wb").write(data[: len(data) // 2])
     # a real process: one sentence, exit code 2, no traceback, no runs/ (no args.json left behind)
-    result = run_cli("score", "--dataset", ds, "--labels", "gt", "--clip-models", TINY, "--clip-pretrained", "none",
-                     cwd=str(tmp_path))
+    result = run_cli(
+        "score", "--dataset", ds, "--labels", "gt", "--clip-models", TINY, "--clip-pretrained", "none", cwd=str(tmp_path)
+    )
     assert_clean_error(result, "000007.png", "not a readable image")
     assert result.returncode == 2 and not (tmp_path / "runs").exists()
     # found before any model is loaded: a text file, an empty file, a frame of another size
     monkeypatch.setattr(epic_eval, "load_clip", lambda *a: pytest.fail("bad frames must be refused before a model is loaded"))
-    for name, content, message in [("text", b"not a png", "not a readable image"), ("empty", b"", "not a readable image"),
-                                   ("size", None, r"different sizes \(000000.png is 600x400, 000059.png is 60x40\)")]:
+    for name, content, message in [
+        ("text", b"not a png", "not a readable image"),
+        ("empty", b"", "not a readable image"),
+        ("size", None, r"different sizes \(000000.png is 600x400, 000059.png is 60x40\)"),
+    ]:
         ds = copy_dataset(cartpole_dataset, str(tmp_path / name))
         if content is None:
             epic_eval.imageio.imwrite(os.path.join(ds, "frames", "000059.png"), np.zeros((40, 60, 3), dtype=np.uint8))
@@ -488,7 +572,9 @@ def test_score_when_runs_is_a_file(cartpole_dataset, tmp_path, monkeypatch):
 def test_epic_on_two_labels_warns_that_the_interval_is_undefined(cartpole_dataset, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert bootstrap_epic(np.array([0.2, 0.7]), np.array([0.0, 1.0]), 1000, 0.95, np.random.default_rng(0)) == (
-        pytest.approx(float("nan"), nan_ok=True), pytest.approx(float("nan"), nan_ok=True))
+        pytest.approx(float("nan"), nan_ok=True),
+        pytest.approx(float("nan"), nan_ok=True),
+    )
     ds = copy_dataset(cartpole_dataset, str(tmp_path / "ds"))
     write_labels(ds, ["000000.png,1,t", "000040.png,0,t"])
     args = score_args(ds, seed=0)
@@ -503,11 +589,12 @@ def test_epic_on_two_labels_warns_that_the_interval_is_undefined(cartpole_datase
 
 def test_collect_refuses_bad_sizes_and_paths_up_front(tmp_path):
     (tmp_path / "a_file").write_text("x")
-    for kwargs, message in [(dict(render_size=100000), "--render-size must be between 16 and 2048 pixels, got 100000"),
-                            (dict(render_size=8, env_id="Humanoid-v5"), "--render-size must be between 16 and 2048"),
-                            (dict(out=str(tmp_path / "a_file" / "ds")),
-                             "--out .*a_file/ds cannot be a folder: .*a_file is a file"),
-                            (dict(out=str(tmp_path / "a_file" / "sub" / "ds")), "a_file is a file")]:
+    for kwargs, message in [
+        (dict(render_size=100000), "--render-size must be between 16 and 2048 pixels, got 100000"),
+        (dict(render_size=8, env_id="Humanoid-v5"), "--render-size must be between 16 and 2048"),
+        (dict(out=str(tmp_path / "a_file" / "ds")), "--out .*a_file/ds cannot be a folder: .*a_file is a file"),
+        (dict(out=str(tmp_path / "a_file" / "sub" / "ds")), "a_file is a file"),
+    ]:
         with pytest.raises(UserError, match=message):
             epic_eval.collect(epic_eval.Collect(**{"out": str(tmp_path / "ds"), "num_frames": 2, **kwargs}))
     assert sorted(os.listdir(tmp_path)) == ["a_file"]
@@ -600,7 +687,11 @@ def test_label_page_round_trip_over_http(cartpole_dataset, tmp_path):
         with open(labels_csv) as f:
             lines = f.read().splitlines()
         assert lines[0] == "frame,label,time" and [line.split(",")[:2] for line in lines[1:]] == [
-            ["000000.png", "1"], ["000001.png", "0"], ["000002.png", "skip"], ["000000.png", "0"]]
+            ["000000.png", "1"],
+            ["000001.png", "0"],
+            ["000002.png", "skip"],
+            ["000000.png", "0"],
+        ]
         # refused: unknown frame or label, other files, a foreign Host (DNS rebinding), a non-JSON (form) post
         assert http(server.url + "/api/label", {"frame": "../states.csv", "label": "1"})[0] == 400
         assert http(server.url + "/api/label", {"frame": "000003.png", "label": "maybe"})[0] == 400
@@ -635,8 +726,9 @@ def raw_request(url: str, request: bytes, timeout: float = 5.0) -> bytes:
 
 def post_head(url: str, length: str) -> bytes:
     host = url.removeprefix("http://")
-    return (f"POST /api/label HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {length}\r\n\r\n").encode()
+    return (
+        f"POST /api/label HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+    ).encode()
 
 
 def test_label_page_refuses_frames_outside_the_dataset(cartpole_dataset, tmp_path):
@@ -664,16 +756,29 @@ def test_label_page_bad_requests_get_an_answer_and_save_nothing(cartpole_dataset
     server.server.RequestHandlerClass.timeout = 0.5  # the handler's socket timeout, short for the test
     try:
         # a frame or a label that is not a string, a body that is not an object: 400, not a dropped connection
-        for body in [{"frame": ["000000.png"], "label": "1"}, {"frame": {"a": 1}, "label": "1"}, {"frame": 3, "label": "1"},
-                     {"frame": "000000.png", "label": ["1"]}, ["000000.png", "1"], "000000.png", None]:
+        for body in [
+            {"frame": ["000000.png"], "label": "1"},
+            {"frame": {"a": 1}, "label": "1"},
+            {"frame": 3, "label": "1"},
+            {"frame": "000000.png", "label": ["1"]},
+            ["000000.png", "1"],
+            "000000.png",
+            None,
+        ]:
             data = json.dumps(body).encode()
             answer = raw_request(server.url, post_head(server.url, str(len(data))) + data)
             assert answer.startswith(b"HTTP/1.0 400"), (body, answer)
         deep = b"[" * 3000  # within the size bound, deeper than the JSON parser recurses
         assert raw_request(server.url, post_head(server.url, str(len(deep))) + deep).startswith(b"HTTP/1.0 400")
         # bad lengths are refused before a byte of the body is read
-        for length, code in [("-1", b"400"), ("abc", b"400"), ("", b"400"), ("1e3", b"400"), ("10000000000", b"413"),
-                             (str(epic_eval.MAX_LABEL_BODY + 1), b"413")]:
+        for length, code in [
+            ("-1", b"400"),
+            ("abc", b"400"),
+            ("", b"400"),
+            ("1e3", b"400"),
+            ("10000000000", b"413"),
+            (str(epic_eval.MAX_LABEL_BODY + 1), b"413"),
+        ]:
             start = time.monotonic()
             answer = raw_request(server.url, post_head(server.url, length))
             assert answer.startswith(b"HTTP/1.0 " + code), (length, answer)
@@ -731,8 +836,14 @@ def test_label_page_cannot_be_framed_or_sniffed(cartpole_dataset, tmp_path):
     server = LabelServer(ds)
     try:
         port = server.server.server_port
-        for method, path, host in [("GET", "/", None), ("GET", "/api/state", None), ("GET", "/frames/000000.png", None),
-                                   ("GET", "/nothing", None), ("GET", "/", "evil.example"), ("PUT", "/", None)]:
+        for method, path, host in [
+            ("GET", "/", None),
+            ("GET", "/api/state", None),
+            ("GET", "/frames/000000.png", None),
+            ("GET", "/nothing", None),
+            ("GET", "/", "evil.example"),
+            ("PUT", "/", None),
+        ]:
             connection = HTTPConnection("127.0.0.1", port, timeout=5)
             try:
                 connection.request(method, path, headers={"Host": host or f"127.0.0.1:{port}"})
@@ -771,7 +882,10 @@ def wait_for(condition, timeout: float = 20.0, what: str = "condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium chromium-driver)")
+@pytest.mark.skipif(
+    not os.path.exists(CHROMIUM),
+    reason="needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium chromium-driver)",
+)
 def test_label_page_in_headless_chromium(cartpole_dataset, tmp_path):
     chromedriver = shutil.which("chromedriver") or "/usr/bin/chromedriver"
     assert os.path.exists(chromedriver), "chromium is installed but chromedriver is not: apt-get install -y chromium-driver"
@@ -784,11 +898,27 @@ def test_label_page_in_headless_chromium(cartpole_dataset, tmp_path):
     session = None
     try:
         wait_for(lambda: _ready(base), what="chromedriver")
-        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'profile'}"]
-        session = webdriver("POST", f"{base}/session", {"capabilities": {"alwaysMatch": {
-            "browserName": "chrome", "goog:chromeOptions": {"binary": CHROMIUM, "args": flags}}}})["sessionId"]
+        flags = [
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--disable-dev-shm-usage",
+            f"--user-data-dir={tmp_path / 'profile'}",
+        ]
+        session = webdriver(
+            "POST",
+            f"{base}/session",
+            {
+                "capabilities": {
+                    "alwaysMatch": {"browserName": "chrome", "goog:chromeOptions": {"binary": CHROMIUM, "args": flags}}
+                }
+            },
+        )["sessionId"]
         webdriver("POST", f"{base}/session/{session}/url", {"url": server.url + "/"})
 
         def script(js: str):
@@ -802,7 +932,9 @@ def test_label_page_in_headless_chromium(cartpole_dataset, tmp_path):
         keys = []
         for key in ["1", "0", "s", "\ue003", "1"]:
             keys += [{"type": "keyDown", "value": key}, {"type": "keyUp", "value": key}]
-        webdriver("POST", f"{base}/session/{session}/actions", {"actions": [{"type": "key", "id": "keyboard", "actions": keys}]})
+        webdriver(
+            "POST", f"{base}/session/{session}/actions", {"actions": [{"type": "key", "id": "keyboard", "actions": keys}]}
+        )
 
         def labels_on_disk():
             with open(os.path.join(ds, "labels.csv")) as f:
@@ -810,8 +942,17 @@ def test_label_page_in_headless_chromium(cartpole_dataset, tmp_path):
             return rows if len(rows) == 5 else None
 
         rows = wait_for(labels_on_disk, what="4 new labels in labels.csv")
-        assert rows == [["000000.png", "1"], ["000001.png", "1"], ["000002.png", "0"], ["000003.png", "skip"], ["000003.png", "1"]]
-        wait_for(lambda: script("return document.getElementById('name').textContent").startswith("000004.png"), what="the page to move on")
+        assert rows == [
+            ["000000.png", "1"],
+            ["000001.png", "1"],
+            ["000002.png", "0"],
+            ["000003.png", "skip"],
+            ["000003.png", "1"],
+        ]
+        wait_for(
+            lambda: script("return document.getElementById('name').textContent").startswith("000004.png"),
+            what="the page to move on",
+        )
         progress = script("return document.getElementById('progress').textContent")
         assert progress.startswith("4 of 60 frames labelled (3 success, 1 failure, 0 skipped)"), progress
     finally:
@@ -832,10 +973,13 @@ def _ready(base: str) -> bool:
         return False
 
 
-@pytest.mark.parametrize("goal, baseline, message", [
-    ("A Pole", "a  pole ", "same prompts"),  # refused before any model is loaded
-    ("pole " * 80 + "left", "pole " * 80 + "right", "same CLIP embedding"),  # past CLIP's 77 tokens: one embedding
-])
+@pytest.mark.parametrize(
+    "goal, baseline, message",
+    [
+        ("A Pole", "a  pole ", "same prompts"),  # refused before any model is loaded
+        ("pole " * 80 + "left", "pole " * 80 + "right", "same CLIP embedding"),  # past CLIP's 77 tokens: one embedding
+    ],
+)
 def test_goal_and_baseline_that_clip_cannot_tell_apart(cartpole_dataset, tmp_path, monkeypatch, goal, baseline, message):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match=message) as error:

@@ -9,20 +9,41 @@ import sys
 import pytest
 import torch
 import tyro
+from conftest import ROOT, TINY_CLIP, assert_refused, run_script
 
 import vlmrm_dqn_classic as classic
 import vlmrm_sac_humanoid as sac
-from conftest import ROOT, TINY_CLIP, assert_refused, run_script
 
 SCRIPTS = {classic: "vlmrm_dqn_classic.py", sac: "vlmrm_sac_humanoid.py"}
 SHORT_RUNS = {  # ground truth, a few seconds: 10 episodes (DQN), 8 episodes (SAC, 2 envs)
     classic: ["--reward", "gt", "--episodes", "fixed", "--total-timesteps", "2000", "--learning-starts", "500"],
-    sac: ["--env-id", "InvertedPendulum-v5", "--reward", "gt", "--episodes", "fixed", "--num-envs", "2", "--episode-length", "50",
-          "--total-timesteps", "400", "--learning-starts", "200", "--train-frequency", "10", "--gradient-steps", "2",
-          "--batch-size", "32"],
+    sac: [
+        "--env-id",
+        "InvertedPendulum-v5",
+        "--reward",
+        "gt",
+        "--episodes",
+        "fixed",
+        "--num-envs",
+        "2",
+        "--episode-length",
+        "50",
+        "--total-timesteps",
+        "400",
+        "--learning-starts",
+        "200",
+        "--train-frequency",
+        "10",
+        "--gradient-steps",
+        "2",
+        "--batch-size",
+        "32",
+    ],
 }
-PROGRESS = re.compile(r"^step (\d+)/(\d+) \(\d+%\) \| \d+ steps/s \| elapsed \S+ \| left \S+"
-                      r" \| last (\d+) episodes: gt_return \S+$")
+PROGRESS = re.compile(
+    r"^step (\d+)/(\d+) \(\d+%\) \| \d+ steps/s \| elapsed \S+ \| left \S+"
+    r" \| last (\d+) episodes: gt_return \S+$"
+)
 
 
 @pytest.mark.parametrize("module", SCRIPTS, ids=["dqn", "sac"])
@@ -116,9 +137,16 @@ def test_memory_estimate_only_when_training(module, in_tmp, capsys, monkeypatch)
 def test_skipped_tests_say_why_without_rs(tmp_path):
     (tmp_path / "test_skip.py").write_text(
         "import pytest\n\n@pytest.mark.skip(reason='needs chromium (apt-get install chromium chromium-driver)')\n"
-        "def test_browser():\n    pass\n")
+        "def test_browser():\n    pass\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider", "test_skip.py"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider", "test_skip.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "1 skipped" in result.stdout, result.stdout + result.stderr
     assert "needs chromium (apt-get install chromium chromium-driver)" in result.stdout, result.stdout

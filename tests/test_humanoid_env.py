@@ -12,13 +12,24 @@ from vlmrm_sac_humanoid import HUMANOID_CAMERA, make_env, textured_humanoid_xml
 STOCK_XML = os.path.join(os.path.dirname(gym.envs.mujoco.__file__), "assets", "humanoid.xml")
 # MjModel fields that only describe the look (textures, materials, colours, lights, names).
 VISUAL_PREFIXES = ("tex_", "mat_", "light_", "name_", "names")
-VISUAL_FIELDS = {"geom_rgba", "geom_matid", "signature", "nbuffer", "nnames", "nnames_map", "npaths",
-                 "ntex", "ntexdata", "nmat"}
+VISUAL_FIELDS = {
+    "geom_rgba",
+    "geom_matid",
+    "signature",
+    "nbuffer",
+    "nnames",
+    "nnames_map",
+    "npaths",
+    "ntex",
+    "ntexdata",
+    "nmat",
+}
 
 
 def _humanoid(size: int = 96, quality: str = "fast", textured: bool = True, length: int = 1000) -> gym.Env:
-    return make_env("Humanoid-v5", seed=0, idx=0, episode_length=length, render_size=size,
-                    render_quality=quality, textured=textured)()
+    return make_env(
+        "Humanoid-v5", seed=0, idx=0, episode_length=length, render_size=size, render_quality=quality, textured=textured
+    )()
 
 
 def _move_root(env: gym.Env, dx: float = 0.0, dy: float = 0.0) -> None:
@@ -155,8 +166,16 @@ def test_tracking_camera_follows_the_torso():
 
     columns = {}
     for camera in ("paper", "tracking"):
-        env = make_env("Humanoid-v5", seed=0, idx=0, episode_length=100, render_size=96, render_quality="fast",
-                       textured=True, camera=camera)()
+        env = make_env(
+            "Humanoid-v5",
+            seed=0,
+            idx=0,
+            episode_length=100,
+            render_size=96,
+            render_quality="fast",
+            textured=True,
+            camera=camera,
+        )()
         env.reset(seed=0)
         start = body_column(env.render())
         _move_root(env, dy=1.0)  # one metre sideways
@@ -192,8 +211,7 @@ def test_fixed_episode_length_and_other_envs():
         assert not terminated and truncated == (t == 6)
     env.close()
 
-    hopper = make_env("Hopper-v5", seed=0, idx=0, episode_length=5, render_size=48,
-                      render_quality="fast", textured=True)()
+    hopper = make_env("Hopper-v5", seed=0, idx=0, episode_length=5, render_size=48, render_quality="fast", textured=True)()
     hopper.reset(seed=0)
     assert hopper.render().shape == (48, 48, 3)
     truncated = False

@@ -53,8 +53,24 @@ def only_run(cwd: Path) -> Path:
 
 # ---------------------------------------------------------------------------- the tools agree
 def test_reward_shape_peaks_upright(cartpole_clip, tmp_path):
-    result = run_script("reward_shape.py", "--clip-models", CONFIG, "--clip-checkpoint", cartpole_clip, "--goal", GOAL,
-                        "--baseline", BASELINE, "--alphas", "0", "0.5", "1", "--num-points", "61", cwd=tmp_path)
+    result = run_script(
+        "reward_shape.py",
+        "--clip-models",
+        CONFIG,
+        "--clip-checkpoint",
+        cartpole_clip,
+        "--goal",
+        GOAL,
+        "--baseline",
+        BASELINE,
+        "--alphas",
+        "0",
+        "0.5",
+        "1",
+        "--num-points",
+        "61",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     summary = {float(r["alpha"]): r for r in read_csv(only_run(tmp_path) / "summary.csv")}
     rows = read_csv(only_run(tmp_path) / "reward_shape.csv")
@@ -77,19 +93,54 @@ def half_max_width(rows: list[dict], alpha: float) -> float:
 
 def test_epic_distance_to_ground_truth_is_clearly_lower_than_a_random_models(cartpole_clip, tmp_path):
     data = str(tmp_path / "cartpole")
-    result = run_script("epic_eval.py", "collect", "--env-id", "CartPole-v1", "--num-frames", "200", "--episode-length", "50",
-                        "--seed", "3", "--out", data, cwd=tmp_path)
+    result = run_script(
+        "epic_eval.py",
+        "collect",
+        "--env-id",
+        "CartPole-v1",
+        "--num-frames",
+        "200",
+        "--episode-length",
+        "50",
+        "--seed",
+        "3",
+        "--out",
+        data,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     epic = {}
-    for name, flags in (("trained", ["--clip-models", CONFIG, "--clip-checkpoints", cartpole_clip]),
-                        ("random", ["--clip-models", TINY_CLIP_FLAGS[1], "--clip-pretrained", "none"])):
+    for name, flags in (
+        ("trained", ["--clip-models", CONFIG, "--clip-checkpoints", cartpole_clip]),
+        ("random", ["--clip-models", TINY_CLIP_FLAGS[1], "--clip-pretrained", "none"]),
+    ):
         out = tmp_path / name
         out.mkdir()
-        result = run_script("epic_eval.py", "score", "--dataset", data, "--labels", "gt", *flags, "--goal", GOAL,
-                            "--baseline", BASELINE, "--alphas", "0", "0.5", "1", "--bootstrap", "200", cwd=out)
+        result = run_script(
+            "epic_eval.py",
+            "score",
+            "--dataset",
+            data,
+            "--labels",
+            "gt",
+            *flags,
+            "--goal",
+            GOAL,
+            "--baseline",
+            BASELINE,
+            "--alphas",
+            "0",
+            "0.5",
+            "1",
+            "--bootstrap",
+            "200",
+            cwd=out,
+        )
         assert result.returncode == 0, result.stderr
-        epic[name] = {float(r["alpha"]): (float(r["epic"]), float(r["epic_high"]), float(r["epic_low"]))
-                      for r in read_csv(only_run(out) / "epic.csv")}
+        epic[name] = {
+            float(r["alpha"]): (float(r["epic"]), float(r["epic_high"]), float(r["epic_low"]))
+            for r in read_csv(only_run(out) / "epic.csv")
+        }
     print(f"EPIC (distance, upper, lower bound) vs ground-truth upright labels: {epic}")
     for alpha, (trained, trained_high, _) in epic["trained"].items():
         random_epic, _, random_low = epic["random"][alpha]
@@ -129,16 +180,33 @@ def test_scripts_tensor_preprocessing_agrees_with_open_clips_pil_transform(cartp
     spread = pil.max() - pil.min()
     for name, r in paths.items():
         pearson = np.corrcoef(r, pil)[0, 1]
-        print(f"{name}: max |reward - PIL reward| = {np.abs(r - pil).max() / spread:.3f} of the PIL reward's range, "
-              f"Pearson {pearson:.4f}, argmax {math.degrees(states[r.argmax()]):.0f} deg vs {math.degrees(states[pil.argmax()]):.0f}")
+        print(
+            f"{name}: max |reward - PIL reward| = {np.abs(r - pil).max() / spread:.3f} of the PIL reward's range, "
+            f"Pearson {pearson:.4f}, argmax {math.degrees(states[r.argmax()]):.0f} deg "
+            f"vs {math.degrees(states[pil.argmax()]):.0f}"
+        )
         assert abs(states[r.argmax()] - states[pil.argmax()]) <= states[1] - states[0] + 1e-9, name
         assert pearson >= 0.9, name
 
 
 # ---------------------------------------------------------------------------- learning
-DQN_FLAGS = ["--total-timesteps", "10000", "--learning-starts", "1000", "--exploration-fraction", "0.2",
-             "--learning-rate", "1e-3", "--train-frequency", "1", "--target-network-frequency", "200",
-             "--save-model", "--eval-episodes", "5"]
+DQN_FLAGS = [
+    "--total-timesteps",
+    "10000",
+    "--learning-starts",
+    "1000",
+    "--exploration-fraction",
+    "0.2",
+    "--learning-rate",
+    "1e-3",
+    "--train-frequency",
+    "1",
+    "--target-network-frequency",
+    "200",
+    "--save-model",
+    "--eval-episodes",
+    "5",
+]
 
 
 def random_policy_upright_fraction(episodes: int = 20, seed: int = 0) -> float:
@@ -169,16 +237,33 @@ def test_a_sentence_teaches_dqn_to_keep_the_pole_up_and_the_swapped_sentence_doe
     for name, (goal, baseline) in runs.items():  # two processes at once: one core each
         (tmp_path / name).mkdir()
         procs[name] = subprocess.Popen(
-            [sys.executable, str(ROOT / "vlmrm_dqn_classic.py"), *clip_flags(cartpole_clip), "--goal", goal,
-             "--baseline", baseline, "--alpha", ALPHA, *DQN_FLAGS], cwd=tmp_path / name, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            [
+                sys.executable,
+                str(ROOT / "vlmrm_dqn_classic.py"),
+                *clip_flags(cartpole_clip),
+                "--goal",
+                goal,
+                "--baseline",
+                baseline,
+                "--alpha",
+                ALPHA,
+                *DQN_FLAGS,
+            ],
+            cwd=tmp_path / name,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     random_fraction = random_policy_upright_fraction()
     upright = {}
     for name, proc in procs.items():
         out, _ = proc.communicate(timeout=900)
         assert proc.returncode == 0, out[-3000:]
         upright[name] = eval_upright_fraction(only_run(tmp_path / name))
-    print(f"ground-truth upright fraction: random policy {random_fraction:.3f}, goal {GOAL!r} {upright['upright']:.3f}, "
-          f"swapped {upright['swapped']:.3f}; runs in {tmp_path}")
+    print(
+        f"ground-truth upright fraction: random policy {random_fraction:.3f}, goal {GOAL!r} {upright['upright']:.3f}, "
+        f"swapped {upright['swapped']:.3f}; runs in {tmp_path}"
+    )
     assert upright["upright"] >= random_fraction + 0.5, upright
     assert upright["swapped"] <= random_fraction + 0.1, upright

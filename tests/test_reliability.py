@@ -13,18 +13,61 @@ import numpy as np
 import pytest
 import torch
 import tyro
+from conftest import (
+    ROOT,
+    TINY_CLIP,
+    TINY_CLIP_FLAGS,
+    assert_clean_error,
+    assert_refused,
+    interrupt_after,
+    read_scalars,
+    run_script,
+)
 
 import vlmrm_dqn_classic as classic
 import vlmrm_sac_humanoid as sac
-from conftest import ROOT, TINY_CLIP, TINY_CLIP_FLAGS, assert_clean_error, assert_refused, interrupt_after, read_scalars, run_script
 
 DQN = "vlmrm_dqn_classic.py"
 SAC = "vlmrm_sac_humanoid.py"
 # fixed-length episodes: an exact resume (stock episodes restart the episodes in flight, see below)
-DQN_FLAGS = ["--reward", "gt", "--episodes", "fixed", "--total-timesteps", "6000", "--learning-starts", "1000", "--seed", "3", "--save-buffer"]
-SAC_FLAGS = ["--env-id", "InvertedPendulum-v5", "--reward", "gt", "--episodes", "fixed", "--num-envs", "2", "--episode-length", "50",
-             "--total-timesteps", "1600", "--learning-starts", "300", "--train-frequency", "10", "--gradient-steps", "10",
-             "--batch-size", "64", "--seed", "3", "--save-buffer"]
+DQN_FLAGS = [
+    "--reward",
+    "gt",
+    "--episodes",
+    "fixed",
+    "--total-timesteps",
+    "6000",
+    "--learning-starts",
+    "1000",
+    "--seed",
+    "3",
+    "--save-buffer",
+]
+SAC_FLAGS = [
+    "--env-id",
+    "InvertedPendulum-v5",
+    "--reward",
+    "gt",
+    "--episodes",
+    "fixed",
+    "--num-envs",
+    "2",
+    "--episode-length",
+    "50",
+    "--total-timesteps",
+    "1600",
+    "--learning-starts",
+    "300",
+    "--train-frequency",
+    "10",
+    "--gradient-steps",
+    "10",
+    "--batch-size",
+    "64",
+    "--seed",
+    "3",
+    "--save-buffer",
+]
 
 
 def logged(run_dir, *tags):
@@ -32,10 +75,14 @@ def logged(run_dir, *tags):
     return {tag: [v for _, v in scalars[tag]] for tag in tags}
 
 
-@pytest.mark.parametrize("script, flags, sig, tags", [
-    (DQN, DQN_FLAGS, signal.SIGINT, ("charts/episodic_return", "losses/td_loss")),
-    (SAC, SAC_FLAGS, signal.SIGTERM, ("charts/episodic_return", "losses/qf1_loss", "losses/actor_loss")),
-], ids=["dqn-sigint", "sac-sigterm"])
+@pytest.mark.parametrize(
+    "script, flags, sig, tags",
+    [
+        (DQN, DQN_FLAGS, signal.SIGINT, ("charts/episodic_return", "losses/td_loss")),
+        (SAC, SAC_FLAGS, signal.SIGTERM, ("charts/episodic_return", "losses/qf1_loss", "losses/actor_loss")),
+    ],
+    ids=["dqn-sigint", "sac-sigterm"],
+)
 def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path, script, flags, sig, tags):
     (tmp_path / "full").mkdir()
     (tmp_path / "cut").mkdir()
@@ -49,7 +96,11 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path, scri
     checkpoint = run_dir / "checkpoint.pt"
     stopped_at = torch.load(checkpoint, weights_only=False)["iteration"]
     partial = logged(run_dir, "charts/episodic_return")["charts/episodic_return"]
-    assert 0 < len(partial) < len(logged(next((tmp_path / "full" / "runs").iterdir()), "charts/episodic_return")["charts/episodic_return"])
+    assert (
+        0
+        < len(partial)
+        < len(logged(next((tmp_path / "full" / "runs").iterdir()), "charts/episodic_return")["charts/episodic_return"])
+    )
 
     resumed = run_script(script, "--resume", str(checkpoint), cwd=tmp_path / "cut")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
@@ -61,11 +112,34 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path, scri
         assert len(got[tag]) == len(expected[tag]) and got[tag] == expected[tag], tag
 
 
-@pytest.mark.parametrize("script, flags", [
-    (DQN, ["--reward", "gt", "--num-envs", "4", "--total-timesteps", "4000", "--learning-starts", "500"]),
-    (SAC, ["--env-id", "InvertedPendulum-v5", "--reward", "gt", "--num-envs", "4", "--total-timesteps", "2000",
-           "--learning-starts", "300", "--train-frequency", "10", "--gradient-steps", "5", "--batch-size", "64"]),
-], ids=["dqn", "sac"])
+@pytest.mark.parametrize(
+    "script, flags",
+    [
+        (DQN, ["--reward", "gt", "--num-envs", "4", "--total-timesteps", "4000", "--learning-starts", "500"]),
+        (
+            SAC,
+            [
+                "--env-id",
+                "InvertedPendulum-v5",
+                "--reward",
+                "gt",
+                "--num-envs",
+                "4",
+                "--total-timesteps",
+                "2000",
+                "--learning-starts",
+                "300",
+                "--train-frequency",
+                "10",
+                "--gradient-steps",
+                "5",
+                "--batch-size",
+                "64",
+            ],
+        ),
+    ],
+    ids=["dqn", "sac"],
+)
 def test_stock_episodes_stop_at_the_next_step_and_resume_with_restarted_episodes(tmp_path, script, flags):
     # stock episodes (the --reward gt default) end at different steps in each env: the stop cannot wait for them all
     code, output = interrupt_after(script, *flags, "--save-buffer", cwd=tmp_path, sig=signal.SIGINT, after_lines=8)
@@ -83,13 +157,26 @@ def test_stock_episodes_stop_at_the_next_step_and_resume_with_restarted_episodes
     assert f"resumed at step {saved['iteration'] * 4}" in resumed.stdout
     assert f"done: {total - saved['iteration'] * 4} steps" in resumed.stdout
     # the episodes in flight restarted: none logged after the resume is longer than the steps since (no partial sums added on)
-    after = [(step, length) for step, length in read_scalars(run_dir)["charts/episodic_length"] if step >= saved["iteration"] * 4]
+    after = [
+        (step, length) for step, length in read_scalars(run_dir)["charts/episodic_length"] if step >= saved["iteration"] * 4
+    ]
     assert after and all(length <= (step - saved["iteration"] * 4) // 4 + 1 for step, length in after), after[:8]
 
 
 def test_same_seed_same_returns_dqn_with_clip_reward(tmp_path):
-    flags = [*TINY_CLIP_FLAGS, "--total-timesteps", "800", "--learning-starts", "200", "--train-frequency", "4",
-             "--episode-length", "100", "--alpha", "0.5"]
+    flags = [
+        *TINY_CLIP_FLAGS,
+        "--total-timesteps",
+        "800",
+        "--learning-starts",
+        "200",
+        "--train-frequency",
+        "4",
+        "--episode-length",
+        "100",
+        "--alpha",
+        "0.5",
+    ]
     results = []
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
@@ -100,9 +187,27 @@ def test_same_seed_same_returns_dqn_with_clip_reward(tmp_path):
 
 
 def test_same_seed_same_returns_sac_with_clip_reward_in_subprocess_envs(tmp_path):
-    flags = [*TINY_CLIP_FLAGS, "--num-envs", "2", "--render-size", "48", "--episode-length", "50", "--total-timesteps", "400",
-             "--learning-starts", "100", "--train-frequency", "10", "--gradient-steps", "5", "--batch-size", "32",
-             "--render-quality", "fast"]
+    flags = [
+        *TINY_CLIP_FLAGS,
+        "--num-envs",
+        "2",
+        "--render-size",
+        "48",
+        "--episode-length",
+        "50",
+        "--total-timesteps",
+        "400",
+        "--learning-starts",
+        "100",
+        "--train-frequency",
+        "10",
+        "--gradient-steps",
+        "5",
+        "--batch-size",
+        "32",
+        "--render-quality",
+        "fast",
+    ]
     results = []
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
@@ -183,8 +288,17 @@ def test_nan_reward_stops_training_and_saves_the_networks(in_tmp, monkeypatch):
     added = []
     monkeypatch.setattr(classic.ReplayBuffer, "add", lambda self, *a: added.append(a[3]))
     with pytest.raises(classic.NonFiniteError, match="not finite .* at step") as error:
-        classic.main(classic.Args(clip_model=TINY_CLIP, clip_pretrained="none", total_timesteps=2000, learning_starts=100,
-                                  reward_batch_size=16, save_model=True, checkpoint_frequency=200))
+        classic.main(
+            classic.Args(
+                clip_model=TINY_CLIP,
+                clip_pretrained="none",
+                total_timesteps=2000,
+                learning_starts=100,
+                reward_batch_size=16,
+                save_model=True,
+                checkpoint_frequency=200,
+            )
+        )
     assert len(added) == 2 and all(np.isfinite(r).all() for r in added)  # the NaN batch never reached the buffer
     (run_dir,) = (in_tmp / "runs").iterdir()
     saved = torch.load(run_dir / "nonfinite_networks.pt", weights_only=False)
@@ -205,8 +319,20 @@ def test_nan_loss_stops_sac_and_saves_the_last_finite_networks(in_tmp, monkeypat
 
     monkeypatch.setattr(sac.ReplayBuffer, "sample", poisoned_sample)
     with pytest.raises(sac.NonFiniteError, match="loss") as error:
-        sac.main(sac.Args(env_id="InvertedPendulum-v5", reward="gt", num_envs=2, total_timesteps=2000, learning_starts=200,
-                          train_frequency=10, gradient_steps=10, batch_size=32, save_model=True, checkpoint_frequency=200))
+        sac.main(
+            sac.Args(
+                env_id="InvertedPendulum-v5",
+                reward="gt",
+                num_envs=2,
+                total_timesteps=2000,
+                learning_starts=200,
+                train_frequency=10,
+                gradient_steps=10,
+                batch_size=32,
+                save_model=True,
+                checkpoint_frequency=200,
+            )
+        )
     (run_dir,) = (in_tmp / "runs").iterdir()
     saved = torch.load(run_dir / "nonfinite_networks.pt", weights_only=False)
     for name in ("actor", "qf1", "qf2"):
@@ -218,7 +344,8 @@ def test_nan_loss_stops_sac_and_saves_the_last_finite_networks(in_tmp, monkeypat
 
 def run_with_failing_writer(tmp_path, failure: str, timeout: int = 120) -> subprocess.CompletedProcess:
     """SAC with the CLIP reward (env subprocesses), `failure` run where the TensorBoard writer starts: after the envs exist."""
-    (tmp_path / "run.py").write_text(textwrap.dedent(f"""
+    (tmp_path / "run.py").write_text(
+        textwrap.dedent(f"""
         import errno, os, runpy, signal, sys, time
         import torch.utils.tensorboard as tb
         def fail(*args, **kwargs):
@@ -226,12 +353,30 @@ def run_with_failing_writer(tmp_path, failure: str, timeout: int = 120) -> subpr
         tb.SummaryWriter.__init__ = fail
         sys.argv = sys.argv[1:]
         runpy.run_path(sys.argv[0], run_name="__main__")
-    """))
-    flags = [*TINY_CLIP_FLAGS, "--num-envs", "2", "--render-size", "48", "--total-timesteps", "400", "--learning-starts", "100"]
+    """)
+    )
+    flags = [
+        *TINY_CLIP_FLAGS,
+        "--num-envs",
+        "2",
+        "--render-size",
+        "48",
+        "--total-timesteps",
+        "400",
+        "--learning-starts",
+        "100",
+    ]
     # a session of its own: the Ctrl-C goes to the script's process group only; Python's own SIGINT handling restored
-    return subprocess.run([sys.executable, str(tmp_path / "run.py"), str(ROOT / SAC), *flags], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.run(
+        [sys.executable, str(tmp_path / "run.py"), str(ROOT / SAC), *flags],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def test_sac_error_after_the_env_workers_start_ends_at_once_in_one_sentence(tmp_path):
@@ -246,7 +391,9 @@ def test_ctrl_c_during_sac_start_up_quits_without_worker_tracebacks(tmp_path):
 
 def test_clip_config_that_is_not_json_is_one_sentence(in_tmp):
     (in_tmp / "broken.json").write_text("{not json")
-    assert_refused(sac, ["--clip-model", "broken.json", "--clip-pretrained", "none", "--render-size", "48"], "broken.json", "JSON")
+    assert_refused(
+        sac, ["--clip-model", "broken.json", "--clip-pretrained", "none", "--render-size", "48"], "broken.json", "JSON"
+    )
     assert_refused(classic, ["--clip-model", "broken.json", "--clip-pretrained", "none"], "broken.json", "JSON")
 
 
@@ -270,8 +417,16 @@ def test_resume_purges_the_episodes_logged_after_the_checkpoint(in_tmp, monkeypa
             saved.append(path)
 
     monkeypatch.setattr(classic, "save_checkpoint", keep_first_checkpoint)
-    args = classic.Args(reward="gt", episodes="fixed", total_timesteps=800, learning_starts=300, save_model=True, checkpoint_frequency=400,
-                        eval_episodes=1, save_buffer=True)
+    args = classic.Args(
+        reward="gt",
+        episodes="fixed",
+        total_timesteps=800,
+        learning_starts=300,
+        save_model=True,
+        checkpoint_frequency=400,
+        eval_episodes=1,
+        save_buffer=True,
+    )
     classic.main(args)  # plays the crashed run: it went on logging after the checkpoint at step 400
     (run_dir,) = (in_tmp / "runs").iterdir()
     assert len(torch.load(run_dir / "first.pt", weights_only=False)["pending"]["obs"]) > 0  # the episode ending at 399
@@ -281,16 +436,22 @@ def test_resume_purges_the_episodes_logged_after_the_checkpoint(in_tmp, monkeypa
 
 
 def test_flags_next_to_resume_that_would_change_the_run_are_refused(in_tmp):
-    classic.main(classic.Args(reward="gt", total_timesteps=400, learning_starts=300, save_model=True, checkpoint_frequency=200,
-                              eval_episodes=1))
+    classic.main(
+        classic.Args(
+            reward="gt", total_timesteps=400, learning_starts=300, save_model=True, checkpoint_frequency=200, eval_episodes=1
+        )
+    )
     (checkpoint,) = (in_tmp / "runs").glob("*/checkpoint.pt")
     with pytest.raises(classic.UserError, match="drop --learning-rate"):
         classic.main(tyro.cli(classic.Args, args=["--resume", str(checkpoint), "--learning-rate", "0.1", "--reward", "gt"]))
 
 
 def test_evaluate_has_the_checks_of_resume_and_needs_no_clip_weights_for_gt(in_tmp):
-    classic.main(classic.Args(reward="gt", total_timesteps=400, learning_starts=300, save_model=True, checkpoint_frequency=200,
-                              eval_episodes=1))
+    classic.main(
+        classic.Args(
+            reward="gt", total_timesteps=400, learning_starts=300, save_model=True, checkpoint_frequency=200, eval_episodes=1
+        )
+    )
     (checkpoint,) = (in_tmp / "runs").glob("*/checkpoint.pt")
     checkpoint = checkpoint.rename(in_tmp / "checkpoint.pt")  # an interrupted run's
     (in_tmp / "truncated.pt").write_bytes(checkpoint.read_bytes()[:1000])
@@ -302,8 +463,21 @@ def test_evaluate_has_the_checks_of_resume_and_needs_no_clip_weights_for_gt(in_t
     assert_refused(sac, ["--evaluate", "sac.pt", "--reward", "gt"], "Hopper-v5", "--env-id")
     assert_refused(sac, ["--evaluate", str(checkpoint), "--reward", "gt"], "another script")
     # an interrupted run's checkpoint.pt, ground truth only: no CLIP model is looked at (this one does not even exist)
-    classic.main(tyro.cli(classic.Args, args=["--evaluate", str(checkpoint), "--reward", "gt", "--eval-episodes", "1",
-                                              "--clip-model", "no-such-config.json"]))
+    classic.main(
+        tyro.cli(
+            classic.Args,
+            args=[
+                "--evaluate",
+                str(checkpoint),
+                "--reward",
+                "gt",
+                "--eval-episodes",
+                "1",
+                "--clip-model",
+                "no-such-config.json",
+            ],
+        )
+    )
 
 
 def test_exploration_fraction_zero_is_greedy_from_the_start(in_tmp):
@@ -313,8 +487,12 @@ def test_exploration_fraction_zero_is_greedy_from_the_start(in_tmp):
 def test_memory_check_counts_the_batch_and_the_resume_copy_and_names_the_flag(in_tmp, monkeypatch):
     monkeypatch.setattr(sac, "available_memory", lambda: 2**30)
     probe = sac.gym.make("Hopper-v5")
-    check = lambda **kw: sac.check_resources(sac.Args(env_id="Hopper-v5", reward="gt", **kw), probe.observation_space,  # noqa: E731
-                                             probe.action_space, (224, 224, 3))
+
+    def check(**kw):
+        sac.check_resources(
+            sac.Args(env_id="Hopper-v5", reward="gt", **kw), probe.observation_space, probe.action_space, (224, 224, 3)
+        )
+
     per_transition = 2 * 4 * 11 + 4 * 3 + 8
     check(buffer_size=int(0.6 * 2**30 / per_transition))  # fits
     with pytest.raises(sac.UserError, match="^--buffer-size"):
@@ -338,4 +516,6 @@ def test_saving_the_replay_buffer_makes_no_copy_of_it(tmp_path):
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert int(result.stdout.split()[-1]) < 50, result.stdout  # MiB above the peak before saving (numpy arrays: ~5x the buffer)
+    assert int(result.stdout.split()[-1]) < 50, (
+        result.stdout
+    )  # MiB above the peak before saving (numpy arrays: ~5x the buffer)

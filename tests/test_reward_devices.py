@@ -6,7 +6,6 @@ import threading
 import numpy as np
 import pytest
 import torch
-
 from conftest import TINY_CLIP, TINY_CLIP_FLAGS, assert_clean_error, read_scalars, run_script
 
 SCRIPTS = ["vlmrm_dqn_classic", "vlmrm_sac_humanoid"]
@@ -17,20 +16,31 @@ SCRIPTS = ["vlmrm_dqn_classic", "vlmrm_sac_humanoid"]
 def test_two_cpu_replicas_give_exactly_one_devices_rewards(name, family):
     script = importlib.import_module(name)
     torch.manual_seed(0)
-    args = script.Args(clip_model=TINY_CLIP, clip_pretrained="none", goal=("a goal",), baseline=("a baseline",), alpha=0.5,
-                       reward_batch_size=3, reward_devices=("cpu", "cpu"), reward_family=family,
-                       negatives=("a negative", "another negative"), soft=True)
+    args = script.Args(
+        clip_model=TINY_CLIP,
+        clip_pretrained="none",
+        goal=("a goal",),
+        baseline=("a baseline",),
+        alpha=0.5,
+        reward_batch_size=3,
+        reward_devices=("cpu", "cpu"),
+        reward_family=family,
+        negatives=("a negative", "another negative"),
+        soft=True,
+    )
     two = script.make_reward_model(args, torch.device("cpu"))
     assert len(two.replicas) == 2 and two.replicas[1][0] is not two.model  # a copy with the same weights
     for a, b in zip(two.model.state_dict().values(), two.replicas[1][0].state_dict().values()):
         assert torch.equal(a, b)
     seen, together = {i: [] for i in range(2)}, threading.Barrier(2, timeout=20)  # frames each replica scored
     for i, (model, _) in enumerate(two.replicas):
+
         def encode(x, encode=model.encode_image, i=i):
             if not seen[i]:
                 together.wait()  # both replicas are inside their first chunk at once: in parallel (else a timeout)
             seen[i].append(len(x))
             return encode(x)
+
         model.encode_image = encode
     frames = np.random.default_rng(0).integers(0, 256, size=(8, 40, 60, 3), dtype=np.uint8)  # chunks 3, 3, 2: uneven
     rewards = two(frames)
@@ -74,12 +84,27 @@ def test_dqn_run_on_two_cpu_replicas_logs_exactly_what_one_device_logs(in_tmp, m
     scalars = []
     for devices in [(), ("cpu", "cpu")]:
         calls.append([])
-        classic.main(classic.Args(clip_model=TINY_CLIP, clip_pretrained="none", alpha=0.5, total_timesteps=1200,
-                                  learning_starts=400, train_frequency=4, reward_batch_size=3, reward_devices=devices,
-                                  exp_name=f"devices{len(devices)}"))
+        classic.main(
+            classic.Args(
+                clip_model=TINY_CLIP,
+                clip_pretrained="none",
+                alpha=0.5,
+                total_timesteps=1200,
+                learning_starts=400,
+                train_frequency=4,
+                reward_batch_size=3,
+                reward_devices=devices,
+                exp_name=f"devices{len(devices)}",
+            )
+        )
         (run_dir,) = (in_tmp / "runs").glob(f"*devices{len(devices)}*")
-        scalars.append({tag: values for tag, values in read_scalars(run_dir).items() if tag.startswith(("charts/", "losses/"))
-                        and tag != "charts/SPS"})
+        scalars.append(
+            {
+                tag: values
+                for tag, values in read_scalars(run_dir).items()
+                if tag.startswith(("charts/", "losses/")) and tag != "charts/SPS"
+            }
+        )
     # after the CPU speed check (1 and 8 frames), before learning starts: one chunk per device and call
     assert calls[0][:102] == [1, 8] + [3] * 100 and calls[1][:62] == [1, 8] + [6] * 60
     assert scalars[0]["charts/clip_return"] and scalars[0]["losses/td_loss"]

@@ -24,8 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "reward_shape.py"
 TINY = str(ROOT / "tests" / "vlmrm-tiny-test.json")
 sys.path.insert(0, str(ROOT))
-import reward_shape  # noqa: E402
 from conftest import assert_refused  # noqa: E402
+
+import reward_shape  # noqa: E402
 
 POLE_RGB = torch.tensor([202, 152, 101]).view(1, 3, 1, 1) / 255  # Gymnasium's pole colour
 EMBED_DIM = 8
@@ -92,8 +93,7 @@ def read_csv(path: Path) -> list[dict]:
 
 
 def cartpole_args(**kwargs) -> "reward_shape.Args":
-    defaults = dict(env_id="CartPole-v1", clip_models=("RN50",), clip_pretrained=("none",), cuda=False,
-                    exp_name="test")
+    defaults = dict(env_id="CartPole-v1", clip_models=("RN50",), clip_pretrained=("none",), cuda=False, exp_name="test")
     return reward_shape.Args(**{**defaults, **kwargs})
 
 
@@ -134,8 +134,9 @@ def test_both_reward_families_side_by_side(monkeypatch, tmp_path, capsys):
     """
     monkeypatch.chdir(tmp_path)
     encoders = fake_clip(monkeypatch)
-    soft_dir = reward_shape.main(cartpole_args(reward_families=("projection", "softmax"), alphas=(0.0, 1.0), num_points=21,
-                                               temperature=1.0, soft=True))
+    soft_dir = reward_shape.main(
+        cartpole_args(reward_families=("projection", "softmax"), alphas=(0.0, 1.0), num_points=21, temperature=1.0, soft=True)
+    )
     assert encoders[0].images_encoded == 21, "both families score the same embeddings"
     summary = read_csv(soft_dir / "summary.csv")
     assert list(summary[0])[:3] == ["model", "family", "alpha"]
@@ -175,7 +176,7 @@ def test_min_max_normalise():
 def test_shape_score():
     states = np.linspace(-math.pi / 2, math.pi / 2, 11)
     assert reward_shape.shape_score(states, np.cos(states), 0.0) == pytest.approx(1.0)  # ties at +-theta handled
-    assert reward_shape.shape_score(states, -np.abs(states) ** 3, 0.0) == pytest.approx(1.0)  # only the order counts
+    assert reward_shape.shape_score(states, -(np.abs(states) ** 3), 0.0) == pytest.approx(1.0)  # only the order counts
     assert reward_shape.shape_score(states, np.abs(states), 0.0) == pytest.approx(-1.0)
     assert -0.5 < reward_shape.shape_score(states, states, 0.0) < 0.5  # a ramp through the goal is not a peak
     assert math.isnan(reward_shape.shape_score(states, np.ones(11), 0.0))
@@ -226,8 +227,16 @@ def test_csv_png_and_frames_are_written(monkeypatch, tmp_path):
 # ------------------------------------------------------------------------------------------------
 # Same frames as the training script; same reward as its CLIPReward
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("env_id, realistic", [("CartPole-v1", False), ("MountainCar-v0", False), ("MountainCar-v0", True),
-                                               ("MountainCarContinuous-v0", False), ("MountainCarContinuous-v0", True)])
+@pytest.mark.parametrize(
+    "env_id, realistic",
+    [
+        ("CartPole-v1", False),
+        ("MountainCar-v0", False),
+        ("MountainCar-v0", True),
+        ("MountainCarContinuous-v0", False),
+        ("MountainCarContinuous-v0", True),
+    ],
+)
 def test_frames_equal_the_training_script(env_id, realistic):
     import vlmrm_dqn_classic as classic
     import vlmrm_sac_humanoid as sac
@@ -268,12 +277,14 @@ def test_sweep_scores_equal_clip_reward_per_alpha():
     # the softmax family: the swept curve is what CLIPReward(family="softmax") gives frame by frame
     negatives = ("pole lying flat next to the cart", "an empty road")
     for soft in (True, False):
-        shared = reward_shape.CLIPReward(model, tokenizer, goal, baseline, 0.0, 2, torch.device("cpu"), "softmax",
-                                         negatives, 0.05, 0.5, soft)
+        shared = reward_shape.CLIPReward(
+            model, tokenizer, goal, baseline, 0.0, 2, torch.device("cpu"), "softmax", negatives, 0.05, 0.5, soft
+        )
         swept = reward_shape.score_frames(shared, frames, (0.0,), softmax=True)
         assert list(swept) == [0.0, reward_shape.SOFTMAX]
-        reference = reward_shape.CLIPReward(model, tokenizer, goal, baseline, 0.0, 3, torch.device("cpu"), "softmax",
-                                            negatives, 0.05, 0.5, soft)(frames)
+        reference = reward_shape.CLIPReward(
+            model, tokenizer, goal, baseline, 0.0, 3, torch.device("cpu"), "softmax", negatives, 0.05, 0.5, soft
+        )(frames)
         np.testing.assert_allclose(swept[reward_shape.SOFTMAX], reference, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="negative"):
         reward_shape.CLIPReward(model, tokenizer, goal, baseline, 0.0, 2, torch.device("cpu"), "softmax")
@@ -297,8 +308,23 @@ def run_cli(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
 @pytest.mark.parametrize("env_id", ["MountainCar-v0", "MountainCarContinuous-v0"])
 def test_cli_tiny_model(monkeypatch, tmp_path, capsys, env_id):
     monkeypatch.chdir(tmp_path)
-    code, out, err = run_cli(monkeypatch, capsys, "--env-id", env_id, "--realistic", "--clip-models", TINY,
-                             "--clip-pretrained", "none", "--alphas", "0", "0.5", "--num-points", "5", "--no-cuda")
+    code, out, err = run_cli(
+        monkeypatch,
+        capsys,
+        "--env-id",
+        env_id,
+        "--realistic",
+        "--clip-models",
+        TINY,
+        "--clip-pretrained",
+        "none",
+        "--alphas",
+        "0",
+        "0.5",
+        "--num-points",
+        "5",
+        "--no-cuda",
+    )
     assert code == 0, err
     run_dir = next(Path("runs").iterdir())
     assert len(read_csv(run_dir / "reward_shape.csv")) == 2 * 5
@@ -306,29 +332,35 @@ def test_cli_tiny_model(monkeypatch, tmp_path, capsys, env_id):
     assert "goal state 0.45" in out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--alphas"], "--alphas needs at least one value"),
-    (["--alphas", "0", "1.5"], "--alphas must all be in [0, 1], got 1.5"),
-    (["--alphas", "nan"], "--alphas must all be in [0, 1]"),
-    (["--num-points", "0"], "--num-points must be at least 2"),
-    (["--env-id", "CartPole-v1", "--realistic"], "--realistic only changes MountainCar-v0"),
-    (["--goal", "a pole", "--baseline", "a pole"], "same prompts"),
-    (["--goal", "A Pole", "--baseline", "a  pole "], "same prompts"),
-    (["--clip-models", "RN50", "ViT-B-32", "--clip-pretrained", "openai", "openai", "openai"], "one per --clip-models entry (2), got 3"),
-    (["--clip-models", "RN50", "RN50", "--clip-pretrained", "openai"], "the same model twice"),
-    (["--clip-models", "NoSuchNet"], "not an open_clip architecture"),
-    (["--reward-families"], "--reward-families needs at least one of: projection, softmax"),
-    (["--reward-families", "softmax", "--goal", "a pole"], "needs at least one non-empty --negatives prompt"),
-    (["--reward-families", "projection", "softmax", "--negatives"], "needs at least one non-empty --negatives prompt"),
-    (["--reward-families", "softmax", "--negatives", " "], "needs at least one non-empty --negatives prompt"),
-    (["--reward-families", "softmax", "--negatives", "pole vertically upright on top of the cart"], "share the prompt"),
-    (["--temperature", "0"], "--temperature must be a positive number, got 0.0"),
-    (["--temperature", "-1"], "--temperature must be a positive number"),
-    (["--threshold", "1"], "--threshold must be in (0, 1), got 1.0"),
-    (["--threshold", "0"], "--threshold must be in (0, 1)"),
-    (["--threshold", "-0.5"], "--threshold must be in (0, 1)"),
-    (["--clip-models", "RN50", "--clip-pretrained", "nosuchtag"], "not a pretrained tag of RN50"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--alphas"], "--alphas needs at least one value"),
+        (["--alphas", "0", "1.5"], "--alphas must all be in [0, 1], got 1.5"),
+        (["--alphas", "nan"], "--alphas must all be in [0, 1]"),
+        (["--num-points", "0"], "--num-points must be at least 2"),
+        (["--env-id", "CartPole-v1", "--realistic"], "--realistic only changes MountainCar-v0"),
+        (["--goal", "a pole", "--baseline", "a pole"], "same prompts"),
+        (["--goal", "A Pole", "--baseline", "a  pole "], "same prompts"),
+        (
+            ["--clip-models", "RN50", "ViT-B-32", "--clip-pretrained", "openai", "openai", "openai"],
+            "one per --clip-models entry (2), got 3",
+        ),
+        (["--clip-models", "RN50", "RN50", "--clip-pretrained", "openai"], "the same model twice"),
+        (["--clip-models", "NoSuchNet"], "not an open_clip architecture"),
+        (["--reward-families"], "--reward-families needs at least one of: projection, softmax"),
+        (["--reward-families", "softmax", "--goal", "a pole"], "needs at least one non-empty --negatives prompt"),
+        (["--reward-families", "projection", "softmax", "--negatives"], "needs at least one non-empty --negatives prompt"),
+        (["--reward-families", "softmax", "--negatives", " "], "needs at least one non-empty --negatives prompt"),
+        (["--reward-families", "softmax", "--negatives", "pole vertically upright on top of the cart"], "share the prompt"),
+        (["--temperature", "0"], "--temperature must be a positive number, got 0.0"),
+        (["--temperature", "-1"], "--temperature must be a positive number"),
+        (["--threshold", "1"], "--threshold must be in (0, 1), got 1.0"),
+        (["--threshold", "0"], "--threshold must be in (0, 1)"),
+        (["--threshold", "-0.5"], "--threshold must be in (0, 1)"),
+        (["--clip-models", "RN50", "--clip-pretrained", "nosuchtag"], "not a pretrained tag of RN50"),
+    ],
+)
 def test_bad_input_is_one_sentence(monkeypatch, tmp_path, capsys, argv, message):
     monkeypatch.chdir(tmp_path)
     code, out, err = run_cli(monkeypatch, capsys, *argv)
@@ -339,8 +371,14 @@ def test_bad_input_is_one_sentence(monkeypatch, tmp_path, capsys, argv, message)
 
 
 def test_bad_env_in_a_real_process(tmp_path):
-    result = subprocess.run([sys.executable, str(SCRIPT), "--env-id", "Pendulum-v1"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--env-id", "Pendulum-v1"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert result.returncode == 2
     assert result.stderr.startswith("error: --env-id Pendulum-v1 is not supported"), result.stderr
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
@@ -364,8 +402,9 @@ def test_num_points_must_fit_in_memory(nothing_expensive, monkeypatch):
     monkeypatch.setattr(reward_shape, "available_memory", lambda: 2**30)  # 1 GiB: 0.8 GiB / (2 x 0.72 MB) = 596 points
     assert_refused(reward_shape, ["--num-points", "1000"], "--num-points 1,000 needs about 1.3 GiB", "at most 596 points")
     with pytest.raises(pytest.fail.Exception, match="refused before any frame is rendered"):  # 500 fit
-        reward_shape.main(tyro.cli(reward_shape.Args,
-                                   args=["--num-points", "500", "--clip-models", TINY, "--clip-pretrained", "none"]))
+        reward_shape.main(
+            tyro.cli(reward_shape.Args, args=["--num-points", "500", "--clip-models", TINY, "--clip-pretrained", "none"])
+        )
 
 
 def test_runs_is_a_file(monkeypatch, tmp_path, capsys):
@@ -379,7 +418,20 @@ def test_runs_is_a_file(monkeypatch, tmp_path, capsys):
 def test_prompts_with_the_same_embedding_are_one_sentence(monkeypatch, tmp_path, capsys):
     """CLIP reads at most 77 tokens: prompts that differ only after them have one embedding, so d = g - b = 0."""
     monkeypatch.chdir(tmp_path)
-    code, out, err = run_cli(monkeypatch, capsys, "--clip-models", TINY, "--clip-pretrained", "none", "--num-points", "3",
-                             "--goal", "pole " * 80 + "left", "--baseline", "pole " * 80 + "right", "--no-cuda")
+    code, out, err = run_cli(
+        monkeypatch,
+        capsys,
+        "--clip-models",
+        TINY,
+        "--clip-pretrained",
+        "none",
+        "--num-points",
+        "3",
+        "--goal",
+        "pole " * 80 + "left",
+        "--baseline",
+        "pole " * 80 + "right",
+        "--no-cuda",
+    )
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert "same CLIP embedding" in err and "--alphas 0" in err

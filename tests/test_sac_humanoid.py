@@ -6,9 +6,9 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+from conftest import TINY_CLIP, TINY_CLIP_FLAGS, assert_clean_error, assert_refused, read_scalars, run_script, run_timed
 
 import vlmrm_sac_humanoid as sac
-from conftest import TINY_CLIP, TINY_CLIP_FLAGS, assert_clean_error, assert_refused, read_scalars, run_script, run_timed
 
 SCRIPT = "vlmrm_sac_humanoid.py"
 
@@ -38,9 +38,20 @@ def test_reward_belongs_to_the_frame_after_the_step_across_subprocess_autoresets
         original_add(self, obs, next_obs, actions, rewards, terminations)
 
     monkeypatch.setattr(sac.ReplayBuffer, "add", spy_add)
-    args = sac.Args(clip_model=TINY_CLIP, clip_pretrained="none", num_envs=3, episode_length=20, render_size=32,
-                    total_timesteps=300, learning_starts=60, train_frequency=10, gradient_steps=2, batch_size=32,
-                    reward_batch_size=16, buffer_size=1000)
+    args = sac.Args(
+        clip_model=TINY_CLIP,
+        clip_pretrained="none",
+        num_envs=3,
+        episode_length=20,
+        render_size=32,
+        total_timesteps=300,
+        learning_starts=60,
+        train_frequency=10,
+        gradient_steps=2,
+        batch_size=32,
+        reward_batch_size=16,
+        buffer_size=1000,
+    )
     sac.main(args)
 
     obs = np.concatenate([a[0] for a in added])
@@ -61,14 +72,17 @@ def test_reward_belongs_to_the_frame_after_the_step_across_subprocess_autoresets
 
 def test_log_prob_is_the_unit_box_tanh_gaussian_one_as_in_sb3():
     # Humanoid-like bounds +-0.4: measured in env units, log pi would be 17 * log(1 / 0.4) = 15.6 nats higher
-    envs = SimpleNamespace(single_observation_space=gym.spaces.Box(-np.inf, np.inf, (5,)),
-                           single_action_space=gym.spaces.Box(-0.4, 0.4, (17,), np.float32))
+    envs = SimpleNamespace(
+        single_observation_space=gym.spaces.Box(-np.inf, np.inf, (5,)),
+        single_action_space=gym.spaces.Box(-0.4, 0.4, (17,), np.float32),
+    )
     torch.manual_seed(0)
     actor, obs = sac.Actor(envs), torch.randn(256, 5)
     action, log_prob, deterministic = actor.get_action(obs)
     mean, log_std = actor(obs)
-    unit_box = torch.distributions.TransformedDistribution(torch.distributions.Normal(mean, log_std.exp()),
-                                                           [torch.distributions.TanhTransform()])
+    unit_box = torch.distributions.TransformedDistribution(
+        torch.distributions.Normal(mean, log_std.exp()), [torch.distributions.TanhTransform()]
+    )
     expected = unit_box.log_prob(action).sum(1, keepdim=True)  # independent of the actor's formula
     torch.testing.assert_close(log_prob, expected, atol=1e-3, rtol=1e-4)
     assert action.abs().max() < 1  # the sampled action stays on the unit box (replay buffer, critics)
@@ -83,9 +97,19 @@ def test_defaults_are_the_papers():
 
 def test_sac_learns_stock_inverted_pendulum_from_ground_truth(in_tmp):
     # --reward gt is the stock task by default: an episode ends when the pole falls (at most 1000 steps)
-    args = sac.Args(env_id="InvertedPendulum-v5", reward="gt", seed=1, num_envs=4, total_timesteps=10_000,
-                    learning_starts=1000, train_frequency=25, gradient_steps=25, batch_size=256, gamma=0.99,
-                    ent_coef=0.2)  # SB3's start, 1.0, needs more than these 10k steps: 79.5 here, just short of 80
+    args = sac.Args(
+        env_id="InvertedPendulum-v5",
+        reward="gt",
+        seed=1,
+        num_envs=4,
+        total_timesteps=10_000,
+        learning_starts=1000,
+        train_frequency=25,
+        gradient_steps=25,
+        batch_size=256,
+        gamma=0.99,
+        ent_coef=0.2,
+    )  # SB3's start, 1.0, needs more than these 10k steps: 79.5 here, just short of 80
     sac.main(args)
     (run_dir,) = (in_tmp / "runs").iterdir()
     scalars = read_scalars(run_dir)
@@ -105,8 +129,17 @@ def test_ground_truth_default_is_the_stock_task_and_the_flag_restores_fixed_leng
         original_add(self, obs, next_obs, actions, rewards, terminations)
 
     monkeypatch.setattr(sac.ReplayBuffer, "add", spy_add)
-    common = dict(env_id="InvertedPendulum-v5", reward="gt", num_envs=2, total_timesteps=400, learning_starts=200,
-                  train_frequency=10, gradient_steps=1, batch_size=32, episode_length=50)
+    common = dict(
+        env_id="InvertedPendulum-v5",
+        reward="gt",
+        num_envs=2,
+        total_timesteps=400,
+        learning_starts=200,
+        train_frequency=10,
+        gradient_steps=1,
+        batch_size=32,
+        episode_length=50,
+    )
     for episodes in ("auto", "fixed"):
         added.clear()
         run_dir = in_tmp / episodes
@@ -123,18 +156,56 @@ def test_ground_truth_default_is_the_stock_task_and_the_flag_restores_fixed_leng
 
 
 def test_clip_rewarded_smoke_run_trains_checkpoints_records_and_rolls_out(tmp_path):
-    result = run_script(SCRIPT, *TINY_CLIP_FLAGS, "--num-envs", "2", "--render-size", "64", "--render-quality", "fast",
-                        "--total-timesteps", "600",
-                        "--learning-starts", "200", "--train-frequency", "20", "--gradient-steps", "5", "--batch-size", "64",
-                        "--capture-video", "--video-frequency", "300", "--save-model", "--checkpoint-frequency", "300",
-                        "--alpha", "0.5", cwd=tmp_path)
+    result = run_script(
+        SCRIPT,
+        *TINY_CLIP_FLAGS,
+        "--num-envs",
+        "2",
+        "--render-size",
+        "64",
+        "--render-quality",
+        "fast",
+        "--total-timesteps",
+        "600",
+        "--learning-starts",
+        "200",
+        "--train-frequency",
+        "20",
+        "--gradient-steps",
+        "5",
+        "--batch-size",
+        "64",
+        "--capture-video",
+        "--video-frequency",
+        "300",
+        "--save-model",
+        "--checkpoint-frequency",
+        "300",
+        "--alpha",
+        "0.5",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     scalars = read_scalars(run_dir)
-    for tag in ["charts/episodic_return", "charts/clip_return", "charts/clip_reward_mean", "charts/gt_return",
-                "gt/reward_forward", "gt/reward_survive", "gt/reward_ctrl", "losses/qf1_loss", "losses/qf_loss",
-                "losses/actor_loss", "losses/ent_coef", "charts/SPS", "time/render_s", "time/reward_model_s",
-                "eval/clip_return", "eval/gt_return"]:
+    for tag in [
+        "charts/episodic_return",
+        "charts/clip_return",
+        "charts/clip_reward_mean",
+        "charts/gt_return",
+        "gt/reward_forward",
+        "gt/reward_survive",
+        "gt/reward_ctrl",
+        "losses/qf1_loss",
+        "losses/qf_loss",
+        "losses/actor_loss",
+        "losses/ent_coef",
+        "charts/SPS",
+        "time/render_s",
+        "time/reward_model_s",
+        "eval/clip_return",
+        "eval/gt_return",
+    ]:
         values = [v for _, v in scalars[tag]]
         assert values and np.all(np.isfinite(values)), tag
     assert len(scalars["charts/episodic_return"]) == 2 * 3  # 600 steps = 3 episodes of 100 steps in each of 2 envs
@@ -145,9 +216,19 @@ def test_clip_rewarded_smoke_run_trains_checkpoints_records_and_rolls_out(tmp_pa
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)  # holds RNG states and arrays
     assert checkpoint["global_step"] == 600 and {"actor", "qf1", "qf2", "log_ent_coef"} <= checkpoint.keys()
 
-    rollout = run_script(SCRIPT, *TINY_CLIP_FLAGS, "--render-size", "64", "--render-quality", "fast",
-                         "--evaluate", str(run_dir / "checkpoint.pt"),
-                         "--eval-episodes", "1", cwd=tmp_path)
+    rollout = run_script(
+        SCRIPT,
+        *TINY_CLIP_FLAGS,
+        "--render-size",
+        "64",
+        "--render-quality",
+        "fast",
+        "--evaluate",
+        str(run_dir / "checkpoint.pt"),
+        "--eval-episodes",
+        "1",
+        cwd=tmp_path,
+    )
     assert rollout.returncode == 0, rollout.stderr[-3000:]
     assert "clip_return=" in rollout.stdout
     (eval_dir,) = [p for p in (tmp_path / "videos").iterdir() if p.name != run_dir.name]
@@ -157,8 +238,15 @@ def test_clip_rewarded_smoke_run_trains_checkpoints_records_and_rolls_out(tmp_pa
 
 def test_mountain_car_success_latches_within_an_episode_and_clears_at_reset():
     for textured in (False, True):  # Gymnasium's line art, the realistic landscape
-        env = sac.make_env("MountainCarContinuous-v0", seed=0, idx=0, episode_length=200, render_size=480,
-                           render_quality="high", textured=textured)()
+        env = sac.make_env(
+            "MountainCarContinuous-v0",
+            seed=0,
+            idx=0,
+            episode_length=200,
+            render_size=480,
+            render_quality="high",
+            textured=textured,
+        )()
         env.reset(seed=0)
         assert env.render().shape == (400, 600, 3)
         car = env.unwrapped
@@ -176,9 +264,25 @@ def test_mountain_car_success_latches_within_an_episode_and_clears_at_reset():
 
 
 def test_mountain_car_trains_with_the_clip_reward_and_logs_success(tmp_path):
-    result = run_script(SCRIPT, "--env-id", "MountainCarContinuous-v0", *TINY_CLIP_FLAGS, "--num-envs", "2",
-                        "--total-timesteps", "800", "--learning-starts", "400", "--train-frequency", "20",
-                        "--gradient-steps", "5", "--batch-size", "64", cwd=tmp_path)
+    result = run_script(
+        SCRIPT,
+        "--env-id",
+        "MountainCarContinuous-v0",
+        *TINY_CLIP_FLAGS,
+        "--num-envs",
+        "2",
+        "--total-timesteps",
+        "800",
+        "--learning-starts",
+        "400",
+        "--train-frequency",
+        "20",
+        "--gradient-steps",
+        "5",
+        "--batch-size",
+        "64",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "goal=('a car at the peak of the mountain, next to the yellow flag',)" in result.stdout
     scalars = read_scalars(next((tmp_path / "runs").iterdir()))
@@ -190,7 +294,10 @@ def test_mountain_car_trains_with_the_clip_reward_and_logs_success(tmp_path):
 BAD_INPUT = {
     "alpha above 1": (["--alpha", "2"], ["--alpha"]),
     "goal equals baseline": (["--goal", "a robot", "--baseline", "a robot", "--alpha", "1"], ["--goal", "--baseline"]),
-    "goal equals baseline up to case and spaces": (["--goal", "A Pole", "--baseline", "a  pole ", "--alpha", "0.5"], ["--goal", "--baseline"]),
+    "goal equals baseline up to case and spaces": (
+        ["--goal", "A Pole", "--baseline", "a  pole ", "--alpha", "0.5"],
+        ["--goal", "--baseline"],
+    ),
     "empty goal": (["--goal", " "], ["--goal"]),
     "unknown env": (["--env-id", "Humanoid-v99"], ["Humanoid-v99"]),
     "not a MuJoCo env": (["--env-id", "CartPole-v1"], ["MuJoCo"]),
@@ -200,7 +307,10 @@ BAD_INPUT = {
     "missing checkpoint": (["--clip-checkpoint", "missing.pt"], ["missing.pt"]),
     "missing policy": (["--evaluate", "missing-policy.pt"], ["missing-policy.pt"]),
     "zero gradient steps": (["--gradient-steps", "0"], ["--gradient-steps"]),
-    "softmax without negatives": (["--reward-family", "softmax", "--goal", "a humanoid robot doing the splits"], ["--reward-family softmax", "--negatives"]),
+    "softmax without negatives": (
+        ["--reward-family", "softmax", "--goal", "a humanoid robot doing the splits"],
+        ["--reward-family softmax", "--negatives"],
+    ),
     "softmax with empty negatives": (["--reward-family", "softmax", "--negatives"], ["--negatives"]),
     "temperature zero": (["--reward-family", "softmax", "--temperature", "0"], ["--temperature", "positive"]),
     "threshold above 1": (["--reward-family", "softmax", "--threshold", "1.5"], ["--threshold", "(0, 1)"]),
@@ -220,24 +330,52 @@ def test_bad_input_on_the_command_line_exits_2_with_one_line_and_no_traceback(tm
 
 
 def test_weights_that_cannot_be_downloaded(tmp_path):
-    result = run_script(SCRIPT, "--clip-model", "RN50", "--clip-pretrained", "openai", "--clip-cache-dir", str(tmp_path / "c"),
-                        "--num-envs", "1", cwd=tmp_path, env={"HF_HUB_OFFLINE": "1"})
+    result = run_script(
+        SCRIPT,
+        "--clip-model",
+        "RN50",
+        "--clip-pretrained",
+        "openai",
+        "--clip-cache-dir",
+        str(tmp_path / "c"),
+        "--num-envs",
+        "1",
+        cwd=tmp_path,
+        env={"HF_HUB_OFFLINE": "1"},
+    )
     assert_clean_error(result, "RN50", "network", "--clip-checkpoint")
 
 
 def test_prompts_with_the_same_embedding_are_one_sentence_not_a_hang(tmp_path):
     # CLIP reads at most 77 tokens: prompts that differ only after them have one embedding, so d = g - b = 0
-    result = run_script(SCRIPT, *TINY_CLIP_FLAGS, "--num-envs", "2", "--render-size", "32", "--goal", "pole " * 80 + "left",
-                        "--baseline", "pole " * 80 + "right", "--alpha", "0.5", cwd=tmp_path, timeout=120)
+    result = run_script(
+        SCRIPT,
+        *TINY_CLIP_FLAGS,
+        "--num-envs",
+        "2",
+        "--render-size",
+        "32",
+        "--goal",
+        "pole " * 80 + "left",
+        "--baseline",
+        "pole " * 80 + "right",
+        "--alpha",
+        "0.5",
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert_clean_error(result, "--goal", "--baseline", "embedding", "--alpha 0")
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("content, words", [
-    ("{not json", ["not a readable JSON file"]),
-    ("[1, 2]", ["not an open_clip model config", "embed_dim"]),
-    ('{"embed_dim": 32, "vision_cfg": {"layers": "two"}, "text_cfg": {}}', ["could not build", "config file"]),
-])
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        ("{not json", ["not a readable JSON file"]),
+        ("[1, 2]", ["not an open_clip model config", "embed_dim"]),
+        ('{"embed_dim": 32, "vision_cfg": {"layers": "two"}, "text_cfg": {}}', ["could not build", "config file"]),
+    ],
+)
 def test_a_bad_model_config_file_is_named_as_such(in_tmp, content, words):
     (in_tmp / "model.json").write_text(content)
     with pytest.raises(sac.UserError) as error:
@@ -251,8 +389,19 @@ def test_a_bad_model_config_file_is_named_as_such(in_tmp, content, words):
 def test_missing_weights_say_what_is_fetched_and_fail_within_seconds_before_the_envs_start(tmp_path):
     # a documentation address (RFC 5737) stands for an unreachable hub, also where the machine has a network
     env = {"HF_ENDPOINT": "https://192.0.2.1", "HF_HUB_OFFLINE": "", "HTTPS_PROXY": "", "https_proxy": ""}
-    code, lines = run_timed(SCRIPT, "--clip-model", "RN50", "--clip-pretrained", "openai", "--clip-cache-dir",
-                            str(tmp_path / "cache"), "--no-cuda", cwd=tmp_path, env=env, timeout=120)
+    code, lines = run_timed(
+        SCRIPT,
+        "--clip-model",
+        "RN50",
+        "--clip-pretrained",
+        "openai",
+        "--clip-cache-dir",
+        str(tmp_path / "cache"),
+        "--no-cuda",
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
     text = "\n".join(line for _, line in lines)
     assert code == 2 and "Traceback" not in text, text
     (fetching,) = [t for t, line in lines if line.startswith("fetching the RN50/openai CLIP weights (102M parameters")]

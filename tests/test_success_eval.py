@@ -44,25 +44,64 @@ def runs(tmp_path_factory) -> dict:
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):  # DQN evaluates its model.pt greedily after training: our reference
-            dqn.main(dqn.Args(clip_model=TINY_CLIP, clip_pretrained="none", total_timesteps=200, learning_starts=100,
-                              episode_length=25, save_model=True, eval_episodes=2, cuda=False))
-        sac.main(sac.Args(env_id="Humanoid-v5", reward="gt", episodes="fixed", episode_length=10, num_envs=1,
-                          total_timesteps=40, learning_starts=20, batch_size=8, render_size=32, render_quality="fast",
-                          save_model=True, cuda=False))
+            dqn.main(
+                dqn.Args(
+                    clip_model=TINY_CLIP,
+                    clip_pretrained="none",
+                    total_timesteps=200,
+                    learning_starts=100,
+                    episode_length=25,
+                    save_model=True,
+                    eval_episodes=2,
+                    cuda=False,
+                )
+            )
+        sac.main(
+            sac.Args(
+                env_id="Humanoid-v5",
+                reward="gt",
+                episodes="fixed",
+                episode_length=10,
+                num_envs=1,
+                total_timesteps=40,
+                learning_starts=20,
+                batch_size=8,
+                render_size=32,
+                render_quality="fast",
+                save_model=True,
+                cuda=False,
+            )
+        )
     finally:
         os.chdir(cwd)
     evals = [line.split() for line in out.getvalue().splitlines() if line.startswith("eval episode")]
-    return {"dqn": str(next(folder.glob("runs/CartPole*/model.pt"))),
-            "sac": str(next(folder.glob("runs/Humanoid*/checkpoint.pt"))),
-            "dqn_eval": [(float(w[3].split("=")[1]), float(w[4].split("=")[1])) for w in evals], "folder": folder}
+    return {
+        "dqn": str(next(folder.glob("runs/CartPole*/model.pt"))),
+        "sac": str(next(folder.glob("runs/Humanoid*/checkpoint.pt"))),
+        "dqn_eval": [(float(w[3].split("=")[1]), float(w[4].split("=")[1])) for w in evals],
+        "folder": folder,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- rollout
 def test_rollout_has_no_env_flags():
     """The env comes from the checkpoint alone: a mismatch cannot be typed."""
     names = {f.name for f in dataclasses.fields(se.Rollout)}
-    assert not names & {"env_id", "episode_length", "episodes_mode", "realistic", "render_size", "render_quality",
-                        "textured", "camera", "goal", "baseline", "alpha", "clip_model", "reward"}
+    assert not names & {
+        "env_id",
+        "episode_length",
+        "episodes_mode",
+        "realistic",
+        "render_size",
+        "render_quality",
+        "textured",
+        "camera",
+        "goal",
+        "baseline",
+        "alpha",
+        "clip_model",
+        "reward",
+    }
 
 
 def test_dqn_rollout_reads_env_and_reward_from_the_checkpoint(runs, tmp_path):
@@ -88,10 +127,17 @@ def test_dqn_rollout_reads_env_and_reward_from_the_checkpoint(runs, tmp_path):
 
 
 def test_sac_rollout_humanoid_is_left_to_a_person(runs, tmp_path):
-    det = [read_episodes(se.rollout(se.Rollout(checkpoint=runs["sac"], episodes=2, deterministic=True,
-                                               out=str(tmp_path / f"det{i}"), cuda=False))) for i in range(2)]
-    stochastic = read_episodes(se.rollout(se.Rollout(checkpoint=runs["sac"], episodes=2, out=str(tmp_path / "sto"),
-                                                     cuda=False)))
+    det = [
+        read_episodes(
+            se.rollout(
+                se.Rollout(checkpoint=runs["sac"], episodes=2, deterministic=True, out=str(tmp_path / f"det{i}"), cuda=False)
+            )
+        )
+        for i in range(2)
+    ]
+    stochastic = read_episodes(
+        se.rollout(se.Rollout(checkpoint=runs["sac"], episodes=2, out=str(tmp_path / "sto"), cuda=False))
+    )
     assert [r["gt_return"] for r in det[0]] == [r["gt_return"] for r in det[1]]  # deterministic: reproducible
     assert [r["gt_return"] for r in stochastic] != [r["gt_return"] for r in det[0]]  # the policy is sampled
     for r in stochastic:
@@ -103,8 +149,11 @@ def test_sac_rollout_humanoid_is_left_to_a_person(runs, tmp_path):
 def test_rollout_problems_are_one_sentence_errors(runs, tmp_path):
     (tmp_path / "text.pt").write_text("not a checkpoint")
     torch.save({"args": {"env_id": "CartPole-v1"}}, tmp_path / "empty.pt")
-    for path, message in [(tmp_path / "missing.pt", "no such file"), (tmp_path / "text.pt", "could not be read"),
-                          (tmp_path / "empty.pt", "holds no policy")]:
+    for path, message in [
+        (tmp_path / "missing.pt", "no such file"),
+        (tmp_path / "text.pt", "could not be read"),
+        (tmp_path / "empty.pt", "holds no policy"),
+    ]:
         with pytest.raises(UserError, match=message):
             se.rollout(se.Rollout(checkpoint=str(path), out=str(tmp_path / "out")))
     moved = crafted_checkpoint(tmp_path / "moved.pt", 1, clip_model="configs/elsewhere.json")
@@ -153,15 +202,26 @@ def pumping_mountaincar(path: Path, pump: bool) -> str:
 def test_mountaincar_rollout_success_is_the_flag_reached(tmp_path):
     for pump, expected in [(True, "1"), (False, "0")]:
         checkpoint = pumping_mountaincar(tmp_path / f"{pump}.pt", pump)
-        rows = read_episodes(se.rollout(se.Rollout(checkpoint=checkpoint, episodes=1, deterministic=True,
-                                                   out=str(tmp_path / str(pump)), cuda=False)))
+        rows = read_episodes(
+            se.rollout(
+                se.Rollout(checkpoint=checkpoint, episodes=1, deterministic=True, out=str(tmp_path / str(pump)), cuda=False)
+            )
+        )
         assert [r["gt_success"] for r in rows] == [expected] and all(r["steps"] == "200" for r in rows)
         # fixed-length MountainCar earns 1 per step at the flag: reached the flag = a positive return
         assert all((float(r["gt_return"]) > 0) == (expected == "1") for r in rows)
 
 
-@pytest.mark.parametrize("k, n, low, high", [(8, 10, 0.4902, 0.9433), (0, 10, 0.0, 0.2775), (10, 10, 0.7225, 1.0),
-                                             (50, 100, 0.4038, 0.5962), (1, 100, 0.0018, 0.0545)])
+@pytest.mark.parametrize(
+    "k, n, low, high",
+    [
+        (8, 10, 0.4902, 0.9433),
+        (0, 10, 0.0, 0.2775),
+        (10, 10, 0.7225, 1.0),
+        (50, 100, 0.4038, 0.5962),
+        (1, 100, 0.0018, 0.0545),
+    ],
+)
 def test_wilson_interval_known_values(k, n, low, high):
     assert se.wilson(k, n) == pytest.approx((low, high), abs=1e-4)
 
@@ -174,8 +234,13 @@ def test_wilson_interval_of_nothing_is_undefined():
 def test_report_judges_classic_control_by_ground_truth_and_humanoid_by_labels(runs, tmp_path):
     cart = se.rollout(se.Rollout(checkpoint=runs["dqn"], episodes=3, out=str(tmp_path / "cart"), cuda=False))
     human = se.rollout(se.Rollout(checkpoint=runs["sac"], episodes=4, out=str(tmp_path / "human"), cuda=False))
-    for video, verdict in [("episode-000.mp4", "1"), ("episode-001.mp4", "0"), ("episode-002.mp4", "skip"),
-                           ("episode-000.mp4", "0"), ("episode-000.mp4", "1")]:  # the last verdict wins
+    for video, verdict in [
+        ("episode-000.mp4", "1"),
+        ("episode-001.mp4", "0"),
+        ("episode-002.mp4", "skip"),
+        ("episode-000.mp4", "0"),
+        ("episode-000.mp4", "1"),
+    ]:  # the last verdict wins
         epic_eval.append_label(os.path.join(human, "labels.csv"), video, verdict)
     table = se.report(se.Report(rollouts=(cart, human), out=str(tmp_path / "success")))
     gt_successes = sum(int(r["gt_success"]) for r in read_episodes(cart))
@@ -210,8 +275,14 @@ def crafted_checkpoint(path: Path, action: int, **changes) -> str:
     with torch.no_grad():
         q_network.network[-1].weight.zero_()
         q_network.network[-1].bias.copy_(torch.tensor([1.0 - action, float(action)]))
-    flags = {"clip_model": TINY_CLIP, "clip_pretrained": "none", "episodes": "fixed", "episode_length": 30,
-             "goal": ("pole vertically upright on top of the cart",), "baseline": ("pole and cart",)}
+    flags = {
+        "clip_model": TINY_CLIP,
+        "clip_pretrained": "none",
+        "episodes": "fixed",
+        "episode_length": 30,
+        "goal": ("pole vertically upright on top of the cart",),
+        "baseline": ("pole and cart",),
+    }
     args = dataclasses.asdict(dqn.Args(**{**flags, **changes}))
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"q_network": q_network.state_dict(), "args": args}, path)
@@ -225,8 +296,11 @@ def test_best_picks_the_highest_mean_clip_return(tmp_path, monkeypatch, capsys):
     right = crafted_checkpoint(Path("runs/right/model.pt"), 1)
     assert se.best(se.Best(episodes=2, deterministic=True, cuda=False)) == right  # found under runs/
     out = capsys.readouterr().out
-    means = {line.split(":")[0]: float(line.split("mean CLIP return ")[1].split()[0])
-             for line in out.splitlines() if ": mean CLIP" in line}
+    means = {
+        line.split(":")[0]: float(line.split("mean CLIP return ")[1].split()[0])
+        for line in out.splitlines()
+        if ": mean CLIP" in line
+    }
     assert set(means) == {left, right} and means[right] > means[left]
     assert f"best: {right}: the highest mean CLIP return, {means[right]:.4f} (next best {means[left]:.4f})" in out
     assert se.best(se.Best(checkpoints=(left,), episodes=1, cuda=False)) == left  # files given: only those
@@ -248,17 +322,33 @@ def write_csv(path: Path, rows: list[dict]) -> str:
 
 def test_study_plots_epic_and_success_against_model_size(tmp_path):
     models = ["RN50/openai", "ViT-L-14/openai", "ViT-bigG-14/laion2b_s39b_b160k", "vlmrm-tiny-test/none"]
-    epic = write_csv(tmp_path / "epic.csv", [
-        {"model": m, "family": "projection", "alpha": a, "epic": 0.6 - 0.1 * i - 0.05 * a, "epic_low": "", "epic_high": ""}
-        for i, m in enumerate(models) for a in (0.0, 0.5)] + [
-        {"model": "RN50/openai", "family": "softmax", "alpha": "", "epic": 0.1, "epic_low": "", "epic_high": ""}])
-    success = write_csv(tmp_path / "success.csv", [  # two seeds of ViT-bigG-14 at alpha 0: pooled to 15/20
-        {"model": "ViT-bigG-14/laion2b_s39b_b160k", "alpha": 0.0, "seed": 1, "n": 10, "successes": 8},
-        {"model": "ViT-bigG-14/laion2b_s39b_b160k", "alpha": 0.0, "seed": 2, "n": 10, "successes": 7},
-        {"model": "RN50/openai", "alpha": 0.0, "seed": 1, "n": 10, "successes": 1},
-        {"model": "gt", "alpha": "", "seed": 1, "n": 10, "successes": 10}])  # a ground-truth run: no CLIP size
-    table = se.study(se.Study(epic=(epic,), success=(success,), model_configs=(TINY_CLIP,), model_params=("ViT-L-14=428e6",),
-                              out=str(tmp_path / "study")))
+    epic = write_csv(
+        tmp_path / "epic.csv",
+        [
+            {"model": m, "family": "projection", "alpha": a, "epic": 0.6 - 0.1 * i - 0.05 * a, "epic_low": "", "epic_high": ""}
+            for i, m in enumerate(models)
+            for a in (0.0, 0.5)
+        ]
+        + [{"model": "RN50/openai", "family": "softmax", "alpha": "", "epic": 0.1, "epic_low": "", "epic_high": ""}],
+    )
+    success = write_csv(
+        tmp_path / "success.csv",
+        [  # two seeds of ViT-bigG-14 at alpha 0: pooled to 15/20
+            {"model": "ViT-bigG-14/laion2b_s39b_b160k", "alpha": 0.0, "seed": 1, "n": 10, "successes": 8},
+            {"model": "ViT-bigG-14/laion2b_s39b_b160k", "alpha": 0.0, "seed": 2, "n": 10, "successes": 7},
+            {"model": "RN50/openai", "alpha": 0.0, "seed": 1, "n": 10, "successes": 1},
+            {"model": "gt", "alpha": "", "seed": 1, "n": 10, "successes": 10},
+        ],
+    )  # a ground-truth run: no CLIP size
+    table = se.study(
+        se.Study(
+            epic=(epic,),
+            success=(success,),
+            model_configs=(TINY_CLIP,),
+            model_params=("ViT-L-14=428e6",),
+            out=str(tmp_path / "study"),
+        )
+    )
     params = {r["model"]: r["params"] for r in table}
     assert params["RN50/openai"] == 102_007_137 and params["ViT-bigG-14/laion2b_s39b_b160k"] == 2_539_567_105
     assert params["ViT-L-14/openai"] == 428e6 and params["vlmrm-tiny-test/none"] == 3_421_761
@@ -271,8 +361,7 @@ def test_study_plots_epic_and_success_against_model_size(tmp_path):
     assert os.path.getsize(tmp_path / "study.png") > 10_000
     with pytest.raises(UserError, match="the size of ViT-nope is unknown"):
         unknown = write_csv(tmp_path / "s2.csv", [{"model": "ViT-nope/x", "alpha": 0, "n": 1, "successes": 1}])
-        se.study(se.Study(success=(unknown,),
-                          out=str(tmp_path / "s2")))
+        se.study(se.Study(success=(unknown,), out=str(tmp_path / "s2")))
     with pytest.raises(UserError, match="is not NAME=COUNT"):
         se.study(se.Study(epic=(epic,), model_params=("RN50:1e8",), out=str(tmp_path / "s3")))
 
@@ -290,7 +379,7 @@ def test_episode_page_serves_videos_with_the_label_pages_protections(runs, tmp_p
             with pytest.raises(urllib.error.HTTPError, match="404"):
                 urllib.request.urlopen(url + path, timeout=10)
         with urllib.request.urlopen(url + "/", timeout=10) as response:
-            assert b"<video id=\"frame\"" in response.read()
+            assert b'<video id="frame"' in response.read()
     finally:
         stop_server(server)
 
@@ -306,8 +395,10 @@ def stop_server(server) -> None:
     server.server_close()
 
 
-@pytest.mark.skipif(not os.path.exists(CHROMIUM),
-                    reason="needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium chromium-driver)")
+@pytest.mark.skipif(
+    not os.path.exists(CHROMIUM),
+    reason="needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium chromium-driver)",
+)
 def test_episode_label_page_in_headless_chromium(runs, tmp_path):
     from test_epic_eval import _ready, free_port, wait_for, webdriver
 
@@ -322,20 +413,39 @@ def test_episode_label_page_in_headless_chromium(runs, tmp_path):
     session = None
     try:
         wait_for(lambda: _ready(base), what="chromedriver")
-        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", "--autoplay-policy=no-user-gesture-required",
-                 f"--user-data-dir={tmp_path / 'profile'}"]
-        session = webdriver("POST", f"{base}/session", {"capabilities": {"alwaysMatch": {
-            "browserName": "chrome", "goog:chromeOptions": {"binary": CHROMIUM, "args": flags}}}})["sessionId"]
+        flags = [
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--disable-dev-shm-usage",
+            "--autoplay-policy=no-user-gesture-required",
+            f"--user-data-dir={tmp_path / 'profile'}",
+        ]
+        session = webdriver(
+            "POST",
+            f"{base}/session",
+            {
+                "capabilities": {
+                    "alwaysMatch": {"browserName": "chrome", "goog:chromeOptions": {"binary": CHROMIUM, "args": flags}}
+                }
+            },
+        )["sessionId"]
 
         def script(js: str):
             return webdriver("POST", f"{base}/session/{session}/execute/sync", {"script": js, "args": []})
 
         def press(*keys: str) -> None:
             actions = [a for key in keys for a in ({"type": "keyDown", "value": key}, {"type": "keyUp", "value": key})]
-            webdriver("POST", f"{base}/session/{session}/actions",
-                      {"actions": [{"type": "key", "id": "keyboard", "actions": actions}]})
+            webdriver(
+                "POST",
+                f"{base}/session/{session}/actions",
+                {"actions": [{"type": "key", "id": "keyboard", "actions": actions}]},
+            )
 
         def open_page(port: int) -> None:
             webdriver("POST", f"{base}/session/{session}/url", {"url": f"http://127.0.0.1:{port}/"})
@@ -353,10 +463,16 @@ def test_episode_label_page_in_headless_chromium(runs, tmp_path):
         press("1", "0", "\ue003", "s")
         wait_for(lambda: len(labels_on_disk()) == 4, what="3 new verdicts")
         rows = labels_on_disk()
-        assert rows == [["episode-000.mp4", "1"], ["episode-001.mp4", "1"], ["episode-002.mp4", "0"],
-                        ["episode-002.mp4", "skip"]]
-        wait_for(lambda: script("return document.getElementById('name').textContent").startswith("episode-003.mp4"),
-                 what="the page to move on")
+        assert rows == [
+            ["episode-000.mp4", "1"],
+            ["episode-001.mp4", "1"],
+            ["episode-002.mp4", "0"],
+            ["episode-002.mp4", "skip"],
+        ]
+        wait_for(
+            lambda: script("return document.getElementById('name').textContent").startswith("episode-003.mp4"),
+            what="the page to move on",
+        )
         progress = script("return document.getElementById('progress').textContent")
         assert progress.startswith("3 of 4 episodes judged (2 success, 0 failure, 1 skipped)"), progress
 

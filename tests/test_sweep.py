@@ -17,8 +17,17 @@ SWEEP = [sys.executable, str(ROOT / "sweep.py"), "--script", str(ROOT / "vlmrm_d
 SHORT_GT = ["--", "--reward", "gt", "--total-timesteps", "1000", "--learning-starts", "500", "--eval-episodes", "1"]
 # fixed-length CLIP episodes (tiny random model): the resume is bit-exact with --save-buffer; 8 episodes, so a stop
 # sent after the first one lands mid-run even at a few hundred steps per second
-SHORT_CLIP = ["--", *TINY_CLIP_FLAGS, "--total-timesteps", "1600", "--learning-starts", "300", "--eval-episodes", "1",
-              "--log-episodes"]  # the tests signal a job after its first episodes
+SHORT_CLIP = [
+    "--",
+    *TINY_CLIP_FLAGS,
+    "--total-timesteps",
+    "1600",
+    "--learning-starts",
+    "300",
+    "--eval-episodes",
+    "1",
+    "--log-episodes",
+]  # the tests signal a job after its first episodes
 
 
 def slurm_is_up() -> bool:
@@ -35,8 +44,9 @@ needs_slurm = pytest.mark.skipif(not slurm_is_up(), reason="no SLURM cluster her
 
 def sweep(*args: str, cwd: Path, **kwargs) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([*SWEEP, *args], cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            **kwargs)
+    return subprocess.Popen(
+        [*SWEEP, *args], cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs
+    )
 
 
 def table(cwd: Path, name: str) -> list[dict]:
@@ -45,14 +55,29 @@ def table(cwd: Path, name: str) -> list[dict]:
 
 
 def test_local_grid_end_to_end_then_rerun_skips_finished(tmp_path):
-    proc = sweep("--cluster", "local", "--name", "g", "--max-parallel", "4", "--grid", "alpha=0,0.5", "seed=1,2", *SHORT_GT,
-                 cwd=tmp_path)
+    proc = sweep(
+        "--cluster",
+        "local",
+        "--name",
+        "g",
+        "--max-parallel",
+        "4",
+        "--grid",
+        "alpha=0,0.5",
+        "seed=1,2",
+        *SHORT_GT,
+        cwd=tmp_path,
+    )
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     assert out.count(": done (") == 4, out  # one progress line per finished job
     rows = table(tmp_path, "g")
     assert [(r["alpha"], r["seed"], r["status"], r["steps"]) for r in rows] == [
-        ("0", "1", "done", "1000"), ("0", "2", "done", "1000"), ("0.5", "1", "done", "1000"), ("0.5", "2", "done", "1000")]
+        ("0", "1", "done", "1000"),
+        ("0", "2", "done", "1000"),
+        ("0.5", "1", "done", "1000"),
+        ("0.5", "2", "done", "1000"),
+    ]
     for r in rows:
         assert (tmp_path / r["run_dir"] / "model.pt").is_file() and float(r["gt_success"]) <= 1
         assert r["run_dir"].startswith("runs/CartPole-v1__g-alpha=") and float(r["gt_return"]) > 0
@@ -137,8 +162,22 @@ def test_bad_grid_is_one_sentence(tmp_path):
 
 @needs_slurm
 def test_slurm_grid(tmp_path):
-    proc = sweep("--cluster", "slurm", "--name", "s", "--cpus-per-job", "1", "--mem-gb", "1", "--timeout-min", "10",
-                 "--grid", "seed=1,2", *SHORT_GT, cwd=tmp_path)
+    proc = sweep(
+        "--cluster",
+        "slurm",
+        "--name",
+        "s",
+        "--cpus-per-job",
+        "1",
+        "--mem-gb",
+        "1",
+        "--timeout-min",
+        "10",
+        "--grid",
+        "seed=1,2",
+        *SHORT_GT,
+        cwd=tmp_path,
+    )
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     assert [r["status"] for r in table(tmp_path, "s")] == ["done", "done"], out

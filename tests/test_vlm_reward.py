@@ -1,4 +1,7 @@
-"""vlm_reward and softmax_reward against the closed forms of SPEC section 1, in both training scripts (the tools import them)."""
+"""vlm_reward and softmax_reward against the closed forms of SPEC section 1, in both training scripts.
+
+The tools import them from the training scripts, so these tests cover the tools too.
+"""
 
 import importlib
 import inspect
@@ -159,14 +162,24 @@ def test_softmax_matches_the_explicit_formula_with_several_prompts(softmax_rewar
     torch.manual_seed(7)
     s, goals, negatives = torch.randn(50, D), torch.randn(3, D), torch.randn(4, D)
     expected = softmax_reference(s, goals, negatives, temperature)
-    torch.testing.assert_close(softmax_reward(s, goals, negatives, temperature, 0.5, soft=True), expected.float(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        softmax_reward(s, goals, negatives, temperature, 0.5, soft=True), expected.float(), atol=1e-6, rtol=1e-5
+    )
     # several goal prompts are one class: the re-normalised mean of their unit embeddings
     mean_goal = unit(unit(goals).mean(0, keepdim=True))
-    torch.testing.assert_close(softmax_reward(s, goals, negatives, temperature, 0.5, soft=True),
-                               softmax_reward(s, mean_goal, negatives, temperature, 0.5, soft=True), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        softmax_reward(s, goals, negatives, temperature, 0.5, soft=True),
+        softmax_reward(s, mean_goal, negatives, temperature, 0.5, soft=True),
+        atol=1e-6,
+        rtol=0,
+    )
     # the order of the prompts does not matter; every negative is its own class, so more negatives lower p
-    torch.testing.assert_close(softmax_reward(s, goals.flip(0), negatives.flip(0), temperature, 0.5, soft=True),
-                               expected.float(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        softmax_reward(s, goals.flip(0), negatives.flip(0), temperature, 0.5, soft=True),
+        expected.float(),
+        atol=1e-6,
+        rtol=1e-5,
+    )
     fewer = softmax_reward(s, goals, negatives[:2], temperature, 0.5, soft=True)
     full = softmax_reward(s, goals, negatives, temperature, 0.5, soft=True)
     assert torch.all(fewer >= full - 1e-6) and torch.any(fewer > full + 1e-3)
@@ -187,11 +200,25 @@ def test_softmax_scale_invariance_shape_dtype_and_range(softmax_reward):
     # a colder softmax is more decisive: the goal's probability moves away from its value at tau = infinity
     e = torch.eye(D)
     frame = (2 * e[0] + e[1])[None]  # closer to the goal e0 than to the negative e1
-    assert softmax_reward(frame, e[:1], e[1:2], 0.01, 0.5, soft=True) > softmax_reward(frame, e[:1], e[1:2], 1.0, 0.5, soft=True)
+    assert softmax_reward(frame, e[:1], e[1:2], 0.01, 0.5, soft=True) > softmax_reward(
+        frame, e[:1], e[1:2], 1.0, 0.5, soft=True
+    )
 
 
-@pytest.mark.parametrize("temperature, threshold", [(0.0, 0.5), (-0.01, 0.5), (float("nan"), 0.5), (float("inf"), 0.5),
-                                                    (0.01, 0.0), (0.01, 1.0), (0.01, -0.1), (0.01, 1.5), (0.01, float("nan"))])
+@pytest.mark.parametrize(
+    "temperature, threshold",
+    [
+        (0.0, 0.5),
+        (-0.01, 0.5),
+        (float("nan"), 0.5),
+        (float("inf"), 0.5),
+        (0.01, 0.0),
+        (0.01, 1.0),
+        (0.01, -0.1),
+        (0.01, 1.5),
+        (0.01, float("nan")),
+    ],
+)
 def test_softmax_rejects_bad_temperature_and_threshold(softmax_reward, temperature, threshold):
     with pytest.raises(ValueError):
         softmax_reward(torch.randn(3, D), torch.randn(1, D), torch.randn(2, D), temperature, threshold)
@@ -234,7 +261,6 @@ def reference_preprocess(frames, size, mean, std, antialias):
 def test_frames_reach_the_model_as_in_the_reference(script, antialias):
     import numpy as np
     import open_clip
-
     from conftest import TINY_CLIP
 
     args = script.Args(clip_model=TINY_CLIP, clip_pretrained="none")
@@ -242,8 +268,9 @@ def test_frames_reach_the_model_as_in_the_reference(script, antialias):
     # the model's own constants, here ViT-L-14 laion2b's (0.5, 0.5) that the paper replaced by OpenAI's
     mean, std = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
     open_clip.set_model_preprocess_cfg(model, {**open_clip.get_model_preprocess_cfg(model), "mean": mean, "std": std})
-    reward_model = script.CLIPReward(model, tokenizer, ("a goal",), ("a baseline",), 0.0, 4, torch.device("cpu"),
-                                     antialias=antialias)
+    reward_model = script.CLIPReward(
+        model, tokenizer, ("a goal",), ("a baseline",), 0.0, 4, torch.device("cpu"), antialias=antialias
+    )
     reward_model.model.encode_image = lambda x: x.flatten(1)  # the embedding path sees exactly the model's input
     frames = np.random.default_rng(0).integers(0, 256, size=(5, 48, 100, 3), dtype=np.uint8)  # non-square, sharp
     size = reward_model.image_size[0]
