@@ -173,7 +173,7 @@ def make_envs(script, args, seed: int) -> gym.vector.SyncVectorEnv:
             args.episode_length,
             args.render_size,
             args.render_quality,
-            args.textured,
+            args.realistic,
             args.camera,
             args.episodes == "fixed",
         )

@@ -90,7 +90,7 @@ class Args:
     """square frame size: 480 = the paper's frames (the reward model squashes them to its input); 224 renders ~2x faster"""
     render_quality: Literal["fast", "high"] = "high"
     """high: MuJoCo's default shadows and reflections (the paper's frames); fast: both off (~4x faster in software)"""
-    textured: bool = True
+    realistic: bool = True
     """the realistic look CLIP rewards are far better on: Humanoid: the paper's sky, slate floor and metal body;
     MountainCarContinuous-v0: a landscape instead of Gymnasium's line art"""
     camera: Literal["paper", "tracking"] = "paper"
@@ -781,7 +781,7 @@ def make_env(
     episode_length: int,
     render_size: int,
     render_quality: str,
-    textured: bool,
+    realistic: bool,
     camera: str = "paper",
     fixed_length: bool = True,
 ) -> Callable[[], gym.Env]:
@@ -795,7 +795,7 @@ def make_env(
         if env_id == "MountainCarContinuous-v0":
             env = gym.make(env_id, render_mode="rgb_array", **({"max_episode_steps": episode_length} if fixed_length else {}))
             env = FixedLengthMountainCar(env) if fixed_length else env
-            if textured:
+            if realistic:
                 env = RealisticMountainCar(env)
             env.action_space.seed(seed + idx)
             return env
@@ -811,7 +811,7 @@ def make_env(
                 env_id,
                 terminate_when_unhealthy=not fixed_length,
                 default_camera_config=HUMANOID_CAMERA,
-                **({"xml_file": textured_humanoid_xml()} if textured else {}),
+                **({"xml_file": textured_humanoid_xml()} if realistic else {}),
                 **common,
             )
             if camera == "tracking":
@@ -989,7 +989,7 @@ def main(args: Args) -> None:
                 args.episode_length,  # noqa: E731
                 args.render_size,
                 args.render_quality,
-                args.textured,
+                args.realistic,
                 args.camera,
                 args.episodes == "fixed",
             )
@@ -1041,7 +1041,7 @@ def main(args: Args) -> None:
                 args.episode_length,
                 args.render_size,
                 args.render_quality,
-                args.textured,
+                args.realistic,
                 args.camera,
                 args.episodes == "fixed",
             )

@@ -28,7 +28,7 @@ VISUAL_FIELDS = {
 
 def _humanoid(size: int = 96, quality: str = "fast", textured: bool = True, length: int = 1000) -> gym.Env:
     return make_env(
-        "Humanoid-v5", seed=0, idx=0, episode_length=length, render_size=size, render_quality=quality, textured=textured
+        "Humanoid-v5", seed=0, idx=0, episode_length=length, render_size=size, render_quality=quality, realistic=textured
     )()
 
 
@@ -173,7 +173,7 @@ def test_tracking_camera_follows_the_torso():
             episode_length=100,
             render_size=96,
             render_quality="fast",
-            textured=True,
+            realistic=True,
             camera=camera,
         )()
         env.reset(seed=0)
@@ -211,7 +211,7 @@ def test_fixed_episode_length_and_other_envs():
         assert not terminated and truncated == (t == 6)
     env.close()
 
-    hopper = make_env("Hopper-v5", seed=0, idx=0, episode_length=5, render_size=48, render_quality="fast", textured=True)()
+    hopper = make_env("Hopper-v5", seed=0, idx=0, episode_length=5, render_size=48, render_quality="fast", realistic=True)()
     hopper.reset(seed=0)
     assert hopper.render().shape == (48, 48, 3)
     truncated = False

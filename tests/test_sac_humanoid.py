@@ -92,7 +92,7 @@ def test_log_prob_is_the_unit_box_tanh_gaussian_one_as_in_sb3():
 def test_defaults_are_the_papers():
     args = sac.Args()
     assert (args.ent_coef, args.autotune) == (1.0, True)  # SB3's automatic coefficient starts at 1.0
-    assert (args.render_size, args.render_quality, args.camera, args.textured) == (480, "high", "paper", True)
+    assert (args.render_size, args.render_quality, args.camera, args.realistic) == (480, "high", "paper", True)
 
 
 def test_sac_learns_stock_inverted_pendulum_from_ground_truth(in_tmp):
@@ -245,7 +245,7 @@ def test_mountain_car_success_latches_within_an_episode_and_clears_at_reset():
             episode_length=200,
             render_size=480,
             render_quality="high",
-            textured=textured,
+            realistic=textured,
         )()
         env.reset(seed=0)
         assert env.render().shape == (400, 600, 3)

@@ -94,7 +94,6 @@ def test_rollout_has_no_env_flags():
         "realistic",
         "render_size",
         "render_quality",
-        "textured",
         "camera",
         "goal",
         "baseline",
