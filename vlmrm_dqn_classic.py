@@ -28,6 +28,7 @@ os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # pygame draws off-screen: no
 os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
 
 import gymnasium as gym
+import imageio.v2 as imageio
 import numpy as np
 import torch
 import torch.nn as nn
@@ -160,87 +161,60 @@ class NonFiniteError(Exception):
 
 
 def check_args(args: Args) -> None:
-    """Reject bad flags before anything expensive (model download, env spawn) happens."""
-    if not 0.0 <= args.alpha <= 1.0:
-        raise UserError(f"--alpha must be in [0, 1], got {args.alpha}.")
-    if not args.goal or any(not g.strip() for g in args.goal):
-        raise UserError(
-            '--goal needs at least one non-empty prompt, e.g. --goal "pole vertically upright on top of the cart".'
-        )
-    if args.alpha > 0 and (not args.baseline or any(not b.strip() for b in args.baseline)):
-        raise UserError("--baseline needs at least one non-empty prompt when --alpha > 0.")
-    if args.alpha > 0 and same_prompts(args.goal, args.baseline):
-        raise UserError(
-            f"--goal and --baseline are the same prompts (ignoring case and spaces), so the goal-baseline direction is zero; change one or use --alpha 0 (got --alpha {args.alpha})."
-        )
-    if not 0 < args.temperature < float("inf"):  # also rejects nan
-        raise UserError(f"--temperature must be a positive number, got {args.temperature}.")
-    if not 0 < args.threshold < 1:
-        raise UserError(f"--threshold must be in (0, 1), got {args.threshold}.")
-    if args.reward_family == "softmax":
-        args.negatives = resolve_negatives(args.goal, args.negatives, "--reward-family softmax")
-    for name in [
-        "total_timesteps",
-        "num_envs",
-        "buffer_size",
-        "batch_size",
-        "train_frequency",
-        "target_network_frequency",
-        "episode_length",
-        "reward_batch_size",
-        "eval_episodes",
-        "video_interval",
-        "checkpoint_frequency",
-    ]:
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}.")
-    for name, low, high in [
-        ("gamma", 0, 1),
-        ("tau", 0, 1),
-        ("start_e", 0, 1),
-        ("end_e", 0, 1),
-        ("exploration_fraction", 0, 1),
-    ]:
-        if not low <= getattr(args, name) <= high:
-            raise UserError(f"--{name.replace('_', '-')} must be in [{low}, {high}], got {getattr(args, name)}.")
-    if not args.learning_rate > 0:
-        raise UserError(f"--learning-rate must be positive, got {args.learning_rate}.")
+    """Refuse bad flags, each in one sentence, before anything expensive (model download, env spawn) happens."""
+    positive = "total_timesteps num_envs buffer_size batch_size train_frequency target_network_frequency episode_length"
+    for name in (positive + " eval_episodes reward_batch_size video_interval checkpoint_frequency learning_rate").split():
+        if not getattr(args, name) > 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
     if args.total_timesteps % args.num_envs:  # every vector step takes one step in each env
         rounded = -(-args.total_timesteps // args.num_envs) * args.num_envs
-        print(
-            f"note: --total-timesteps {args.total_timesteps} rounded up to {rounded}, a multiple of --num-envs {args.num_envs}"
-        )
+        print(f"note: --total-timesteps {args.total_timesteps} rounded up to {rounded}, a multiple of --num-envs")
         args.total_timesteps = rounded
-    if args.learning_starts >= args.total_timesteps:
-        raise UserError(
-            f"--learning-starts {args.learning_starts} is not below --total-timesteps {args.total_timesteps}, so no gradient step would "
-            f"ever be taken; lower it, e.g. --learning-starts {args.total_timesteps // 4} (a quarter of the run)."
-        )
-    if args.batch_size > args.buffer_size:
-        raise UserError(f"--batch-size {args.batch_size} cannot exceed --buffer-size {args.buffer_size}.")
-    if args.evaluate is not None:  # the checks of --resume: a truncated file, the other script's, another env's
-        saved = read_checkpoint(args.evaluate, "--evaluate")
-        if "q_network" not in saved:
-            raise UserError(
-                f"--evaluate {args.evaluate} holds no trained networks; pass a checkpoint.pt written by this script."
-            )
-        if saved["args"].get("env_id", args.env_id) != args.env_id:
-            raise UserError(
-                f"--evaluate {args.evaluate} was trained on {saved['args']['env_id']}, not {args.env_id}; pass --env-id {saved['args']['env_id']}."
-            )
-    if args.torch_threads is not None and args.torch_threads < 0:
-        raise UserError(f"--torch-threads must be 0 (torch's default) or a positive number, got {args.torch_threads}.")
     known = ["cpu", *(["cuda"] if torch.cuda.is_available() else []), *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
-    if any(name not in known for name in args.reward_devices):
-        raise UserError(
-            f"--reward-devices {next(n for n in args.reward_devices if n not in known)} is not a device of this "
-            f"machine; its devices are: {', '.join(known)}."
-        )
+    unknown = [name for name in args.reward_devices if name not in known]
+    for failed, message in [
+        (not 0 <= args.alpha <= 1, f"--alpha must be in [0, 1], got {args.alpha}."),
+        (not args.goal or not all(p.strip() for p in args.goal), "--goal needs at least one non-empty prompt."),
+        (args.alpha > 0 and not all(p.strip() for p in args.baseline or [""]), "--baseline needs a prompt when --alpha > 0."),
+        (
+            args.alpha > 0 and same_prompts(args.goal, args.baseline or ()),
+            "--goal and --baseline are the same prompts (up to case and spaces); change one or use --alpha 0.",
+        ),
+        (not 0 < args.temperature < math.inf, f"--temperature must be a positive number, got {args.temperature}."),
+        (not 0 < args.threshold < 1, f"--threshold must be in (0, 1), got {args.threshold}."),
+        (not 0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}."),
+        (not 0 <= args.tau <= 1, f"--tau must be in [0, 1], got {args.tau}."),
+        (not 0 <= args.start_e <= 1, f"--start-e must be in [0, 1], got {args.start_e}."),
+        (not 0 <= args.end_e <= 1, f"--end-e must be in [0, 1], got {args.end_e}."),
+        (
+            not 0 <= args.exploration_fraction <= 1,
+            f"--exploration-fraction must be in [0, 1], got {args.exploration_fraction}.",
+        ),
+        (
+            args.learning_starts >= args.total_timesteps,
+            f"--learning-starts {args.learning_starts} is not below --total-timesteps {args.total_timesteps}; "
+            f"lower it, e.g. to a quarter of the run: --learning-starts {args.total_timesteps // 4}.",
+        ),
+        (args.batch_size > args.buffer_size, f"--batch-size {args.batch_size} exceeds --buffer-size {args.buffer_size}."),
+        (args.torch_threads is not None and args.torch_threads < 0, "--torch-threads must be 0 (torch's default) or more."),
+        (bool(unknown), f"--reward-devices {' '.join(unknown)} is not a device of this machine: {', '.join(known)}."),
+    ]:
+        if failed:
+            raise UserError(message)
+    if args.reward_family == "softmax":
+        args.negatives = resolve_negatives(args.goal, args.negatives, "--reward-family softmax")
+    if args.evaluate is not None:  # the checks of --resume, then networks of this env
+        saved = read_checkpoint(args.evaluate, "--evaluate")
+        if "q_network" not in saved or saved["args"].get("env_id", args.env_id) != args.env_id:
+            raise UserError(
+                f"--evaluate {args.evaluate} holds no networks trained on --env-id {args.env_id} "
+                f"(its --env-id: {saved['args'].get('env_id', args.env_id)})."
+            )
     check_writable("runs")
-    if args.capture_video:
+    if args.capture_video or args.evaluate is not None:
         check_writable("videos")
-    probe = gym.make(args.env_id)  # cheap: no rendering, just the spaces
     if args.evaluate is None:  # a rollout allocates no replay buffer
+        probe = gym.make(args.env_id)  # cheap: no rendering, just the spaces
         check_resources(args, probe.observation_space, probe.action_space, (400, 600, 3))
     if args.reward == "clip":
         check_clip_args(args)
@@ -252,24 +226,17 @@ def check_args(args: Args) -> None:
 def vlm_reward(
     image_embeddings: torch.Tensor, goal_embeddings: torch.Tensor, baseline_embeddings: torch.Tensor, alpha: float
 ) -> torch.Tensor:
-    """R(s) = 1 - 0.5 * ||(s - g) P||^2 with P = alpha * d d^T / ||d||^2 + (1 - alpha) I, d = g - b.
-
-    Takes raw (N, D) image and (G, D) / (B, D) prompt embeddings; returns (N,) rewards in float32.
-    """
+    """R(s) = 1 - 0.5 * ||(s - g) P||^2, P = alpha * d d^T / ||d||^2 + (1 - alpha) I, d = g - b; (N,) float32 rewards."""
     s = F.normalize(image_embeddings.float(), dim=-1)
-    g = F.normalize(goal_embeddings.float(), dim=-1).mean(0)  # the mean is deliberately not re-normalised
+    g = F.normalize(goal_embeddings.float(), dim=-1).mean(0)  # the means are deliberately not re-normalised
     b = F.normalize(baseline_embeddings.float(), dim=-1).mean(0)
     u = s - g
-    if alpha == 0:
-        return 1 - 0.5 * u.pow(2).sum(-1)
-    d = g - b
-    d_norm = d.norm()
-    if d_norm == 0:
-        raise ValueError("goal and baseline embeddings are equal: the projection direction is undefined for alpha > 0")
-    direction = d / d_norm
-    # u P = alpha * (u . d^) d^ + (1 - alpha) u: O(N D), no D x D matrix
-    projected = alpha * (u @ direction)[:, None] * direction + (1 - alpha) * u
-    return 1 - 0.5 * projected.pow(2).sum(-1)
+    if alpha != 0:
+        if (g - b).norm() == 0:
+            raise ValueError("goal and baseline embeddings are equal: the projection direction is undefined for alpha > 0")
+        d = (g - b) / (g - b).norm()
+        u = alpha * (u @ d)[:, None] * d + (1 - alpha) * u  # u P, without the D x D matrix
+    return 1 - 0.5 * u.pow(2).sum(-1)
 
 
 DEFAULT_NEGATIVES = {  # softmax family: our own negatives for the default goals (not the paper's), states the goal is not
@@ -293,71 +260,52 @@ def softmax_reward(
     threshold: float,
     soft: bool = False,
 ) -> torch.Tensor:
-    """R(s) = 1 if p > threshold else 0, p = softmax_k(cos(s, e_k) / temperature)[goal] over the goal and each negative.
-
-    Takes raw (N, D) image, (G, D) goal and (K, D) negative embeddings. Several goal prompts form one class: the mean
-    of the normalised goal embeddings, re-normalised (the cosine needs a direction); every negative prompt is a class
-    of its own. Returns (N,) float32: 0 or 1, or with soft=True the probability p itself.
-    """
-    if negative_embeddings.shape[0] == 0:
-        raise ValueError("softmax_reward needs at least one negative prompt embedding")
-    if not 0 < temperature < float("inf"):  # also rejects nan
-        raise ValueError(f"temperature must be positive and finite, got {temperature}")
-    if not 0 < threshold < 1:
-        raise ValueError(f"threshold must be in (0, 1), got {threshold}")
+    """R(s) = 1 if p > threshold else 0 (p itself if soft), p = the goal's softmax(cos(s, e_k) / temperature) vs negatives."""
+    if len(negative_embeddings) == 0 or not 0 < temperature < math.inf or not 0 < threshold < 1:
+        raise ValueError(
+            f"softmax_reward needs a negative prompt embedding (got {len(negative_embeddings)}), a positive finite "
+            f"temperature (got {temperature}) and a threshold in (0, 1) (got {threshold})"
+        )
     s = F.normalize(image_embeddings.float(), dim=-1)
-    g = F.normalize(F.normalize(goal_embeddings.float(), dim=-1).mean(0), dim=-1)
+    g = F.normalize(F.normalize(goal_embeddings.float(), dim=-1).mean(0), dim=-1)  # the goal prompts form one class
     prompts = torch.cat([g[None], F.normalize(negative_embeddings.float(), dim=-1)])  # (1 + K, D), the goal first
     p = (s @ prompts.T / temperature).softmax(dim=-1)[:, 0]
     return p if soft else (p > threshold).float()
 
 
 def load_clip(args: Args, device: torch.device) -> tuple[nn.Module, object]:
-    """The open_clip model and tokenizer named by the flags, with one-sentence errors."""
+    """The open_clip model and tokenizer of --clip-model/--clip-pretrained/--clip-checkpoint, or one sentence why not."""
+    import huggingface_hub.constants as hub
     import open_clip
 
-    model_name = args.clip_model
-    if model_name.endswith(".json"):  # a custom architecture, e.g. the tiny test model in tests/
-        open_clip.add_model_config(model_name)
-        model_name = Path(model_name).stem
+    name = Path(args.clip_model).stem  # an architecture, or a config file such as the tiny test model in tests/
+    if args.clip_model.endswith(".json"):
+        open_clip.add_model_config(args.clip_model)
     pretrained = args.clip_checkpoint or (None if args.clip_pretrained == "none" else args.clip_pretrained)
-    cached = fetch_clip_weights(args)  # says what it fetches; a missing download fails here, in seconds
-    import huggingface_hub.constants as hub
-
-    hub_offline = hub.HF_HUB_OFFLINE
-    hub.HF_HUB_OFFLINE = hub_offline or cached  # cached weights load without asking the hub (no retries when offline)
-    logging.disable(logging.ERROR)  # open_clip logs its own multi-line errors; we say it in one sentence
+    cached = fetch_clip_weights(args)  # says what it fetches; a download that cannot happen fails here, in seconds
+    offline, hub.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE or cached  # cached weights: no hub requests
+    logging.disable(logging.ERROR)  # open_clip logs multi-line errors: we say it in one sentence
     try:
-        model = open_clip.create_model(model_name, pretrained=pretrained, device=device, cache_dir=args.clip_cache_dir)
-    except Exception as e:  # noqa: BLE001 - every failure here has the same fixes
-        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
-        detail = detail if len(detail) <= 160 else detail[:157] + "..."
-        if args.clip_checkpoint is not None:
-            raise UserError(
-                f"could not load --clip-checkpoint {args.clip_checkpoint} into {model_name} ({type(e).__name__}: {detail}); check that the file holds open_clip weights for that architecture."
-            ) from None
-        if pretrained is None:  # nothing was downloaded: the architecture itself could not be built
-            raise UserError(
-                f"could not build {model_name} from --clip-model {args.clip_model} ({type(e).__name__}: "
-                f"{detail}); check the values in that config file."
-            ) from None
+        model = open_clip.create_model(name, pretrained=pretrained, device=device, cache_dir=args.clip_cache_dir)
+    except Exception as e:  # noqa: BLE001 - whatever open_clip raised, the fixes are these
+        detail = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
         raise UserError(
-            f"could not download or find the {model_name}/{pretrained} CLIP weights ({detail}); check the network connection, point --clip-cache-dir at a folder that already holds them, or pass a local weights file with --clip-checkpoint."
+            f"could not build {name} with {pretrained or 'random'} weights ({detail}); check --clip-model (a name or a config "
+            "file), --clip-pretrained and --clip-checkpoint."
         ) from None
     finally:
         logging.disable(logging.NOTSET)
-        hub.HF_HUB_OFFLINE = hub_offline
+        hub.HF_HUB_OFFLINE = offline
     if pretrained is None:
-        print(f"note: {model_name} has random weights (--clip-pretrained none): its rewards are meaningless outside tests")
-    return model.eval(), open_clip.get_tokenizer(model_name)
+        print(f"note: {name} has random weights (--clip-pretrained none): its rewards are meaningless outside tests")
+    return model.eval(), open_clip.get_tokenizer(name)
 
 
 class CLIPReward(nn.Module):
     """Scores uint8 frames (N, H, W, 3) with `vlm_reward` (family "projection") or `softmax_reward` ("softmax").
 
-    Prompt embeddings (goal, baseline, negatives) are computed once. Frames are preprocessed as the paper's code did
-    (a tensor torchvision Resize of torch 2.0): squashed to the model's square input, bicubic, no antialiasing, no
-    clamp; `antialias=True` smooths a large downscale instead (closer to PIL, not the paper).
+    Frames are preprocessed as the paper's code did (a tensor torchvision Resize of torch 2.0): squashed to the model's
+    square input, bicubic, no antialiasing, no clamp; `antialias=True` smooths a large downscale (closer to PIL).
     """
 
     def __init__(
@@ -380,37 +328,28 @@ class CLIPReward(nn.Module):
         super().__init__()
         import open_clip
 
-        if family not in ("projection", "softmax"):
-            raise ValueError(f"unknown reward family {family!r}: use 'projection' or 'softmax'")
-        if family == "softmax" and not negatives:
-            raise ValueError("the softmax reward family needs at least one negative prompt")
-        self.model, self.alpha, self.batch_size, self.device = model, alpha, batch_size, device
-        self.family, self.temperature, self.threshold, self.soft = family, temperature, threshold, soft
-        self.antialias = antialias
-        # (model, device) per reward device: `model` on `device` (it also embeds the prompts), then copies on the others
-        self.replicas = [(model, device), *replicas]
+        if family not in ("projection", "softmax") or (family == "softmax" and not negatives):
+            raise ValueError(f"unknown reward family {family!r}, or the softmax family without negative prompts")
+        self.model, self.alpha, self.batch_size, self.device, self.family = model, alpha, batch_size, device, family
+        self.temperature, self.threshold, self.soft, self.antialias = temperature, threshold, soft, antialias
+        self.replicas = [(model, device), *replicas]  # (model, device) per reward device; the first embeds the prompts
         # the model's own mean/std: the paper used OpenAI's for every model, wrong only for ViT-L-14 laion2b (0.5, 0.5)
-        preprocess_cfg = open_clip.get_model_preprocess_cfg(model)
-        self.image_size = (
-            tuple(preprocess_cfg["size"]) if not isinstance(preprocess_cfg["size"], int) else (preprocess_cfg["size"],) * 2
-        )
-        self.register_buffer("mean", torch.tensor(preprocess_cfg["mean"], device=device).view(1, 3, 1, 1))
-        self.register_buffer("std", torch.tensor(preprocess_cfg["std"], device=device).view(1, 3, 1, 1))
-        with torch.no_grad():
-            self.register_buffer("goal_embeddings", model.encode_text(tokenizer(list(goal)).to(device)).float())
-            self.register_buffer(
-                "baseline_embeddings", model.encode_text(tokenizer(list(baseline or goal)).to(device)).float()
-            )
-            self.register_buffer(
-                "negative_embeddings",
-                model.encode_text(tokenizer(list(negatives)).to(device)).float()
-                if negatives
-                else self.goal_embeddings.new_zeros(0, self.goal_embeddings.shape[1]),
-            )
+        cfg = open_clip.get_model_preprocess_cfg(model)
+        self.image_size = (cfg["size"],) * 2 if isinstance(cfg["size"], int) else tuple(cfg["size"])
+        self.register_buffer("mean", torch.tensor(cfg["mean"], device=device).view(1, 3, 1, 1))
+        self.register_buffer("std", torch.tensor(cfg["std"], device=device).view(1, 3, 1, 1))
+
+        @torch.no_grad()
+        def embed(prompts: tuple[str, ...]) -> torch.Tensor:
+            return model.encode_text(tokenizer(list(prompts)).to(device)).float()
+
+        self.register_buffer("goal_embeddings", embed(goal))
+        self.register_buffer("baseline_embeddings", embed(baseline or goal))
+        self.register_buffer("negative_embeddings", embed(negatives) if negatives else embed(goal)[:0])
 
     @torch.no_grad()
     def preprocess(self, frames: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
-        """uint8 (N, H, W, 3) -> the model's normalised float input (N, 3, S, S); frames travel as uint8 (4x less)."""
+        """uint8 (N, H, W, 3) -> the model's normalised input (N, 3, S, S); frames travel as uint8 (4x less than float)."""
         device = device or self.device
         x = frames.to(device, non_blocking=True).permute(0, 3, 1, 2).float().div_(255)
         # bicubic overshoots [0, 1] a little near edges: the reference kept it (no clamp), and so do we
@@ -441,32 +380,20 @@ class CLIPReward(nn.Module):
             return [self.rewards(self.embed_images(chunk, i).to(self.device)) for chunk in chunks[i::k]]
 
         if k == 1:
-            scored = [score(0)]
-        else:  # one thread per replica, in parallel: torch releases the GIL inside its kernels
-            with ThreadPoolExecutor(k) as pool:
-                scored = list(pool.map(score, range(k)))
+            return torch.cat(score(0)).cpu().numpy()
+        with ThreadPoolExecutor(k) as pool:  # one thread per replica, in parallel: torch releases the GIL in its kernels
+            scored = list(pool.map(score, range(k)))
         return torch.cat([scored[j % k][j // k] for j in range(len(chunks))]).cpu().numpy()
 
 
 def make_reward_model(args: Args, device: torch.device) -> CLIPReward:
+    """The CLIP reward of the flags, on --reward-devices (one replica each) or else on `device`."""
     devices = [torch.device(name) for name in args.reward_devices] or [device]
     model, tokenizer = load_clip(args, devices[0])
     replicas = [(copy.deepcopy(model).to(d), d) for d in devices[1:]]  # copies: the same weights (even random test ones)
+    family = [args.reward_family, args.negatives or (), args.temperature, args.threshold, args.soft, args.antialias]
     reward_model = CLIPReward(
-        model,
-        tokenizer,
-        args.goal,
-        args.baseline,
-        args.alpha,
-        args.reward_batch_size,
-        devices[0],
-        args.reward_family,
-        args.negatives or (),
-        args.temperature,
-        args.threshold,
-        args.soft,
-        args.antialias,
-        replicas,
+        model, tokenizer, args.goal, args.baseline, args.alpha, args.reward_batch_size, devices[0], *family, replicas
     )
     if args.reward_family == "projection":
         check_goal_direction(reward_model.goal_embeddings, reward_model.baseline_embeddings, args.alpha)
@@ -1059,36 +986,27 @@ def check_writable(folder: str) -> None:
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
-        raise UserError(
-            f"cannot write outputs to {os.path.abspath(folder)}/ ({existing} is not a writable folder); run from a folder you can write to."
-        )
+        raise UserError(f"cannot write to {os.path.abspath(folder)}/ ({existing} is not a writable folder); run from another.")
 
 
 def check_resources(args: Args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple) -> None:
-    """Estimate host memory (replay buffer + frames waiting for their reward) and refuse what cannot fit."""
+    """Refuse a run whose replay buffer, pending frames and sampled batch do not fit in the available memory."""
     action_bytes = 8 if isinstance(action_space, gym.spaces.Discrete) else 4 * int(np.prod(action_space.shape))
-    buffer_bytes = args.buffer_size * (
-        2 * 4 * int(np.prod(observation_space.shape)) + action_bytes + 4 + 4
-    )  # obs, next_obs, action, reward, done
-    pending_frames = args.reward_batch_size * max(1, len(args.reward_devices)) + args.num_envs  # one batch per reward device
-    frame_bytes = pending_frames * int(np.prod(frame_shape)) if args.reward == "clip" else 0
-    # a sampled batch: its transitions plus the activations kept for the backward pass (~16 layers of 256 floats)
-    batch_bytes = args.batch_size * (buffer_bytes // args.buffer_size + 16 * 256 * 4)
-    # --resume loads the saved buffer before copying it in: a new run needs room for both (a resumed one holds it already)
-    copy_bytes = buffer_bytes if args.save_buffer and args.resume is None else 0
-    available = available_memory()
-    print(
-        f"memory: replay buffer {buffer_bytes / 2**30:.2f} GiB + pending frames {frame_bytes / 2**30:.2f} GiB"
-        + (f" + batch {batch_bytes / 2**30:.2f} GiB" if batch_bytes >= 2**29 else "")
-        + (f" + buffer copy on --resume {copy_bytes / 2**30:.2f} GiB" if copy_bytes else "")
-        + (f" (available: {available / 2**30:.1f} GiB)" if available else "")
-    )
-    needs = {"--buffer-size": buffer_bytes + copy_bytes, "--reward-batch-size": frame_bytes, "--batch-size": batch_bytes}
-    if available and sum(needs.values()) > 0.9 * available:
+    transition = 2 * 4 * int(np.prod(observation_space.shape)) + action_bytes + 4 + 4  # obs, next_obs, action, reward, done
+    frames = args.reward_batch_size * max(1, len(args.reward_devices)) + args.num_envs  # awaiting their reward
+    needs = {  # --resume loads the saved buffer before copying it in: a run saving it must fit it twice
+        "--buffer-size": args.buffer_size * transition * (2 if args.save_buffer and args.resume is None else 1),
+        "--reward-batch-size": frames * int(np.prod(frame_shape)) if args.reward == "clip" else 0,
+        "--batch-size": args.batch_size * (transition + 16 * 256 * 4),  # with the activations of ~16 layers of 256 floats
+    }
+    total, available, gib = sum(needs.values()), available_memory(), 2**30
+    print(f"memory: {total / gib:.2f} GiB (" + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in needs.items()) + ")", end="")
+    print(f", {available / gib:.1f} GiB available" if available else "")
+    if available and total > 0.9 * available:
         flag = max(needs, key=needs.get)
         raise UserError(
-            f"{flag} {getattr(args, flag[2:].replace('-', '_'))} makes the run need {sum(needs.values()) / 2**30:.1f} GiB of memory "
-            f"({', '.join(f'{k}: {v / 2**30:.1f} GiB' for k, v in needs.items() if v)}) but only {available / 2**30:.1f} GiB is available; lower {flag}."
+            f"{flag} {getattr(args, flag[2:].replace('-', '_'))} makes the run need {total / gib:.1f} GiB of memory, "
+            f"but {available / gib:.1f} GiB is available; lower {flag}."
         )
 
 
@@ -1103,106 +1021,71 @@ def available_memory() -> int:
 
 def read_checkpoint(path: str, flag: str = "--resume") -> dict:
     """A checkpoint of this script (resumable for --resume), or a one-sentence error."""
-    if not os.path.isfile(path):
-        raise UserError(f"{flag} {path}: no such file; pass a checkpoint.pt written by this script.")
-    try:
-        # our own file with RNG states and arrays: weights_only=False, so only resume checkpoints you trust
+    try:  # our own file with RNG states and arrays: weights_only=False, so only load checkpoints you trust
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
-        raise UserError(
-            f"{flag} {path} is not a readable checkpoint ({type(e).__name__}); pass the checkpoint.pt written by this script."
-        ) from None
-    if (
-        not isinstance(checkpoint, dict)
-        or not isinstance(checkpoint.get("args"), dict)
-        or not set(checkpoint["args"]) <= {f.name for f in fields(Args)}
-    ):
+    except Exception as e:  # noqa: BLE001 - a missing, truncated or foreign file
+        raise UserError(f"{flag} {path} is not a readable checkpoint ({type(e).__name__}); pass a checkpoint.pt.") from None
+    saved = checkpoint.get("args") if isinstance(checkpoint, dict) else None
+    if not isinstance(saved, dict) or not set(saved) <= {f.name for f in fields(Args)}:
         raise UserError(f"{flag} {path} was written by another script; pass a checkpoint.pt of {os.path.basename(__file__)}.")
-    if flag == "--resume" and ("iteration" not in checkpoint or "rng" not in checkpoint):
-        raise UserError(
-            f"--resume {path} holds no resumable training state (a model.pt, or networks saved when training stopped on a non-finite value); pass a checkpoint.pt saved at an episode boundary."
-        )
+    if flag == "--resume" and not {"iteration", "rng"} <= set(checkpoint):
+        raise UserError(f"--resume {path} holds no resumable training state; pass a checkpoint.pt saved during training.")
     return checkpoint
 
 
 def resumed_args(args: Args, checkpoint: dict) -> Args:
     """The run's own flags; a flag given next to --resume that would change them is refused, never silently ignored."""
-    default, saved = Args(), checkpoint["args"]
-    changed = [
-        f.name
-        for f in fields(Args)
-        if f.name != "resume"
-        and getattr(args, f.name) != getattr(default, f.name)
-        and getattr(args, f.name) != saved.get(f.name, getattr(default, f.name))
-    ]
+    saved, default = checkpoint["args"], vars(Args())
+    changed = [k for k, v in vars(args).items() if k != "resume" and default[k] != v != saved.get(k, default[k])]
     if changed:
-        raise UserError(
-            f"--resume continues a run with the flags it was started with; drop {', '.join('--' + n.replace('_', '-') for n in changed)} (or start a new run)."
-        )
-    return Args(**{"episodes": "fixed", **saved, "resume": args.resume})  # older checkpoints: fixed
+        flags = ", ".join("--" + k.replace("_", "-") for k in changed)
+        raise UserError(f"--resume continues a run with its own flags; drop {flags} (or start a new run).")
+    return Args(**{"episodes": "fixed", **saved, "resume": args.resume})  # checkpoints older than --episodes: fixed
 
 
 def check_clip_args(args: Args) -> None:
+    """Refuse an unknown CLIP architecture, pretrained tag, config file or weights file before anything is loaded."""
+    import json
+
     import open_clip
 
     if args.clip_model.endswith(".json"):
-        if not os.path.isfile(args.clip_model):
-            raise UserError(f"--clip-model {args.clip_model}: no such model config file.")
-        import json
-
         try:
             with open(args.clip_model, encoding="utf-8") as f:
                 config = json.load(f)
         except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
+            raise UserError(f"--clip-model {args.clip_model} is not a readable JSON file ({type(e).__name__}).") from None
+        required = {"embed_dim": int, "vision_cfg": dict, "text_cfg": dict}  # open_clip skips a config without them, silently
+        if not isinstance(config, dict) or not all(isinstance(config.get(k), t) for k, t in required.items()):
             raise UserError(
-                f"--clip-model {args.clip_model} is not a readable JSON file ({type(e).__name__}: "
-                f"{str(e)[:120]}); pass an open_clip model config such as tests/vlmrm-tiny-test.json."
-            ) from None
-        # open_clip silently skips a config without these, and then reports an unknown model
-        required = [("embed_dim", int), ("vision_cfg", dict), ("text_cfg", dict)]
-        if not isinstance(config, dict) or not all(isinstance(config.get(k), t) for k, t in required):
-            raise UserError(
-                f"--clip-model {args.clip_model} is JSON but not an open_clip model config (it needs an integer "
-                "embed_dim and the objects vision_cfg and text_cfg, as in tests/vlmrm-tiny-test.json)."
+                f"--clip-model {args.clip_model} is not an open_clip model config (it needs an integer embed_dim, "
+                "vision_cfg and text_cfg, as in tests/vlmrm-tiny-test.json)."
             )
-        return
-    if args.clip_model not in open_clip.list_models():
-        raise UserError(
-            f'--clip-model {args.clip_model} is not an open_clip architecture; run `python -c "import open_clip; print(open_clip.list_models())"` to see them (e.g. ViT-bigG-14, ViT-L-14, RN50).'
-        )
-    if args.clip_checkpoint is not None:
-        if not os.path.isfile(args.clip_checkpoint):
+    elif args.clip_model not in open_clip.list_models():
+        raise UserError(f"--clip-model {args.clip_model} is not an open_clip architecture (see open_clip.list_models()).")
+    elif args.clip_checkpoint is None and args.clip_pretrained != "none":
+        tags = open_clip.list_pretrained_tags_by_model(args.clip_model)
+        if args.clip_pretrained not in tags:
             raise UserError(
-                f"--clip-checkpoint {args.clip_checkpoint}: no such file; pass the path of a downloaded open_clip weights file."
+                f"--clip-pretrained {args.clip_pretrained} is not a tag of {args.clip_model}: {', '.join(['none', *tags])}."
             )
-        return
-    tags = open_clip.list_pretrained_tags_by_model(args.clip_model)
-    if args.clip_pretrained != "none" and args.clip_pretrained not in tags:
-        raise UserError(
-            f"--clip-pretrained {args.clip_pretrained} is not a pretrained tag of {args.clip_model}; its tags are: {', '.join(tags) or 'none'}."
-        )
+    if args.clip_checkpoint is not None and not os.path.isfile(args.clip_checkpoint):
+        raise UserError(f"--clip-checkpoint {args.clip_checkpoint}: no such file.")
 
 
 def same_prompts(goal: tuple[str, ...], baseline: tuple[str, ...]) -> bool:
-    """Goal and baseline prompts that CLIP cannot tell apart: its tokenizer ignores case and extra spaces."""
-
-    def canonical(prompts):
-        return sorted({" ".join(p.lower().split()) for p in prompts})
-
-    return canonical(goal) == canonical(baseline)
+    """Prompts that CLIP cannot tell apart: its tokenizer ignores case and extra spaces."""
+    return {" ".join(p.lower().split()) for p in goal} == {" ".join(p.lower().split()) for p in baseline}
 
 
 def resolve_negatives(goal: tuple[str, ...], negatives: Optional[tuple[str, ...]], flag: str) -> tuple[str, ...]:
     """The softmax family's negative prompts: --negatives, else the defaults of the default goal; one-sentence errors."""
     negatives = DEFAULT_NEGATIVES.get(tuple(goal), ()) if negatives is None else tuple(negatives)
-    if not negatives or any(not n.strip() for n in negatives):
+    if not negatives or not all(n.strip() for n in negatives):
+        raise UserError(f"{flag} needs --negatives prompts, what the goal is not (the default --goal has defaults).")
+    if set(negatives) & set(goal):
         raise UserError(
-            f"{flag} needs at least one non-empty --negatives prompt describing what the goal is not (default negatives go with the default --goal only)."
-        )
-    shared = sorted(set(negatives) & set(goal))
-    if shared:
-        raise UserError(
-            f"--negatives and --goal share the prompt {shared[0]!r}; a negative must describe something the goal is not."
+            f"--negatives and --goal share {min(set(negatives) & set(goal))!r}; a negative is what the goal is not."
         )
     return negatives
 
@@ -1214,97 +1097,67 @@ def check_goal_direction(
     g = F.normalize(goal_embeddings.float(), dim=-1).mean(0)
     b = F.normalize(baseline_embeddings.float(), dim=-1).mean(0)
     if alpha > 0 and (g - b).norm() < 1e-4:  # real prompt pairs are > 0.1 apart; float32 round-off is ~1e-6
-        raise UserError(
-            f"--goal and --baseline have the same CLIP embedding, so the goal-baseline direction is zero; "
-            f"change one or use {flag} 0 (got {alpha})."
-        )
-
-
-HUB_TIMEOUT_S = 5.0  # how long to wait for the download host before saying it cannot be reached
+        raise UserError(f"--goal and --baseline have one CLIP embedding, so d = g - b is zero; change one or use {flag} 0.")
 
 
 def fetch_clip_weights(args: Args) -> bool:
-    """Download the weights of --clip-model/--clip-pretrained into the cache, saying so first; True when they are cached.
-
-    Already cached: nothing is fetched (and load_clip then never touches the network). Not cached: one line says
-    what is fetched, and an unreachable host is one sentence within seconds instead of a minute of retries.
-    """
+    """Download the --clip-pretrained weights into the cache unless there, saying so first; True when cached."""
+    import huggingface_hub.constants as hub
     import open_clip
 
-    model_name = Path(args.clip_model).stem if args.clip_model.endswith(".json") else args.clip_model
-    if args.clip_checkpoint is not None or args.clip_pretrained == "none":
-        return False
-    cfg = open_clip.get_pretrained_cfg(model_name, args.clip_pretrained)
-    if not cfg:
-        return False  # not a known tag: create_model says so
-    hf_hub = cfg.get("hf_hub", "") if open_clip.pretrained.has_hf_hub() else ""
-    if hf_hub:
-        import huggingface_hub
-
-        repo_id, filename = os.path.split(hf_hub)
-        filename = filename or "open_clip_pytorch_model.bin"  # open_clip's default name on the hub
-        safe_names = getattr(open_clip.pretrained, "_get_safe_alternatives", lambda name: [])  # tried first when present
-        names = [*safe_names(filename), filename]
-        if any(
-            isinstance(huggingface_hub.try_to_load_from_cache(repo_id, name, cache_dir=args.clip_cache_dir), str)
-            for name in names
-        ):
-            return True
-        url = huggingface_hub.constants.ENDPOINT
-        offline = huggingface_hub.constants.HF_HUB_OFFLINE
-    else:
-        url, offline = cfg.get("url", ""), False
-        if os.path.isfile(os.path.join(args.clip_cache_dir or os.path.expanduser("~/.cache/clip"), os.path.basename(url))):
-            return True
-    size = ""
-    try:  # parameters counted on the meta device: no memory, well under a second even for ViT-bigG-14
-        logging.disable(logging.WARNING)
-        with torch.device("meta"):
-            params = sum(p.numel() for p in open_clip.create_model(model_name, device="meta").parameters())
-        size = f" ({params / 1e6:,.0f}M parameters, about {params * 4 / 1e9:.1f} GB as float32)"
-    except Exception:  # noqa: BLE001 - the size is a courtesy
+    name, cache = Path(args.clip_model).stem, args.clip_cache_dir
+    cfg = open_clip.get_pretrained_cfg(name, args.clip_pretrained)
+    if args.clip_checkpoint is not None or not cfg:
+        return False  # a weights file, random weights, or a tag that create_model refuses
+    offline, hub.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE, True
+    try:
+        open_clip.download_pretrained(cfg, cache_dir=cache)  # offline: from the cache, or an error at once
+        return True
+    except Exception:  # noqa: BLE001 - not in the cache
         pass
     finally:
+        hub.HF_HUB_OFFLINE = offline
+    logging.disable(logging.WARNING)  # the model counted here has random weights, as open_clip would warn
+    try:  # counted on the meta device: no memory, well under a second even for ViT-bigG-14
+        with torch.device("meta"):
+            params = sum(p.numel() for p in open_clip.create_model(name, device="meta").parameters())
+        size = f" ({params / 1e6:,.0f}M parameters, about {params * 4 / 1e9:.1f} GB as float32)"
+    except Exception:  # noqa: BLE001 - the size is a courtesy
+        size = ""
+    finally:
         logging.disable(logging.NOTSET)
-    print(
-        f"fetching the {model_name}/{args.clip_pretrained} CLIP weights{size} from {url} into "
-        f"{args.clip_cache_dir or 'the Hugging Face cache'}",
-        flush=True,
-    )
-    detail = "HF_HUB_OFFLINE is set and they are not in the cache" if offline else can_reach(url)
-    if detail is None:
+    where = cache or "the Hugging Face cache"
+    print(f"fetching the {name}/{args.clip_pretrained} CLIP weights{size} from {hub.ENDPOINT} into {where}", flush=True)
+    why = "HF_HUB_OFFLINE is set and they are not in the cache" if offline else can_reach(hub.ENDPOINT)
+    if why is None:
         try:
-            open_clip.download_pretrained(cfg, cache_dir=args.clip_cache_dir)
+            open_clip.download_pretrained(cfg, cache_dir=cache)
             return True
         except Exception as e:  # noqa: BLE001 - every failure here has the same fixes
-            detail = str(e).splitlines()[0] if str(e) else type(e).__name__
-    detail = detail if len(detail) <= 160 else detail[:157] + "..."
+            why = (str(e).splitlines() or [type(e).__name__])[0][:160]
     raise UserError(
-        f"could not download or find the {model_name}/{args.clip_pretrained} CLIP weights ({detail}); check the "
-        "network connection, point --clip-cache-dir at a folder that already holds them, or pass a local weights "
-        "file with --clip-checkpoint."
+        f"could not download the {name}/{args.clip_pretrained} CLIP weights ({why}); check the network connection, "
+        "point --clip-cache-dir at a folder that holds them, or pass a weights file with --clip-checkpoint."
     )
 
 
-def can_reach(url: str, timeout: float = HUB_TIMEOUT_S) -> Optional[str]:
-    """None when a TCP connection to the URL's host (or the HTTPS proxy in use) opens within `timeout`, else why not."""
+def can_reach(url: str, timeout: float = 5.0) -> Optional[str]:
+    """None when the URL's host (or the HTTPS proxy in use) accepts a connection within seconds, else why not."""
     import socket
-    import urllib.parse
     import urllib.request
+    from urllib.parse import urlparse
 
-    host = urllib.parse.urlparse(url).hostname or ""
     proxy = urllib.request.getproxies().get("https")
-    target = urllib.parse.urlparse(proxy if proxy and not urllib.request.proxy_bypass(host) else url)
+    target = urlparse(proxy if proxy and not urllib.request.proxy_bypass(urlparse(url).hostname) else url)
     try:
-        port = target.port or (443 if target.scheme == "https" else 80)
-        socket.create_connection((target.hostname, port), timeout=timeout).close()
-        return None
-    except OSError as e:
+        socket.create_connection((target.hostname, target.port or (443 if target.scheme == "https" else 80)), timeout).close()
+    except OSError as e:  # a minute of open_clip's retries, said in 5 s
         return f"{target.hostname} cannot be reached: {e.strerror or type(e).__name__}"
+    return None
 
 
 def warn_if_slow_on_cpu(reward_model: CLIPReward, args: Args, frame_shape: tuple[int, int, int]) -> None:
-    """A real-size CLIP on CPU takes seconds per frame: measure it once and say what to do instead."""
+    """A real-size CLIP on CPU takes seconds per frame: time it once and say what to do instead."""
     if reward_model.device.type != "cpu":
         return
     frames = np.zeros((8, *frame_shape), dtype=np.uint8)
@@ -1312,22 +1165,16 @@ def warn_if_slow_on_cpu(reward_model: CLIPReward, args: Args, frame_shape: tuple
     start = time.perf_counter()
     reward_model(frames)
     seconds = (time.perf_counter() - start) / len(frames)
-    total = seconds * args.total_timesteps
-    duration = f"{total / 3600:.1f} h" if total >= 3600 else f"{total / 60:.0f} min"
+    advice = (
+        "; use a GPU, or --clip-model RN50 --clip-pretrained openai" if seconds > 0.05 and args.clip_model != "RN50" else ""
+    )
     print(
-        f"note: scoring a frame with {Path(args.clip_model).stem} on CPU takes {seconds * 1000:.0f} ms, so this run "
-        f"will spend about {duration} in the reward model"
-        + (
-            "; use a GPU, or a smaller model such as --clip-model RN50 --clip-pretrained openai"
-            if seconds > 0.05 and args.clip_model != "RN50"
-            else ""
-        )
+        f"note: scoring a frame with {Path(args.clip_model).stem} on CPU takes {seconds * 1000:.0f} ms, so this run will "
+        f"spend about {format_duration(seconds * args.total_timesteps)} in the reward model{advice}"
     )
 
 
 def save_video(frames: list[np.ndarray], path: str, fps: int = 50) -> None:
-    import imageio
-
     os.makedirs(os.path.dirname(path), exist_ok=True)
     imageio.mimwrite(path, frames, fps=fps, macro_block_size=8)
 
@@ -1345,31 +1192,26 @@ def save_checkpoint(path: str, state: dict) -> None:
     except BaseException as e:
         os.unlink(tmp)
         if isinstance(e, OSError):
-            raise UserError(
-                f"could not write {path} ({e.strerror or e}); the previous file there is intact, the partial one was removed."
-            ) from None
+            raise UserError(f"could not write {path} ({e.strerror or e}); the previous file there is intact.") from None
         raise
     dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself survives a power cut
-    finally:
-        os.close(dir_fd)
+    os.fsync(dir_fd)  # the rename itself survives a power cut
+    os.close(dir_fd)
 
 
 def make_run_folder(run_name: str) -> str:
-    """Create runs/<run_name>/ exclusively; two runs started in the same second get different folders."""
-    for suffix in range(1000):
-        name = run_name if suffix == 0 else f"{run_name}-{suffix}"
+    """Create runs/<run_name>/ exclusively: two runs started in the same second get different folders."""
+    for name in [run_name, *(f"{run_name}-{i}" for i in range(1, 1000))]:
         try:
             os.makedirs(f"runs/{name}")
             return name
         except FileExistsError:
-            continue
+            pass
     raise UserError(f"runs/{run_name} and 999 variants of it exist already; remove old runs or change --exp-name.")
 
 
 def rng_state(envs: gym.vector.VectorEnv) -> dict:
-    """Every random number generator the run draws from, so a resumed run continues the same stream."""
+    """Every random number generator the run draws from, so a resumed run continues the same streams."""
     return {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
@@ -1380,12 +1222,11 @@ def rng_state(envs: gym.vector.VectorEnv) -> dict:
 
 
 def save_nonfinite(run_name: str, networks: dict) -> str:
-    """Networks of a run stopped on a NaN, saved beside (never over) its resumable checkpoint; says where both are."""
+    """Saves the networks of a run stopped on a NaN beside (never over) its checkpoint; says where both are."""
     path, checkpoint = f"runs/{run_name}/nonfinite_networks.pt", f"runs/{run_name}/checkpoint.pt"
     save_checkpoint(path, networks)
-    return f"finite networks from before it were saved to {path}" + (
-        f" and the last resumable checkpoint {checkpoint} is kept" if os.path.exists(checkpoint) else ""
-    )
+    kept = f" and the last resumable checkpoint {checkpoint} is kept" if os.path.exists(checkpoint) else ""
+    return f"finite networks from before it were saved to {path}{kept}"
 
 
 def install_stop_handlers() -> dict:
@@ -1396,11 +1237,7 @@ def install_stop_handlers() -> dict:
         if stop["requested"]:
             raise KeyboardInterrupt
         stop["requested"] = True
-        print(
-            f"\n{signal.Signals(signum).name} received: saving a checkpoint at the end of the current episodes "
-            "(stock episodes: at the next step; send it again to quit without saving)",
-            flush=True,
-        )
+        print(f"\n{signal.Signals(signum).name} received: checkpoint after the current episodes (again: quit now)", flush=True)
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
@@ -1418,44 +1255,37 @@ def set_torch_threads(args: Args, device: torch.device) -> None:
 def format_duration(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"
-    seconds = int(round(seconds))
-    if seconds >= 3600:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 class Progress:
-    """One compact progress line: redrawn in place on a terminal, else printed every `interval` s (logs stay small)."""
+    """One progress line: redrawn in place on a terminal, else printed every `interval` seconds (logs stay small)."""
 
     def __init__(self, total_steps: int, start_step: int, clip: bool, recent: int, interval: float = 10.0):
-        self.total, self.start_step, self.clip = total_steps, start_step, clip
-        self.tty = sys.stdout.isatty()
-        self.interval = 0.5 if self.tty else interval
-        self.start = self.last = time.time()
-        self.gt_returns, self.clip_returns = deque(maxlen=recent), deque(maxlen=recent)
-        self.printed = None  # the step of the last line printed into a log: the final line never repeats it
+        self.total, self.start_step, self.clip, self.tty = total_steps, start_step, clip, sys.stdout.isatty()
+        self.interval, self.start = 0.5 if self.tty else interval, time.time()
+        self.last, self.printed = self.start, None  # printed: the step of the last line in a log, not repeated at the end
+        self.returns = deque(maxlen=recent)  # (gt_return, clip_return) of the last episodes
 
     def episode(self, gt_return: float, clip_return: float) -> None:
-        self.gt_returns.append(gt_return)
-        self.clip_returns.append(clip_return)
+        self.returns.append((gt_return, clip_return))
 
     def update(self, step: int, final: bool = False) -> None:
         now = time.time()
         if (not final and now - self.last < self.interval) or (final and not self.tty and self.printed == step):
             return
-        self.last, elapsed = now, now - self.start
+        elapsed, self.last = now - self.start, now
         sps = (step - self.start_step) / max(elapsed, 1e-9)
-        left = (self.total - step) / sps if sps > 0 else math.inf
-        line = (
-            f"step {step}/{self.total} ({100 * step / self.total:.0f}%) | {sps:.0f} steps/s"
-            f" | elapsed {format_duration(elapsed)} | left {format_duration(left)}"
-        )
-        if self.gt_returns:
-            line += f" | last {len(self.gt_returns)} episodes: gt_return {np.mean(self.gt_returns):.1f}"
-            line += f", clip_return {np.mean(self.clip_returns):.2f}" if self.clip else ""
-        if self.tty:  # cursor back to the line start: the next update, or any other message, overwrites it
-            sys.stdout.write("\r\x1b[K" + line + ("\n" if final else "\r"))
-            sys.stdout.flush()
+        left = format_duration((self.total - step) / sps if sps > 0 else math.inf)
+        line = f"step {step}/{self.total} ({100 * step / self.total:.0f}%) | {sps:.0f} steps/s"
+        line += f" | elapsed {format_duration(elapsed)} | left {left}"
+        if self.returns:
+            gt_return, clip_return = np.mean(self.returns, axis=0)
+            line += f" | last {len(self.returns)} episodes: gt_return {gt_return:.1f}"
+            line += f", clip_return {clip_return:.2f}" if self.clip else ""
+        if self.tty:  # back to the line start: the next update, or any other message, overwrites it
+            print("\r\x1b[K" + line, end="\n" if final else "\r", flush=True)
         else:
             print(line, flush=True)
             self.printed = step
@@ -1465,15 +1295,9 @@ if __name__ == "__main__":
     warnings.filterwarnings("ignore", message=".*No pretrained weights.*")
     try:
         main(tyro.cli(Args))
-    except UserError as e:
+    except (UserError, NonFiniteError, OSError) as e:  # OSError: the machine, not the input (a full disk, a folder removed)
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except NonFiniteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except OSError as e:  # the machine, not the input: a full disk, a folder removed under a running job
-        print(f"error: {e}.", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(2 if isinstance(e, UserError) else 1)
     except KeyboardInterrupt:
         print("interrupted without saving a checkpoint", file=sys.stderr)
         sys.exit(130)

@@ -229,15 +229,32 @@ def test_softmax_rejects_no_negatives(softmax_reward):
         softmax_reward(torch.randn(3, D), torch.randn(1, D), torch.zeros(0, D), 0.01, 0.5)
 
 
-@pytest.mark.parametrize("name", ["vlm_reward", "softmax_reward", "resolve_negatives", "CLIPReward", "load_clip"])
-def test_shared_reward_code_is_identical_in_both_training_scripts_and_the_tools_use_it(name):
-    sources = {script: inspect.getsource(getattr(importlib.import_module(script), name)) for script in SCRIPTS}
-    assert len(set(sources.values())) == 1, f"{name} differs between {list(sources)}"
-    defaults = [importlib.import_module(script).DEFAULT_NEGATIVES for script in SCRIPTS]
-    assert all(d == defaults[0] for d in defaults)
+# every block the two training scripts share: the same text, in the same order (save_video's frame rate and SAC's
+# all_finite differ), so `diff vlmrm_dqn_classic.py vlmrm_sac_humanoid.py` shows the algorithms
+SHARED = """UserError NonFiniteError vlm_reward DEFAULT_NEGATIVES softmax_reward load_clip CLIPReward make_reward_model
+check_writable check_resources available_memory read_checkpoint resumed_args check_clip_args same_prompts resolve_negatives
+check_goal_direction fetch_clip_weights can_reach warn_if_slow_on_cpu save_checkpoint make_run_folder rng_state save_nonfinite
+install_stop_handlers set_torch_threads format_duration Progress""".split()
+
+
+@pytest.mark.parametrize("name", SHARED)
+def test_shared_code_is_identical_in_both_training_scripts_and_the_tools_use_it(name):
+    objects = [getattr(importlib.import_module(script), name) for script in SCRIPTS]
+    if name == "DEFAULT_NEGATIVES":
+        assert objects[0] == objects[1]
+    else:
+        sources = [inspect.getsource(obj) for obj in objects]
+        assert sources[0] == sources[1], f"{name} differs between {SCRIPTS}"
     for tool in ["reward_shape", "epic_eval"]:  # one source of truth: the tools score with the training code itself
         tool_object = getattr(importlib.import_module(tool), name, None)
-        assert tool_object is None or tool_object is getattr(importlib.import_module("vlmrm_dqn_classic"), name)
+        assert tool_object is None or tool_object is objects[0]
+
+
+def test_shared_code_is_in_the_same_order_and_ends_with_the_same_main_block():
+    modules = [importlib.import_module(script) for script in SCRIPTS]
+    assert [[n for n in vars(m) if n in SHARED] for m in modules] == [SHARED] * 2
+    blocks = [inspect.getsource(m).split('\nif __name__ == "__main__":\n')[1] for m in modules]
+    assert blocks[0] == blocks[1]
 
 
 # ------------------------------------------------------------------------------------------------
