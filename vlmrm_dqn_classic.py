@@ -166,6 +166,9 @@ def check_args(args: Args) -> None:
     for name in (positive + " eval_episodes reward_batch_size video_interval checkpoint_frequency learning_rate").split():
         if not getattr(args, name) > 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
+    for name in "alpha gamma tau start_e end_e exploration_fraction".split():
+        if not 0 <= getattr(args, name) <= 1:
+            raise UserError(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}.")
     if args.total_timesteps % args.num_envs:  # every vector step takes one step in each env
         rounded = -(-args.total_timesteps // args.num_envs) * args.num_envs
         print(f"note: --total-timesteps {args.total_timesteps} rounded up to {rounded}, a multiple of --num-envs")
@@ -173,7 +176,6 @@ def check_args(args: Args) -> None:
     known = ["cpu", *(["cuda"] if torch.cuda.is_available() else []), *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
     unknown = [name for name in args.reward_devices if name not in known]
     for failed, message in [
-        (not 0 <= args.alpha <= 1, f"--alpha must be in [0, 1], got {args.alpha}."),
         (not args.goal or not all(p.strip() for p in args.goal), "--goal needs at least one non-empty prompt."),
         (args.alpha > 0 and not all(p.strip() for p in args.baseline or [""]), "--baseline needs a prompt when --alpha > 0."),
         (
@@ -182,14 +184,6 @@ def check_args(args: Args) -> None:
         ),
         (not 0 < args.temperature < math.inf, f"--temperature must be a positive number, got {args.temperature}."),
         (not 0 < args.threshold < 1, f"--threshold must be in (0, 1), got {args.threshold}."),
-        (not 0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}."),
-        (not 0 <= args.tau <= 1, f"--tau must be in [0, 1], got {args.tau}."),
-        (not 0 <= args.start_e <= 1, f"--start-e must be in [0, 1], got {args.start_e}."),
-        (not 0 <= args.end_e <= 1, f"--end-e must be in [0, 1], got {args.end_e}."),
-        (
-            not 0 <= args.exploration_fraction <= 1,
-            f"--exploration-fraction must be in [0, 1], got {args.exploration_fraction}.",
-        ),
         (
             args.learning_starts >= args.total_timesteps,
             f"--learning-starts {args.learning_starts} is not below --total-timesteps {args.total_timesteps}; "
