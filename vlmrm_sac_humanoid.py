@@ -206,7 +206,7 @@ def check_args(args: Args) -> None:
         (args.batch_size > args.buffer_size, f"--batch-size {args.batch_size} exceeds --buffer-size {args.buffer_size}."),
         (args.torch_threads is not None and args.torch_threads < 0, "--torch-threads must be 0 (torch's default) or more."),
         (bool(unknown), f"--reward-devices {' '.join(unknown)} is not a device of this machine: {', '.join(known)}."),
-        (not 16 <= args.render_size <= 2048, f"--render-size must be in [16, 2048] pixels, got {args.render_size}."),
+        (not 16 <= args.render_size <= 2048, f"--render-size must be between 16 and 2048 pixels, got {args.render_size}."),
         (not entry_point, f"--env-id {args.env_id} is not a Gymnasium environment; use e.g. Humanoid-v5 or Hopper-v5."),
         (
             "mujoco" not in entry_point and not mountain_car,
@@ -1388,6 +1388,8 @@ def check_clip_args(args: Args) -> None:
     import open_clip
 
     if args.clip_model.endswith(".json"):
+        if not os.path.isfile(args.clip_model):
+            raise UserError(f"--clip-model {args.clip_model}: no such model config file.")
         try:
             with open(args.clip_model, encoding="utf-8") as f:
                 config = json.load(f)
@@ -1405,7 +1407,7 @@ def check_clip_args(args: Args) -> None:
         tags = open_clip.list_pretrained_tags_by_model(args.clip_model)
         if args.clip_pretrained not in tags:
             raise UserError(
-                f"--clip-pretrained {args.clip_pretrained} is not a tag of {args.clip_model}: {', '.join(['none', *tags])}."
+                f"--clip-pretrained {args.clip_pretrained} is not a pretrained tag of {args.clip_model}: {', '.join(['none', *tags])}."
             )
     if args.clip_checkpoint is not None and not os.path.isfile(args.clip_checkpoint):
         raise UserError(f"--clip-checkpoint {args.clip_checkpoint}: no such file.")
@@ -1420,11 +1422,10 @@ def resolve_negatives(goal: tuple[str, ...], negatives: Optional[tuple[str, ...]
     """The softmax family's negative prompts: --negatives, else the defaults of the default goal; one-sentence errors."""
     negatives = DEFAULT_NEGATIVES.get(tuple(goal), ()) if negatives is None else tuple(negatives)
     if not negatives or not all(n.strip() for n in negatives):
-        raise UserError(f"{flag} needs --negatives prompts, what the goal is not (the default --goal has defaults).")
-    if set(negatives) & set(goal):
-        raise UserError(
-            f"--negatives and --goal share {min(set(negatives) & set(goal))!r}; a negative is what the goal is not."
-        )
+        raise UserError(f"{flag} needs at least one non-empty --negatives prompt (only the default --goal has defaults).")
+    shared = sorted(set(negatives) & set(goal))
+    if shared:
+        raise UserError(f"--negatives and --goal share the prompt {shared[0]!r}; a negative is what the goal is not.")
     return negatives
 
 
@@ -1435,7 +1436,7 @@ def check_goal_direction(
     g = F.normalize(goal_embeddings.float(), dim=-1).mean(0)
     b = F.normalize(baseline_embeddings.float(), dim=-1).mean(0)
     if alpha > 0 and (g - b).norm() < 1e-4:  # real prompt pairs are > 0.1 apart; float32 round-off is ~1e-6
-        raise UserError(f"--goal and --baseline have one CLIP embedding, so d = g - b is zero; change one or use {flag} 0.")
+        raise UserError(f"--goal and --baseline have the same CLIP embedding, so d = g - b is 0; change one or use {flag} 0.")
 
 
 def fetch_clip_weights(args: Args) -> bool:
