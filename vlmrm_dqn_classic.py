@@ -257,8 +257,7 @@ def softmax_reward(
     """R(s) = 1 if p > threshold else 0 (p itself if soft), p = the goal's softmax(cos(s, e_k) / temperature) vs negatives."""
     if len(negative_embeddings) == 0 or not 0 < temperature < math.inf or not 0 < threshold < 1:
         raise ValueError(
-            f"softmax_reward needs a negative prompt embedding (got {len(negative_embeddings)}), a positive finite "
-            f"temperature (got {temperature}) and a threshold in (0, 1) (got {threshold})"
+            f"need negatives, 0 < temperature < inf, 0 < threshold < 1: {len(negative_embeddings)}, {temperature}, {threshold}"
         )
     s = F.normalize(image_embeddings.float(), dim=-1)
     g = F.normalize(F.normalize(goal_embeddings.float(), dim=-1).mean(0), dim=-1)  # the goal prompts form one class
@@ -1059,11 +1058,11 @@ def check_clip_args(args: Args) -> None:
             )
     elif args.clip_model not in open_clip.list_models():
         raise UserError(f"--clip-model {args.clip_model} is not an open_clip architecture (see open_clip.list_models()).")
-    elif args.clip_checkpoint is None and args.clip_pretrained != "none":
-        tags = open_clip.list_pretrained_tags_by_model(args.clip_model)
+    elif args.clip_checkpoint is None:
+        tags = ["none", *open_clip.list_pretrained_tags_by_model(args.clip_model)]
         if args.clip_pretrained not in tags:
             raise UserError(
-                f"--clip-pretrained {args.clip_pretrained} is not a pretrained tag of {args.clip_model}: {', '.join(['none', *tags])}."
+                f"--clip-pretrained {args.clip_pretrained} is not a pretrained tag of {args.clip_model}: {', '.join(tags)}."
             )
     if args.clip_checkpoint is not None and not os.path.isfile(args.clip_checkpoint):
         raise UserError(f"--clip-checkpoint {args.clip_checkpoint}: no such file.")
@@ -1161,7 +1160,7 @@ def warn_if_slow_on_cpu(reward_model: CLIPReward, args: Args, frame_shape: tuple
     reward_model(frames)
     seconds = (time.perf_counter() - start) / len(frames)
     advice = (
-        "; use a GPU, or --clip-model RN50 --clip-pretrained openai" if seconds > 0.05 and args.clip_model != "RN50" else ""
+        "; use a GPU or --clip-model RN50 --clip-pretrained openai" if seconds > 0.05 and args.clip_model != "RN50" else ""
     )
     print(
         f"note: scoring a frame with {Path(args.clip_model).stem} on CPU takes {seconds * 1000:.0f} ms, so this run will "
