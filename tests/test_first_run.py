@@ -17,28 +17,10 @@ import vlmrm_sac_humanoid as sac
 SCRIPTS = {classic: "vlmrm_dqn_classic.py", sac: "vlmrm_sac_humanoid.py"}
 SHORT_RUNS = {  # ground truth, a few seconds: 10 episodes (DQN), 8 episodes (SAC, 2 envs)
     classic: ["--reward", "gt", "--episodes", "fixed", "--total-timesteps", "2000", "--learning-starts", "500"],
-    sac: [
-        "--env-id",
-        "InvertedPendulum-v5",
-        "--reward",
-        "gt",
-        "--episodes",
-        "fixed",
-        "--num-envs",
-        "2",
-        "--episode-length",
-        "50",
-        "--total-timesteps",
-        "400",
-        "--learning-starts",
-        "200",
-        "--train-frequency",
-        "10",
-        "--gradient-steps",
-        "2",
-        "--batch-size",
-        "32",
-    ],
+    sac: (
+        "--env-id InvertedPendulum-v5 --reward gt --episodes fixed --num-envs 2 --episode-length 50 "
+        "--total-timesteps 400 --learning-starts 200 --train-frequency 10 --gradient-steps 2 --batch-size 32"
+    ).split(),
 }
 PROGRESS = re.compile(
     r"^step (\d+)/(\d+) \(\d+%\) \| \d+ steps/s \| elapsed \S+ \| left \S+"

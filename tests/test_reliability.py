@@ -30,44 +30,12 @@ import vlmrm_sac_humanoid as sac
 DQN = "vlmrm_dqn_classic.py"
 SAC = "vlmrm_sac_humanoid.py"
 # fixed-length episodes: an exact resume (stock episodes restart the episodes in flight, see below)
-DQN_FLAGS = [
-    "--reward",
-    "gt",
-    "--episodes",
-    "fixed",
-    "--total-timesteps",
-    "6000",
-    "--learning-starts",
-    "1000",
-    "--seed",
-    "3",
-    "--save-buffer",
-]
-SAC_FLAGS = [
-    "--env-id",
-    "InvertedPendulum-v5",
-    "--reward",
-    "gt",
-    "--episodes",
-    "fixed",
-    "--num-envs",
-    "2",
-    "--episode-length",
-    "50",
-    "--total-timesteps",
-    "1600",
-    "--learning-starts",
-    "300",
-    "--train-frequency",
-    "10",
-    "--gradient-steps",
-    "10",
-    "--batch-size",
-    "64",
-    "--seed",
-    "3",
-    "--save-buffer",
-]
+DQN_FLAGS = "--reward gt --episodes fixed --total-timesteps 6000 --learning-starts 1000 --seed 3 --save-buffer".split()
+SAC_FLAGS = (
+    "--env-id InvertedPendulum-v5 --reward gt --episodes fixed --num-envs 2 --episode-length 50 "
+    "--total-timesteps 1600 --learning-starts 300 --train-frequency 10 --gradient-steps 10 --batch-size 64 "
+    "--seed 3 --save-buffer"
+).split()
 
 
 def logged(run_dir, *tags):
@@ -118,24 +86,10 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path, scri
         (DQN, ["--reward", "gt", "--num-envs", "4", "--total-timesteps", "4000", "--learning-starts", "500"]),
         (
             SAC,
-            [
-                "--env-id",
-                "InvertedPendulum-v5",
-                "--reward",
-                "gt",
-                "--num-envs",
-                "4",
-                "--total-timesteps",
-                "2000",
-                "--learning-starts",
-                "300",
-                "--train-frequency",
-                "10",
-                "--gradient-steps",
-                "5",
-                "--batch-size",
-                "64",
-            ],
+            (
+                "--env-id InvertedPendulum-v5 --reward gt --num-envs 4 --total-timesteps 2000 --learning-starts 300 "
+                "--train-frequency 10 --gradient-steps 5 --batch-size 64"
+            ).split(),
         ),
     ],
     ids=["dqn", "sac"],
@@ -166,16 +120,7 @@ def test_stock_episodes_stop_at_the_next_step_and_resume_with_restarted_episodes
 def test_same_seed_same_returns_dqn_with_clip_reward(tmp_path):
     flags = [
         *TINY_CLIP_FLAGS,
-        "--total-timesteps",
-        "800",
-        "--learning-starts",
-        "200",
-        "--train-frequency",
-        "4",
-        "--episode-length",
-        "100",
-        "--alpha",
-        "0.5",
+        *"--total-timesteps 800 --learning-starts 200 --train-frequency 4 --episode-length 100 --alpha 0.5".split(),
     ]
     results = []
     for name in ("a", "b"):
@@ -189,24 +134,10 @@ def test_same_seed_same_returns_dqn_with_clip_reward(tmp_path):
 def test_same_seed_same_returns_sac_with_clip_reward_in_subprocess_envs(tmp_path):
     flags = [
         *TINY_CLIP_FLAGS,
-        "--num-envs",
-        "2",
-        "--render-size",
-        "48",
-        "--episode-length",
-        "50",
-        "--total-timesteps",
-        "400",
-        "--learning-starts",
-        "100",
-        "--train-frequency",
-        "10",
-        "--gradient-steps",
-        "5",
-        "--batch-size",
-        "32",
-        "--render-quality",
-        "fast",
+        *(
+            "--num-envs 2 --render-size 48 --episode-length 50 --total-timesteps 400 --learning-starts 100 "
+            "--train-frequency 10 --gradient-steps 5 --batch-size 32 --render-quality fast"
+        ).split(),
     ]
     results = []
     for name in ("a", "b"):
@@ -355,17 +286,7 @@ def run_with_failing_writer(tmp_path, failure: str, timeout: int = 120) -> subpr
         runpy.run_path(sys.argv[0], run_name="__main__")
     """)
     )
-    flags = [
-        *TINY_CLIP_FLAGS,
-        "--num-envs",
-        "2",
-        "--render-size",
-        "48",
-        "--total-timesteps",
-        "400",
-        "--learning-starts",
-        "100",
-    ]
+    flags = [*TINY_CLIP_FLAGS, *"--num-envs 2 --render-size 48 --total-timesteps 400 --learning-starts 100".split()]
     # a session of its own: the Ctrl-C goes to the script's process group only; Python's own SIGINT handling restored
     return subprocess.run(
         [sys.executable, str(tmp_path / "run.py"), str(ROOT / SAC), *flags],
