@@ -27,7 +27,7 @@ def decoding_forward(self, frames: np.ndarray) -> np.ndarray:
 
 def test_reward_belongs_to_the_frame_after_the_step_across_subprocess_autoresets(in_tmp, monkeypatch):
     # the env subprocesses are forked after this patch, so they render stamped frames
-    monkeypatch.setattr(sac.RenderQuality, "render", stamped_render)
+    monkeypatch.setattr(sac.Renderer, "render", stamped_render)
     monkeypatch.setattr(sac.CLIPReward, "forward", decoding_forward)
     monkeypatch.setattr(sac, "warn_if_slow_on_cpu", lambda *a: None)
     added = []
