@@ -801,15 +801,8 @@ def main(args: Args) -> None:
     torch.backends.cudnn.deterministic = args.torch_deterministic
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     set_torch_threads(args, device)
-    env_args = (
-        args.episode_length,
-        args.render_size,
-        args.render_quality,
-        args.realistic,
-        args.camera,
-        args.episodes == "fixed",
-    )
-    eval_env_fns = [make_env(args.env_id, args.seed + 10_000, 0, *env_args)]
+    opts = (args.episode_length, args.render_size, args.render_quality, args.realistic, args.camera, args.episodes == "fixed")
+    eval_env_fns = [make_env(args.env_id, args.seed + 10_000, 0, *opts)]
 
     if args.evaluate is not None:
         eval_envs = gym.vector.SyncVectorEnv(eval_env_fns)
@@ -826,18 +819,17 @@ def main(args: Args) -> None:
             print(f"eval episode {i}: {returns} -> {folder}.mp4")
         return
 
-    # the reward model first: a failed download or an unusable prompt is one sentence before anything starts; on CUDA
-    # only the download, as the env processes must fork before CUDA starts (the model is built after them)
+    # the reward model first (a bad download or prompt fails before anything starts); on CUDA after the env processes fork
     reward_model = None
     if args.reward == "clip" and (device.type == "cuda" or any(d.startswith("cuda") for d in args.reward_devices)):
         fetch_clip_weights(args)
     elif args.reward == "clip":
         reward_model = make_reward_model(args, device)
-    # We reset finished envs ourselves (autoreset off): no reset frame or observation is ever stored as a transition,
-    # and episode ends are explicit for checkpoints. The env processes ignore Ctrl-C and SIGTERM: we decide when to stop.
+    # autoreset off: we reset finished envs ourselves, so no reset frame or observation is ever stored as a transition;
+    # the env processes ignore Ctrl-C and SIGTERM, so that the main process decides when to stop
     handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
     vector_env = gym.vector.SyncVectorEnv if args.reward == "gt" else gym.vector.AsyncVectorEnv  # gt renders nothing
-    env_fns = [make_env(args.env_id, args.seed, i, *env_args) for i in range(args.num_envs)]
+    env_fns = [make_env(args.env_id, args.seed, i, *opts) for i in range(args.num_envs)]
     envs = vector_env(env_fns, autoreset_mode=gym.vector.AutoresetMode.DISABLED)
     signal.signal(signal.SIGINT, handlers[0])
     signal.signal(signal.SIGTERM, handlers[1])
@@ -881,8 +873,7 @@ def main(args: Args) -> None:
         low, high = envs.single_action_space.low, envs.single_action_space.high
         action_scale, action_bias = (high - low) / 2.0, (high + low) / 2.0  # as the actor's, on the host: no device sync
 
-        # Transitions wait here until their frames are scored in one batch; they reach the replay buffer
-        # before the next gradient step, so training never samples a transition without its reward.
+        # transitions wait here until their frames are scored in one batch, always before the next gradient step
         pending = {k: [] for k in ("obs", "next_obs", "actions", "terminations", "dones", "gt", "frames")}
         components: list[str] = []  # the env's own reward terms (e.g. reward_forward), logged as diagnostics
         episode = {k: np.zeros(args.num_envs) for k in ("return", "gt_return", "clip_return", "length", "success")}
@@ -922,17 +913,15 @@ def main(args: Args) -> None:
                 with torch.no_grad():
                     actions = actor.get_action(torch.as_tensor(obs, dtype=torch.float32, device=device))[0].cpu().numpy()
 
+            env_actions = (actions * action_scale + action_bias).astype(np.float32)
             t0 = time.perf_counter()
-            next_obs, gt_rewards, terminations, truncations, infos = envs.step(
-                (actions * action_scale + action_bias).astype(np.float32)
-            )
+            next_obs, gt_rewards, terminations, truncations, infos = envs.step(env_actions)
             t1 = time.perf_counter()
             frames = np.stack(envs.call("render")) if render else None  # the frame *after* the step scores it
             timing["env"] += t1 - t0
             timing["render"] += time.perf_counter() - t1
             dones = terminations | truncations
-            # fixed-length episodes end together: the one point where the whole run state is small. Stock episodes end
-            # at different steps: their checkpoint is taken when due, and a resume restarts the episodes in flight.
+            # checkpoints when fixed-length episodes end together (a small run state); stock ones: when due, episodes restart
             stopping = stop["requested"]  # read once: a signal arriving after this is handled at the next step
             boundary = dones.all() or args.episodes == "stock"
             periodic = args.save_model and global_step // args.checkpoint_frequency != next_step // args.checkpoint_frequency
@@ -946,8 +935,7 @@ def main(args: Args) -> None:
                     pending[k].append(value)
 
             train_now = global_step >= args.learning_starts and iteration % args.train_frequency == 0
-            # scored for training, when every reward device has a --reward-batch-size chunk, at the end, and before a
-            # stock-episode checkpoint (it holds no pending transitions: their episodes restart on resume)
+            # scored for training, when each reward device has a full chunk, at the end, before a stock-episode checkpoint
             full = len(pending["obs"]) * args.num_envs >= args.reward_batch_size * max(1, len(args.reward_devices))
             if train_now or full or iteration == num_iterations - 1 or (save_now and args.episodes == "stock"):
                 t0 = time.perf_counter()
@@ -983,12 +971,8 @@ def main(args: Args) -> None:
                         if args.env_id == "MountainCarContinuous-v0":
                             scalars["charts/gt_success"] = ep["success"]
                         if render:
-                            scalars.update(
-                                {
-                                    "charts/clip_return": ep["clip_return"],
-                                    "charts/clip_reward_mean": ep["clip_return"] / ep["length"],
-                                }
-                            )
+                            scalars["charts/clip_return"] = ep["clip_return"]
+                            scalars["charts/clip_reward_mean"] = ep["clip_return"] / ep["length"]
                         for tag, value in scalars.items():
                             writer.add_scalar(tag, value, step)
                         for v in episode.values():
@@ -997,8 +981,7 @@ def main(args: Args) -> None:
 
             if train_now:
                 t0 = time.perf_counter()
-                # a finite copy of the learner, kept on the device and saved if a phase produces a NaN: taken about every 100
-                # gradient steps, not before every phase (that cost ~12% of the time at one gradient step per phase)
+                # a finite copy of the learner, saved if a phase produces a NaN: every ~100 gradient steps (a copy costs)
                 if steps_since_snapshot >= 100:
                     snapshot = {name: copy.deepcopy(module.state_dict()) for name, module in learner.items()}
                     snapshot["log_ent_coef"] = log_ent_coef.detach().clone()
