@@ -921,7 +921,7 @@ def main(args: Args) -> None:
             timing["env"] += t1 - t0
             timing["render"] += time.perf_counter() - t1
             dones = terminations | truncations
-            # checkpoints when fixed-length episodes end together (a small run state); stock ones: when due, episodes restart
+            # checkpoints where fixed-length episodes all end (a small run state); stock ones when due (episodes restart)
             stopping = stop["requested"]  # read once: a signal arriving after this is handled at the next step
             boundary = dones.all() or args.episodes == "stock"
             periodic = args.save_model and global_step // args.checkpoint_frequency != next_step // args.checkpoint_frequency
@@ -951,15 +951,15 @@ def main(args: Args) -> None:
                     )
                 rb.add(flat["obs"], flat["next_obs"], flat["actions"], rewards, flat["terminations"])
                 # episode sums in step order (rows are step-major: env i of step t is row t * num_envs + i)
-                for k, gt in enumerate(flat["gt"]):
+                for k, row in enumerate(flat["gt"]):
                     i = k % args.num_envs
                     episode["return"][i] += rewards[k]
-                    episode["gt_return"][i] += gt[0]
+                    episode["gt_return"][i] += row[0]
                     episode["clip_return"][i] += clip_rewards[k]
                     episode["length"][i] += 1
-                    episode["success"][i] = gt[1]  # latched by the env, cleared at its reset
+                    episode["success"][i] = row[1]  # latched by the env, cleared at its reset
                     for c, name in enumerate(components):
-                        episode.setdefault(name, np.zeros(args.num_envs))[i] += gt[2 + c]
+                        episode.setdefault(name, np.zeros(args.num_envs))[i] += row[2 + c]
                     if flat["dones"][k]:
                         step = global_step - (len(rewards) - 1 - k) // args.num_envs * args.num_envs  # the step it ended at
                         ep = {key: v[i] for key, v in episode.items()}
@@ -981,7 +981,7 @@ def main(args: Args) -> None:
 
             if train_now:
                 t0 = time.perf_counter()
-                # a finite copy of the learner, saved if a phase produces a NaN: every ~100 gradient steps (a copy costs)
+                # a finite copy of the learner, saved if a phase produces a NaN: every ~100 gradient steps, as copies cost time
                 if steps_since_snapshot >= 100:
                     snapshot = {name: copy.deepcopy(module.state_dict()) for name, module in learner.items()}
                     snapshot["log_ent_coef"] = log_ent_coef.detach().clone()
