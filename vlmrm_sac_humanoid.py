@@ -1,9 +1,7 @@
 """VLM-RM: SAC teaches a MuJoCo humanoid a task from one sentence, with a CLIP model as the reward.
 
-Every frame the (realistically textured) humanoid renders is scored by a pretrained CLIP model against a
-goal sentence, optionally regularised towards a baseline sentence with strength alpha (goal-baseline
-projection). One file, read top to bottom: flags, CLIP reward, environment, SAC networks, replay buffer,
-training loop.
+Each frame is scored by CLIP against a goal sentence, optionally regularised towards a baseline sentence (goal-baseline
+projection, strength alpha). Read top to bottom: flags, CLIP reward, environment, SAC networks and buffer, training loop.
 
     python vlmrm_sac_humanoid.py --goal "a humanoid robot kneeling"
 """
@@ -24,10 +22,9 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Callable, Literal, Optional
+from typing import Literal, Optional
 
-# MuJoCo picks its OpenGL backend at import time: headless EGL (GPU or Mesa software) unless the user
-# chose otherwise; PyOpenGL must agree with it, or the renderer fails to create a context.
+# MuJoCo picks its OpenGL backend at import time: headless EGL unless the user chose otherwise; PyOpenGL must agree
 os.environ.setdefault("MUJOCO_GL", "egl")
 if os.environ["MUJOCO_GL"] in ("egl", "osmesa"):
     os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
@@ -46,118 +43,63 @@ from torch.utils.tensorboard import SummaryWriter
 
 
 @dataclass
-class Args:
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment"""
-    seed: int = 1
-    """seed of the experiment"""
-    torch_deterministic: bool = True
-    """if toggled, `torch.backends.cudnn.deterministic=True`"""
-    cuda: bool = True
-    """if toggled, CUDA (when available) runs SAC and the reward model"""
-    torch_threads: Optional[int] = None
-    """torch CPU threads; default: 1 when the networks run on CPU (small networks gain nothing from more, and more threads
-    fight the env workers, renderer and other jobs for cores), untouched on GPU; 0 = torch's default (one per core)"""
-    log_episodes: bool = False
-    """if toggled, print one line per finished episode (always in TensorBoard) instead of only the progress line"""
-    capture_video: bool = False
-    """if toggled, save an MP4 of a deterministic episode every `--video-frequency` steps to `videos/<run_name>/`"""
-    video_frequency: int = 100_000
-    """environment steps between two evaluation videos"""
-    save_model: bool = False
-    """if toggled, save checkpoints to `runs/<run_name>/` every `--checkpoint-frequency` steps and at the end"""
-    checkpoint_frequency: int = 500_000
-    """environment steps between two checkpoints (fixed-length episodes: taken at the next episode boundary)"""
-    save_buffer: bool = False
-    """if toggled, checkpoints include the replay buffer, so `--resume` continues exactly as if never stopped"""
-    resume: Optional[str] = None
-    """path to a `checkpoint.pt`: continue that run (its flags, step, TensorBoard folder) until its `--total-timesteps`;
-    exact with fixed-length episodes, while stock episodes (`--episodes stock`) restart the episodes in flight"""
-    evaluate: Optional[str] = None
-    """path to a saved checkpoint: roll out its deterministic policy (video + frames) instead of training"""
-    eval_episodes: int = 3
-    """number of episodes of an evaluation"""
+class Args:  # the help of each flag is the comment after it
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # the name of this experiment
+    seed: int = 1  # seed of the experiment
+    torch_deterministic: bool = True  # if toggled, `torch.backends.cudnn.deterministic=True`
+    cuda: bool = True  # if toggled, CUDA (when available) runs SAC and the reward model
+    torch_threads: Optional[int] = None  # torch CPU threads; default 1 on CPU (more fight the env workers); 0 = torch's own
+    log_episodes: bool = False  # if toggled, print a line per finished episode, not only the progress line
+    capture_video: bool = False  # if toggled, save an MP4 of a deterministic episode every --video-frequency steps
+    video_frequency: int = 100_000  # environment steps between two evaluation videos (videos/<run_name>/)
+    save_model: bool = False  # if toggled, save a checkpoint.pt every --checkpoint-frequency steps and at the end
+    checkpoint_frequency: int = 500_000  # env steps between two checkpoints (fixed-length episodes: at the next episode end)
+    save_buffer: bool = False  # if toggled, checkpoints include the replay buffer, so --resume continues exactly
+    resume: Optional[str] = None  # a checkpoint.pt to continue until its --total-timesteps (stock episodes restart)
+    evaluate: Optional[str] = None  # a checkpoint.pt: roll out its deterministic policy (video + frames) instead of training
+    eval_episodes: int = 3  # number of episodes of an evaluation
 
     # Environment
-    env_id: str = "Humanoid-v5"
-    """a Gymnasium MuJoCo task (Humanoid-v5 gets the paper's camera and textures), or MountainCarContinuous-v0"""
-    episodes: Literal["auto", "fixed", "stock"] = "auto"
-    """fixed: `--episode-length` steps, no early termination (survival alone earns nothing); stock: the task's own
-    termination and time limit (e.g. Hopper-v5 as published); auto: fixed for `--reward clip`, stock for `--reward gt`"""
-    episode_length: Optional[int] = None
-    """fixed episode length (`--episodes fixed` only); default: the paper's, 100 (200 for MountainCarContinuous-v0)"""
-    render_size: int = 480
-    """square frame size: 480 = the paper's frames (the reward model squashes them to its input); 224 renders ~2x faster"""
-    render_quality: Literal["fast", "high"] = "high"
-    """high: MuJoCo's default shadows and reflections (the paper's frames); fast: both off (~4x faster in software)"""
-    realistic: bool = True
-    """the realistic look CLIP rewards are far better on: Humanoid: the paper's sky, slate floor and metal body;
-    MountainCarContinuous-v0: a landscape instead of Gymnasium's line art"""
-    camera: Literal["paper", "tracking"] = "paper"
-    """Humanoid only: paper = fixed frontal camera; tracking = same distance and angles, following the torso"""
+    env_id: str = "Humanoid-v5"  # a Gymnasium MuJoCo task (Humanoid: the paper's camera and look) or MountainCarContinuous-v0
+    episodes: Literal["auto", "fixed", "stock"] = "auto"  # auto: fixed with --reward clip, else stock; fixed: never terminated
+    episode_length: Optional[int] = None  # fixed episode length; default: the paper's, 100 (200 for MountainCarContinuous-v0)
+    render_size: int = 480  # square frame size: 480 = the paper's frames; 224 renders ~2x faster
+    render_quality: Literal["fast", "high"] = "high"  # high: shadows and reflections (the paper's); fast: off, ~4x faster
+    realistic: bool = True  # the realistic look CLIP rewards are better on (sky, slate floor, metal body; a car landscape)
+    camera: Literal["paper", "tracking"] = "paper"  # Humanoid: the paper's fixed frontal camera, or following the torso
 
     # Reward
-    reward: Literal["clip", "gt"] = "clip"
-    """learn from the CLIP reward, or from the environment's own reward (e.g. to check SAC on Hopper)"""
-    goal: tuple[str, ...] = ("a humanoid robot kneeling",)
-    """goal prompt(s) (MountainCarContinuous-v0's default: "a car at the peak of the mountain, next to the yellow flag")"""
-    baseline: tuple[str, ...] = ("a humanoid robot",)
-    """baseline prompt(s) for the goal-baseline projection (MountainCarContinuous-v0's default: "a car in the mountain")"""
-    alpha: float = 0.0
-    """regularisation strength in [0, 1]: 0 = plain cosine similarity, 1 = only the goal-baseline direction"""
-    clip_model: str = "ViT-bigG-14"
-    """open_clip architecture name, or the path of an open_clip model config (.json)"""
-    clip_pretrained: str = "laion2b_s39b_b160k"
-    """open_clip pretrained tag ("none" = random weights, for tests only)"""
-    clip_checkpoint: Optional[str] = None
-    """local weights file for `--clip-model` (overrides `--clip-pretrained`)"""
-    clip_cache_dir: Optional[str] = None
-    """where downloaded CLIP weights are cached (default: the Hugging Face cache)"""
-    reward_batch_size: int = 256
-    """frames scored per CLIP forward pass"""
-    reward_devices: tuple[str, ...] = ()
-    """devices of the reward model, e.g. `cuda:0 cuda:1`: one CLIP replica each, scoring one `--reward-batch-size` chunk
-    each per call, in parallel; default: the one device of `--cuda` (the env and the learner stay there either way)"""
-    reward_family: Literal["projection", "softmax"] = "projection"
-    """projection: the goal-baseline projection (--alpha); softmax: 1 if the goal beats --negatives in a softmax over cosines, else 0"""
-    negatives: Optional[tuple[str, ...]] = None
-    """softmax family: prompts the goal is contrasted with; default: our negatives for the default --goal (none for others)"""
-    temperature: float = 0.01
-    """softmax family: temperature tau of the softmax over cosine similarities (0.01 = CLIP's own logit scale 100)"""
-    threshold: float = 0.5
-    """softmax family: the reward is 1 when the goal's probability is above this, else 0; in (0, 1)"""
-    soft: bool = False
-    """softmax family: if toggled, the reward is the goal's probability itself instead of 0/1"""
-    antialias: bool = False
-    """if toggled, antialias the bicubic squash of frames to CLIP's input (default off, as in the paper's code)"""
+    reward: Literal["clip", "gt"] = "clip"  # learn from the CLIP reward, or from the environment's own (e.g. to check SAC)
+    goal: tuple[str, ...] = ("a humanoid robot kneeling",)  # goal prompt(s); MountainCar: its own default
+    baseline: tuple[str, ...] = ("a humanoid robot",)  # baseline prompt(s) of the goal-baseline projection
+    alpha: float = 0.0  # regularisation strength in [0, 1]: 0 = plain cosine similarity, 1 = only the goal-baseline direction
+    clip_model: str = "ViT-bigG-14"  # open_clip architecture name, or the path of an open_clip model config (.json)
+    clip_pretrained: str = "laion2b_s39b_b160k"  # open_clip pretrained tag ("none" = random weights, for tests only)
+    clip_checkpoint: Optional[str] = None  # local weights file for --clip-model (overrides --clip-pretrained)
+    clip_cache_dir: Optional[str] = None  # where downloaded CLIP weights are cached (default: the Hugging Face cache)
+    reward_batch_size: int = 256  # frames scored per CLIP forward pass
+    reward_devices: tuple[str, ...] = ()  # e.g. `cuda:0 cuda:1`: one CLIP replica each, in parallel; default: --cuda's device
+    reward_family: Literal["projection", "softmax"] = "projection"  # softmax: 1 if the goal beats --negatives, else 0
+    negatives: Optional[tuple[str, ...]] = None  # softmax: prompts the goal is contrasted with (defaults for the default goal)
+    temperature: float = 0.01  # softmax: temperature of the softmax over cosine similarities (0.01 = CLIP's logit scale)
+    threshold: float = 0.5  # softmax: the reward is 1 when the goal's probability is above this, in (0, 1)
+    soft: bool = False  # softmax: if toggled, the reward is the goal's probability itself instead of 0/1
+    antialias: bool = False  # if toggled, antialias the bicubic squash of frames to CLIP's input (off in the paper's code)
 
     # SAC (the paper's humanoid settings)
-    total_timesteps: int = 10_000_000
-    """total environment steps (summed over envs); rounded up to a multiple of `--num-envs` (with a note)"""
-    num_envs: int = 32
-    """the number of parallel environments (subprocesses)"""
-    buffer_size: int = 1_000_000
-    """the replay memory buffer size"""
-    gamma: float = 0.95
-    """the discount factor gamma"""
-    tau: float = 0.005
-    """target smoothing coefficient"""
-    batch_size: int = 512
-    """the batch size of sample from the replay memory"""
-    learning_starts: int = 50_000
-    """random-action steps before learning starts; below `--total-timesteps` (else refused, naming a value that works)"""
-    policy_lr: float = 6e-4
-    """the learning rate of the policy network optimizer"""
-    q_lr: float = 6e-4
-    """the learning rate of the Q network optimizer"""
-    train_frequency: int = 100
-    """vector steps between two training phases"""
-    gradient_steps: int = 100
-    """gradient steps per training phase"""
-    ent_coef: float = 1.0
-    """entropy regularisation coefficient (SAC's alpha; the initial value when autotuned: 1.0 as in Stable-Baselines3)"""
-    autotune: bool = True
-    """automatic tuning of the entropy coefficient towards entropy -|A| (log-probabilities on the unit action box, as SB3)"""
+    total_timesteps: int = 10_000_000  # total environment steps (summed over envs), rounded up to a multiple of --num-envs
+    num_envs: int = 32  # the number of parallel environments (subprocesses)
+    buffer_size: int = 1_000_000  # the replay memory buffer size
+    gamma: float = 0.95  # the discount factor gamma
+    tau: float = 0.005  # target smoothing coefficient
+    batch_size: int = 512  # the batch size of sample from the replay memory
+    learning_starts: int = 50_000  # random-action steps before learning starts
+    policy_lr: float = 6e-4  # the learning rate of the policy network optimizer
+    q_lr: float = 6e-4  # the learning rate of the Q network optimizer
+    train_frequency: int = 100  # vector steps between two training phases
+    gradient_steps: int = 100  # gradient steps per training phase
+    ent_coef: float = 1.0  # entropy coefficient (SAC's alpha; its initial value when autotuned, 1.0 as in Stable-Baselines3)
+    autotune: bool = True  # automatic tuning of the entropy coefficient towards entropy -|A| on the unit action box (as SB3)
 
 
 class UserError(Exception):
@@ -418,171 +360,108 @@ def make_reward_model(args: Args, device: torch.device) -> CLIPReward:
 # ----------------------------------------------------------------------------------------------
 # Environment: Humanoid-v5 with the paper's camera and a realistic look; physics untouched
 # ----------------------------------------------------------------------------------------------
-# The paper's frontal free camera. A FREE camera keeps its lookat/distance/angles fixed in the world
-# (only a TRACKING camera follows a body), so the humanoid can walk out of the picture.
-HUMANOID_CAMERA = {
-    "distance": 3.5,
-    "lookat": np.array([0.0, 0.0, 1.0]),
-    "elevation": -10.0,
-    "azimuth": 180.0,
-}
-_ASSET_VERSION = "v4"  # bump when the look changes, so stale cached files are not reused
+# The paper's frontal FREE camera: fixed in the world (only a tracking camera follows a body)
+HUMANOID_CAMERA = {"distance": 3.5, "lookat": np.array([0.0, 0.0, 1.0]), "elevation": -10.0, "azimuth": 180.0}
+# MuJoCo's skybox faces, measured: face pixel (a, b) in [-1, 1] looks along the world direction whose components are
+# (a, b, 1)[|i| - 1] * sign(i) for the indices i below (x forward of the humanoid, z up, b grows downwards)
+SKYBOX_AXES = dict(right=(3, 1, -2), left=(-3, -1, -2), back=(-1, 3, -2), front=(1, -3, -2), up=(1, -2, 3), down=(1, 2, -3))
 
 
-def _fractal_noise(rng: np.random.Generator, size: int, cells: int, octaves: int) -> np.ndarray:
-    """Smooth value noise in [0, 1] that tiles seamlessly: octaves of a random grid, bicubically upsampled."""
+def fractal_noise(rng: np.random.Generator, size: int, cells: int, octaves: int) -> np.ndarray:
+    """Seamless smooth noise in [0, 1]: octaves of a random grid, bicubically upsampled from a 3x3 tiling (no seams)."""
     out = 0
-    for o in range(octaves):  # upsample a 3x3 tiling of the grid and keep the middle: no seams at the borders
+    for o in range(octaves):
         grid = torch.from_numpy(rng.random((1, 1, cells * 2**o, cells * 2**o))).repeat(1, 1, 3, 3)
-        up = F.interpolate(grid, scale_factor=size / (cells * 2**o), mode="bicubic")[0, 0]
-        out = out + 0.5**o * up[size : 2 * size, size : 2 * size]
-    out = out.numpy()
-    return (out - out.min()) / (out.max() - out.min())
+        up = F.interpolate(grid, scale_factor=size / (cells * 2**o), mode="bicubic")[0, 0, size:-size, size:-size]
+        out = out + 0.5**o * up
+    return ((out - out.min()) / (out.max() - out.min())).numpy()
 
 
-def _save_png(path: str, color: np.ndarray) -> str:
-    """Atomic write (parallel env workers may build the same file at the same time)."""
-    imageio.imwrite(f"{path}.{os.getpid()}.png", (np.clip(color, 0, 1) * 255).astype(np.uint8))
-    os.replace(f"{path}.{os.getpid()}.png", path)
-    return path
-
-
-def _slate_floor_png(path: str, size: int = 256, tiles: int = 2) -> str:
-    """Dark slate tiles: per-tile shade, layered grain, dark grout (mean grey about 54/255, as the paper's floor)."""
-    rng = np.random.default_rng(1234)
-    yy, xx = np.mgrid[0:size, 0:size] * tiles // size
-    shade = 0.19 + 0.06 * rng.random((tiles, tiles))[yy, xx]
-    grain = _fractal_noise(rng, size, 8, 4)
-    tile = size // tiles
-    edge = np.minimum(*[np.minimum(c % tile, tile - 1 - c % tile) for c in np.mgrid[0:size, 0:size]])  # pixels to the grout
-    grey = np.where(edge < 2, 0.08, shade * (0.75 + 0.5 * grain))
-    return _save_png(path, grey[..., None] * np.array([0.7, 1.05, 1.2]))  # blue-grey slate
-
-
-def _brushed_metal_png(path: str, size: int = 128) -> str:
-    """Light brushed metal: fine streaks along one direction."""
-    rng = np.random.default_rng(99)
-    streaks = 0.6 * _fractal_noise(rng, size, 4, 5).mean(1, keepdims=True) + 0.4 * rng.random((size, 1))
-    return _save_png(path, np.broadcast_to((0.72 + 0.16 * streaks)[..., None], (size, size, 3)))
-
-
-def _sky_pngs(folder: str, size: int = 256) -> dict[str, str]:
-    """Six skybox faces: saturated blue sky, paler at the horizon, with large white clouds.
-
-    MuJoCo's skybox convention, measured: face pixel (a, b) in [-1, 1] (b grows downwards) looks along the
-    world direction below (x forward of the humanoid, z up); clouds are drawn in (azimuth, elevation).
-    """
-    faces = {
-        "right": lambda a, b: (1, a, -b),
-        "left": lambda a, b: (-1, -a, -b),
-        "back": lambda a, b: (-a, 1, -b),
-        "front": lambda a, b: (a, -1, -b),
-        "up": lambda a, b: (a, -b, 1),
-        "down": lambda a, b: (a, b, -1),
-    }
-    clouds = torch.from_numpy(_fractal_noise(np.random.default_rng(4321), 1024, 6, 6))[None, None].float()
-    a, b = np.meshgrid(*[(np.arange(size) + 0.5) / size * 2 - 1] * 2)
-    paths = {}
-    for face, direction in faces.items():
-        d = np.stack(np.broadcast_arrays(*direction(a, b)), -1).astype(float)
+def scene_textures() -> dict[str, np.ndarray]:
+    """The paper's look, drawn at run time: a blue sky with white clouds, dark slate floor tiles, light brushed metal."""
+    rng = np.random.default_rng(1234)  # slate: per-tile shade, layered grain, dark grout; mean grey ~54/255 as the paper's
+    shade = 0.19 + 0.06 * rng.random((2, 2)).repeat(128, 0).repeat(128, 1)
+    edge = np.minimum(*[np.minimum(c % 128, 127 - c % 128) for c in np.mgrid[0:256, 0:256]])  # pixels to the grout
+    grey = np.where(edge < 2, 0.08, shade * (0.75 + 0.5 * fractal_noise(rng, 256, 8, 4)))
+    images = {"slate": grey[..., None] * [0.7, 1.05, 1.2]}  # blue-grey
+    rng = np.random.default_rng(99)  # metal: fine streaks along one direction
+    streaks = 0.6 * fractal_noise(rng, 128, 4, 5).mean(1, keepdims=True) + 0.4 * rng.random((128, 1))
+    images["metal"] = np.broadcast_to((0.72 + 0.16 * streaks)[..., None], (128, 128, 3))
+    clouds = torch.from_numpy(fractal_noise(np.random.default_rng(4321), 1024, 6, 6))[None, None].float()
+    a, b = np.meshgrid(*[(np.arange(256) + 0.5) / 256 * 2 - 1] * 2)
+    for face, axes in SKYBOX_AXES.items():
+        d = np.stack([np.sign(i) * (a, b, np.ones_like(a))[abs(i) - 1] for i in axes], -1)
         d /= np.linalg.norm(d, axis=-1, keepdims=True)
-        up = np.clip(d[..., 2], -1, 1)
-        elevation = np.arcsin(up)
-        t = np.clip(elevation / 0.6, 0, 1)[..., None]
-        color = (1 - t) * np.array([0.10, 0.50, 0.92]) + t * np.array([0.04, 0.32, 0.80])
-        # clouds: noise looked up by (azimuth, elevation), same scale on both (the sky fills the top quarter of
-        # the noise), the azimuth seam behind the paper camera; they thin out towards the zenith
+        up, elevation = d[..., 2], np.arcsin(np.clip(d[..., 2], -1, 1))
+        t = np.clip(elevation / 0.6, 0, 1)[..., None]  # saturated blue, paler at the horizon
+        sky = (1 - t) * np.array([0.10, 0.50, 0.92]) + t * np.array([0.04, 0.32, 0.80])
+        # clouds: noise at (azimuth, elevation), one scale on both, the seam behind the camera, thinning to the zenith
         grid = torch.from_numpy(np.stack([np.arctan2(-d[..., 1], -d[..., 0]) / np.pi, elevation / np.pi - 1], -1))
         c = F.grid_sample(clouds, grid[None].float(), padding_mode="reflection", align_corners=False)[0, 0].numpy()
-        density = np.clip((c - 0.6) / 0.08, 0, 1) * np.clip(1.3 - 1.3 * up, 0, 1) * (up > -0.02)
-        shade = 0.78 + 0.22 * np.clip((c - 0.6) / 0.2, 0, 1)  # grey undersides, white tops
-        color = color * (1 - density[..., None]) + (shade * density)[..., None]
+        density = (np.clip((c - 0.6) / 0.08, 0, 1) * np.clip(1.3 - 1.3 * up, 0, 1) * (up > -0.02))[..., None]
+        sky = sky * (1 - density) + density * (0.78 + 0.22 * np.clip((c - 0.6) / 0.2, 0, 1))[..., None]  # grey undersides
         below = np.clip(-up / 0.05, 0, 1)[..., None]  # past the floor's edge: a distant blue-grey haze
-        color = color * (1 - below) + np.array([0.35, 0.42, 0.5]) * below
-        paths[face] = _save_png(os.path.join(folder, f"sky_{face}.png"), color)
-    return paths
+        images[face] = sky * (1 - below) + np.array([0.35, 0.42, 0.5]) * below
+    return images
 
 
 def textured_humanoid_xml() -> str:
-    """Write Gymnasium's Humanoid-v5 model with only its look changed; return the file's path.
+    """Gymnasium's Humanoid-v5 model with only its look changed (textures, materials, light); returns the file's path.
 
-    Only textures, materials, colours and the light are edited: bodies, joints, geom sizes, masses,
-    contact parameters, actuators and options are untouched, so the physics is identical.
+    Bodies, joints, geom sizes, masses, contacts, actuators and options are untouched: the physics is identical.
     """
-    stock = os.path.join(os.path.dirname(gym.envs.mujoco.__file__), "assets", "humanoid.xml")
-    with open(stock, "rb") as f:
-        stock_bytes = f.read()
-    key = hashlib.sha1(stock_bytes + _ASSET_VERSION.encode()).hexdigest()[:10]
+    stock = Path(gym.envs.mujoco.__file__).parent / "assets" / "humanoid.xml"
+    key = hashlib.sha1(stock.read_bytes() + b"v5").hexdigest()[:10]  # bump "v5" when the look changes
     cache = os.path.join(tempfile.gettempdir(), f"vlmrm_humanoid_{key}")
     xml_path = os.path.join(cache, "humanoid_textured.xml")
     if os.path.exists(xml_path):
         return xml_path
     os.makedirs(cache, exist_ok=True)
-    root = ET.fromstring(stock_bytes)
-    # Colours come from materials from now on: drop the stock tan default rgba and the floor's green
-    # tint (a geom rgba different from MuJoCo's default overrides its material's colour).
-    root.find("default/geom").attrib.pop("rgba", None)
+    tmp = f".{os.getpid()}.tmp"  # written, then renamed: parallel env workers may build the same files at once
+    for name, image in scene_textures().items():
+        imageio.imwrite(f"{cache}/{name}{tmp}", (np.clip(image, 0, 1) * 255).astype(np.uint8), format="png")
+        os.replace(f"{cache}/{name}{tmp}", f"{cache}/{name}.png")
+    root = ET.parse(stock).getroot()
+    root.find("default/geom").attrib.pop("rgba", None)  # colours come from the materials: no stock tan body, green floor
     root.find("worldbody/geom[@name='floor']").attrib.pop("rgba", None)
-    asset = root.find("asset")
-    for child in list(asset):
-        asset.remove(child)
-    # The paper's scene: a blue sky with clouds, a dark matte slate floor, a light brushed-metal body.
-    ET.SubElement(asset, "texture", type="skybox", **{f"file{face}": p for face, p in _sky_pngs(cache).items()})
-    ET.SubElement(asset, "texture", name="texplane", type="2d", file=_slate_floor_png(os.path.join(cache, "slate.png")))
-    ET.SubElement(asset, "texture", name="texgeom", type="cube", file=_brushed_metal_png(os.path.join(cache, "metal.png")))
-    ET.SubElement(
-        asset, "material", name="MatPlane", texture="texplane", texrepeat="60 60", reflectance="0", shininess="0", specular="0"
+    root.find("asset").clear()
+    root.find("asset").extend(
+        ET.fromstring(
+            f"""<asset><texture type="skybox" {" ".join(f'file{face}="{cache}/{face}.png"' for face in SKYBOX_AXES)}/>
+            <texture name="texplane" type="2d" file="{cache}/slate.png"/>
+            <texture name="texgeom" type="cube" file="{cache}/metal.png"/>
+            <material name="MatPlane" texture="texplane" texrepeat="60 60" reflectance="0" shininess="0" specular="0"/>
+            <material name="geom" texture="texgeom" texuniform="true" rgba="1 1 1 1" specular="1" shininess="1"/></asset>"""
+        )
     )
-    ET.SubElement(
-        asset, "material", name="geom", texture="texgeom", texuniform="true", rgba="1 1 1 1", specular="1", shininess="1"
-    )
-    # One light from above, as in the paper; MuJoCo's default headlight stays as it is (nothing brighter added).
-    light = root.find("worldbody/light")
-    light.attrib.update(diffuse="1 1 1", pos="0 0 1", dir="0 0 -1.5", specular="0.5 0.5 0.5")
-    ET.ElementTree(root).write(xml_path + f".{os.getpid()}.tmp")
-    os.replace(xml_path + f".{os.getpid()}.tmp", xml_path)
+    # one light from above, as in the paper; MuJoCo's default headlight stays (nothing brighter added)
+    root.find("worldbody/light").attrib.update(diffuse="1 1 1", pos="0 0 1", dir="0 0 -1.5", specular="0.5 0.5 0.5")
+    ET.ElementTree(root).write(xml_path + tmp)
+    os.replace(xml_path + tmp, xml_path)
     return xml_path
 
 
-class RenderQuality(gym.Wrapper):
-    """Switches MuJoCo's shadows and reflections off (several times faster with software rendering).
+class Renderer(gym.Wrapper):
+    """The frames the reward sees: quality "fast" turns shadows and reflections off; a tracking camera follows the torso."""
 
-    Gymnasium creates the offscreen viewer lazily on the first render(), so the scene flags can only be
-    set once it exists: the first call renders, sets the flags, and renders again.
-    """
-
-    def __init__(self, env: gym.Env, quality: str) -> None:
+    def __init__(self, env: gym.Env, quality: str, tracking: bool = False) -> None:
         super().__init__(env)
-        assert quality in ("high", "fast"), quality
-        self.quality = quality
-        self._flags_set = quality == "high"  # "high" keeps MuJoCo's defaults (both on)
-
-    def render(self) -> np.ndarray:
-        frame = self.env.render()
-        if not self._flags_set:
-            scene = self.env.unwrapped.mujoco_renderer.viewer.scn
-            scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = 0
-            scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
-            self._flags_set = True
-            frame = self.env.render()
-        return frame
-
-
-class TrackingCamera(gym.Wrapper):
-    """The paper camera's distance, elevation and azimuth, looking at the torso's centre of mass wherever it goes.
-
-    What MuJoCo's tracking camera does; Gymnasium's renderer resets its camera to a free one on every frame, so
-    the look-at point is moved here before each frame instead.
-    """
+        self.flags_set, self.tracking = quality == "high", tracking  # high keeps MuJoCo's defaults (both on)
 
     def render(self) -> np.ndarray:
         base = self.env.unwrapped
-        lookat = base.data.subtree_com[base.model.body("torso").id].copy()
-        if base.mujoco_renderer.viewer is None:  # created by the first render() from this camera configuration
-            base.mujoco_renderer.default_cam_config = {**HUMANOID_CAMERA, "lookat": lookat}
-        else:
-            base.mujoco_renderer.viewer.cam.lookat[:] = lookat
-        return self.env.render()
+        if self.tracking:  # the paper camera's distance and angles, looking at the torso's centre of mass
+            lookat = base.data.subtree_com[base.model.body("torso").id].copy()
+            if base.mujoco_renderer.viewer is None:  # the first render() creates the viewer from this configuration
+                base.mujoco_renderer.default_cam_config = {**HUMANOID_CAMERA, "lookat": lookat}
+            else:
+                base.mujoco_renderer.viewer.cam.lookat[:] = lookat
+        frame = self.env.render()
+        if not self.flags_set:  # the viewer exists only after the first render(): set its flags, then render again
+            flags = base.mujoco_renderer.viewer.scn.flags
+            flags[mujoco.mjtRndFlag.mjRND_SHADOW] = flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
+            self.flags_set, frame = True, self.env.render()
+        return frame
 
 
 class NoEarlyTermination(gym.Wrapper):
@@ -690,55 +569,26 @@ class RealisticMountainCar(gym.Wrapper):
         return np.array(pygame.surfarray.pixels3d(self.canvas)).transpose(1, 0, 2)
 
 
-def make_env(
-    env_id: str,
-    seed: int,
-    idx: int,
-    episode_length: int,
-    render_size: int,
-    render_quality: str,
-    realistic: bool,
-    camera: str = "paper",
-    fixed_length: bool = True,
-) -> Callable[[], gym.Env]:
-    """CleanRL-style thunk: fixed-length episodes (or the stock task), square rgb_array rendering for the CLIP reward.
-
-    MountainCarContinuous-v0 keeps its own 600x400 frames (the reward model squashes them to its square input).
-    """
+def make_env(env_id, seed, idx, episode_length, render_size, render_quality, realistic, camera="paper", fixed_length=True):
+    """CleanRL-style thunk: fixed-length episodes (or the stock task's), rgb_array frames for the CLIP reward."""
 
     def thunk() -> gym.Env:
-        # max_episode_steps makes gym.make wrap the env in TimeLimit(episode_length); stock: the task's own limit
-        if env_id == "MountainCarContinuous-v0":
-            env = gym.make(env_id, render_mode="rgb_array", **({"max_episode_steps": episode_length} if fixed_length else {}))
+        limit = {"max_episode_steps": episode_length} if fixed_length else {}  # gym.make's TimeLimit; stock: the task's
+        if env_id == "MountainCarContinuous-v0":  # its own 600x400 frames, squashed by the reward model
+            env = gym.make(env_id, render_mode="rgb_array", **limit)
             env = FixedLengthMountainCar(env) if fixed_length else env
-            if realistic:
-                env = RealisticMountainCar(env)
-            env.action_space.seed(seed + idx)
-            return env
-        common = dict(
-            render_mode="rgb_array",
-            width=render_size,
-            height=render_size,
-            **({"max_episode_steps": episode_length} if fixed_length else {}),
-        )
-        if env_id.startswith("Humanoid-"):  # not HumanoidStandup: its own model and arguments
-            # Fixed length: no early termination, a fallen humanoid keeps being rendered and rewarded until the end.
-            env = gym.make(
-                env_id,
-                terminate_when_unhealthy=not fixed_length,
-                default_camera_config=HUMANOID_CAMERA,
-                **({"xml_file": textured_humanoid_xml()} if realistic else {}),
-                **common,
-            )
-            if camera == "tracking":
-                env = TrackingCamera(env)
+            env = RealisticMountainCar(env) if realistic else env
         else:
-            env = gym.make(env_id, **common)
-            env = NoEarlyTermination(env) if fixed_length else env
-        if hasattr(env.unwrapped, "mujoco_renderer"):
-            env = RenderQuality(env, render_quality)
+            humanoid = env_id.startswith("Humanoid-")  # not HumanoidStandup: its own model and arguments
+            kwargs = dict(render_mode="rgb_array", width=render_size, height=render_size, **limit)
+            if humanoid:  # fixed length: a fallen humanoid keeps being rendered and rewarded until the end
+                kwargs.update(terminate_when_unhealthy=not fixed_length, default_camera_config=HUMANOID_CAMERA)
+                kwargs.update({"xml_file": textured_humanoid_xml()} if realistic else {})
+            env = gym.make(env_id, **kwargs)
+            env = NoEarlyTermination(env) if fixed_length and not humanoid else env
+            env = Renderer(env, render_quality, tracking=humanoid and camera == "tracking")
+            env.observation_space.seed(seed + idx)
         env.action_space.seed(seed + idx)
-        env.observation_space.seed(seed + idx)
         return env
 
     return thunk
@@ -748,15 +598,14 @@ def make_env(
 # SAC
 # ----------------------------------------------------------------------------------------------
 class SoftQNetwork(nn.Module):
-    def __init__(self, envs: gym.vector.VectorEnv):
+    def __init__(self, env):
         super().__init__()
-        obs_dim = np.array(envs.single_observation_space.shape).prod()
-        action_dim = np.prod(envs.single_action_space.shape)
+        obs_dim, action_dim = np.prod(env.single_observation_space.shape), np.prod(env.single_action_space.shape)
         self.network = nn.Sequential(
             nn.Linear(obs_dim + action_dim, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)
         )
 
-    def forward(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    def forward(self, x, a):
         return self.network(torch.cat([x, a], 1))
 
 
@@ -765,35 +614,31 @@ LOG_STD_MIN = -5
 
 
 class Actor(nn.Module):
-    def __init__(self, envs: gym.vector.VectorEnv):
+    def __init__(self, env):
         super().__init__()
-        obs_dim = np.array(envs.single_observation_space.shape).prod()
-        action_dim = np.prod(envs.single_action_space.shape)
+        obs_dim, action_dim = np.prod(env.single_observation_space.shape), np.prod(env.single_action_space.shape)
         self.trunk = nn.Sequential(nn.Linear(obs_dim, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU())
         self.fc_mean = nn.Linear(256, action_dim)
         self.fc_logstd = nn.Linear(256, action_dim)
-        # actions live on the tanh-squashed unit box (-1, 1) (the replay buffer and critics see them there, as in
-        # Stable-Baselines3); `to_env` rescales them to the action space only when they go to the env
-        low, high = envs.single_action_space.low, envs.single_action_space.high
+        # actions live on the tanh-squashed unit box (replay buffer and critics see them there, as in Stable-Baselines3)
+        low, high = env.single_action_space.low, env.single_action_space.high
         self.register_buffer("action_scale", torch.tensor((high - low) / 2.0, dtype=torch.float32))
         self.register_buffer("action_bias", torch.tensor((high + low) / 2.0, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x):
         h = self.trunk(x)
         log_std = torch.tanh(self.fc_logstd(h))
         log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (log_std + 1)  # soft clip to [min, max]
         return self.fc_mean(h), log_std
 
-    def to_env(self, y: torch.Tensor) -> torch.Tensor:
+    def to_env(self, y):
         """Unit-box action -> the env's bounds."""
         return y * self.action_scale + self.action_bias
 
-    def get_action(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def get_action(self, x):
         """(sampled unit-box action, its log-probability on the unit box, the deterministic action in env units)."""
         mean, log_std = self(x)
-        normal = torch.distributions.Normal(
-            mean, log_std.exp(), validate_args=False
-        )  # NaNs surface in our own check, with a message
+        normal = torch.distributions.Normal(mean, log_std.exp(), validate_args=False)  # a NaN is caught by the loop's check
         x_t = normal.rsample()  # reparameterisation trick
         y_t = torch.tanh(x_t)
         # change of variables through tanh only: the paper's (SB3's) entropy scale, whatever the env's bounds
@@ -802,74 +647,50 @@ class Actor(nn.Module):
 
 
 class ReplayBuffer:
-    """Plain ring buffer of (obs, action, reward, next_obs, terminated) on the host."""
+    """Ring buffer of transitions in host memory; a batch goes to the device when sampled."""
 
-    def __init__(self, size: int, obs_shape: tuple, action_shape: tuple, device: torch.device):
+    names = ("obs", "next_obs", "actions", "rewards", "terminations")
+
+    def __init__(self, size, obs_shape, action_shape, device):
         self.size, self.device, self.pos, self.full = size, device, 0, False
-        self.obs = np.zeros((size, *obs_shape), dtype=np.float32)
-        self.next_obs = np.zeros((size, *obs_shape), dtype=np.float32)
-        self.actions = np.zeros((size, *action_shape), dtype=np.float32)
-        self.rewards = np.zeros((size,), dtype=np.float32)
-        self.terminations = np.zeros((size,), dtype=np.float32)
+        for name, shape in zip(self.names, (obs_shape, obs_shape, action_shape, (), ())):
+            setattr(self, name, np.zeros((size, *shape), dtype=np.float32))
 
-    def add(
-        self, obs: np.ndarray, next_obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminations: np.ndarray
-    ) -> None:
+    def add(self, obs, next_obs, actions, rewards, terminations):
         idx = (self.pos + np.arange(len(obs))) % self.size  # one vectorised write, wrapping around the end
-        self.obs[idx], self.next_obs[idx], self.actions[idx] = obs, next_obs, actions
-        self.rewards[idx], self.terminations[idx] = rewards, terminations
+        for name, values in zip(self.names, (obs, next_obs, actions, rewards, terminations)):
+            getattr(self, name)[idx] = values
         self.full = self.full or self.pos + len(obs) >= self.size
         self.pos = (self.pos + len(obs)) % self.size
 
-    def __len__(self) -> int:
+    def __len__(self):
         return self.size if self.full else self.pos
 
-    def state_dict(self) -> dict:
-        n = len(self)
-        return {
-            "pos": self.pos,
-            "full": self.full,
-            **{
-                name: torch.from_numpy(getattr(self, name)[:n])
-                for name in ("obs", "next_obs", "actions", "rewards", "terminations")
-            },
-        }
+    def state_dict(self):
+        return {"pos": self.pos, "full": self.full, **{n: torch.from_numpy(getattr(self, n)[: len(self)]) for n in self.names}}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state):
         self.pos, self.full = state["pos"], state["full"]
-        for name in ("obs", "next_obs", "actions", "rewards", "terminations"):
+        for name in self.names:
             getattr(self, name)[: len(state[name])] = state[name]
 
-    def sample(self, batch_size: int) -> tuple[torch.Tensor, ...]:
+    def sample(self, batch_size):
         idx = np.random.randint(0, len(self), size=batch_size)
-        return tuple(
-            torch.from_numpy(a[idx]).to(self.device)
-            for a in (self.obs, self.actions, self.rewards, self.next_obs, self.terminations)
-        )
+        names = ("obs", "actions", "rewards", "next_obs", "terminations")
+        return tuple(torch.from_numpy(getattr(self, name)[idx]).to(self.device) for name in names)
 
 
-def evaluate(
-    actor: Actor,
-    eval_envs: gym.vector.VectorEnv,
-    args: Args,
-    device: torch.device,
-    reward_model: Optional[CLIPReward],
-    episodes: int,
-    seed: int,
-) -> list[dict]:
-    """Deterministic episodes of the policy: frames, ground-truth return and CLIP return of each."""
+def evaluate(actor, eval_envs, device, reward_model, episodes, seed):
+    """Deterministic episodes of the policy: the frames, ground-truth return and CLIP return of each."""
     results = []
     for episode in range(episodes):
         obs, _ = eval_envs.reset(seed=seed + episode)
-        frames = [eval_envs.call("render")[0]]
-        gt_return = 0.0
-        done = False
+        frames, gt_return, done = [eval_envs.call("render")[0]], 0.0, False
         while not done:  # fixed length: --episode-length steps; stock: until the env terminates or truncates
             with torch.no_grad():
-                _, _, actions = actor.get_action(torch.as_tensor(obs, dtype=torch.float32, device=device))
-            obs, gt_rewards, terminations, truncations, _ = eval_envs.step(actions.cpu().numpy())
-            done = bool(terminations[0] or truncations[0])
-            gt_return += float(gt_rewards[0])
+                actions = actor.get_action(torch.as_tensor(obs, dtype=torch.float32, device=device))[2].cpu().numpy()
+            obs, gt_rewards, terminations, truncations, _ = eval_envs.step(actions)
+            done, gt_return = bool(terminations[0] or truncations[0]), gt_return + float(gt_rewards[0])
             frames.append(eval_envs.call("render")[0])
         # the reset frame scores no transition: the reward of step t is the score of frame t + 1
         clip_return = float(reward_model(np.stack(frames[1:])).sum()) if reward_model is not None else float("nan")
@@ -896,97 +717,53 @@ def main(args: Args) -> None:
     torch.backends.cudnn.deterministic = args.torch_deterministic
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     set_torch_threads(args, device)
-    make_eval_envs = lambda: gym.vector.SyncVectorEnv(
-        [
-            make_env(
-                args.env_id,
-                args.seed + 10_000,
-                0,
-                args.episode_length,  # noqa: E731
-                args.render_size,
-                args.render_quality,
-                args.realistic,
-                args.camera,
-                args.episodes == "fixed",
-            )
-        ]
-    )
+    opts = (args.episode_length, args.render_size, args.render_quality, args.realistic, args.camera, args.episodes == "fixed")
+    eval_env_fns = [make_env(args.env_id, args.seed + 10_000, 0, *opts)]
 
     if args.evaluate is not None:
-        eval_envs = make_eval_envs()
+        eval_envs = gym.vector.SyncVectorEnv(eval_env_fns)
         actor = Actor(eval_envs).to(device)
         actor.load_state_dict(torch.load(args.evaluate, map_location=device, weights_only=False)["actor"])
-        reward_model = (
-            make_reward_model(args, device) if args.reward == "clip" else None
-        )  # --reward gt: no CLIP weights needed
-        results = evaluate(actor, eval_envs, args, device, reward_model, args.eval_episodes, args.seed + 10_000)
-        for episode, result in enumerate(results):
-            folder = f"videos/{run_name}/eval-episode-{episode}"
+        reward_model = make_reward_model(args, device) if args.reward == "clip" else None  # gt: no CLIP weights needed
+        for i, result in enumerate(evaluate(actor, eval_envs, device, reward_model, args.eval_episodes, args.seed + 10_000)):
+            folder = f"videos/{run_name}/eval-episode-{i}"
             save_video(result["frames"], folder + ".mp4")
             os.makedirs(folder, exist_ok=True)
             for t, frame in enumerate(result["frames"]):
                 imageio.imwrite(f"{folder}/frame-{t:04d}.png", frame)
-            print(
-                f"eval episode {episode}: clip_return={result['clip_return']:.2f} gt_return={result['gt_return']:.1f} -> {folder}.mp4"
-            )
+            returns = f"clip_return={result['clip_return']:.2f} gt_return={result['gt_return']:.1f}"
+            print(f"eval episode {i}: {returns} -> {folder}.mp4")
         return
 
-    # The reward model before the env processes: what is downloaded is said at once, and a failed download or
-    # an unusable prompt is one sentence before anything else starts. On CUDA only the download happens here:
-    # the env processes are forked before CUDA starts, and the model is built on the GPU after them.
+    # the reward model first (a bad download or prompt fails before anything starts); on CUDA after the env processes fork
     reward_model = None
-    if args.reward == "clip":
-        if device.type == "cuda" or any(name.startswith("cuda") for name in args.reward_devices):
-            fetch_clip_weights(args)
-        else:
-            reward_model = make_reward_model(args, device)
-
-    # We reset finished envs ourselves (autoreset off): no reset step, so no reset frame or reset
-    # observation can ever be stored as a transition, and episode boundaries are explicit for checkpoints.
-    # The subprocesses ignore Ctrl-C / SIGTERM: the main process decides when to stop, so a signal never
-    # kills an env mid-step.
+    if args.reward == "clip" and (device.type == "cuda" or any(d.startswith("cuda") for d in args.reward_devices)):
+        fetch_clip_weights(args)
+    elif args.reward == "clip":
+        reward_model = make_reward_model(args, device)
+    # autoreset off: we reset finished envs ourselves, so no reset frame or observation is ever stored as a transition;
+    # the env processes ignore Ctrl-C and SIGTERM, so that the main process decides when to stop
     handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # nothing to render with --reward gt: stepping in-process beats the pipe round trips to subprocesses
-    vector_env = gym.vector.SyncVectorEnv if args.reward == "gt" else gym.vector.AsyncVectorEnv
-    envs = vector_env(
-        [
-            make_env(
-                args.env_id,
-                args.seed,
-                i,
-                args.episode_length,
-                args.render_size,
-                args.render_quality,
-                args.realistic,
-                args.camera,
-                args.episodes == "fixed",
-            )
-            for i in range(args.num_envs)
-        ],
-        autoreset_mode=gym.vector.AutoresetMode.DISABLED,
-    )
+    vector_env = gym.vector.SyncVectorEnv if args.reward == "gt" else gym.vector.AsyncVectorEnv  # gt renders nothing
+    env_fns = [make_env(args.env_id, args.seed, i, *opts) for i in range(args.num_envs)]
+    envs = vector_env(env_fns, autoreset_mode=gym.vector.AutoresetMode.DISABLED)
     signal.signal(signal.SIGINT, handlers[0])
     signal.signal(signal.SIGTERM, handlers[1])
     writer = None
-    try:  # every exit path closes the env subprocesses: they ignore SIGTERM, so a process exiting under them would hang
+    try:  # every exit closes the env processes: they ignore SIGTERM, so a process exiting under them would hang
         if args.reward == "clip" and reward_model is None:  # on CUDA: built after the env processes were forked
             reward_model = make_reward_model(args, device)
         if reward_model is not None:
             warn_if_slow_on_cpu(reward_model, args, (args.render_size, args.render_size, 3))
-        eval_envs = make_eval_envs() if args.capture_video else None
-        num_iterations = args.total_timesteps // args.num_envs
-        start_iteration = checkpoint["iteration"] if checkpoint else 0
+        eval_envs = gym.vector.SyncVectorEnv(eval_env_fns) if args.capture_video else None
+        num_iterations, start_iteration = args.total_timesteps // args.num_envs, checkpoint["iteration"] if checkpoint else 0
         run_name = run_name if checkpoint else make_run_folder(run_name)
-        # purge_step drops whatever a crashed run logged after its checkpoint, so the curves continue cleanly: from the first
-        # step still pending in the checkpoint (the episodes ending there were logged only after it was saved)
-        writer = SummaryWriter(
-            f"runs/{run_name}",
-            purge_step=(start_iteration - len(checkpoint["pending"]["obs"])) * args.num_envs if checkpoint else None,
-        )
+        # purge_step drops what a crashed run logged after its checkpoint: from the first step still pending in it
+        purge_step = (start_iteration - len(checkpoint["pending"]["obs"])) * args.num_envs if checkpoint else None
+        writer = SummaryWriter(f"runs/{run_name}", purge_step=purge_step)
         if checkpoint is None:
-            writer.add_text(
-                "hyperparameters", "|param|value|\n|-|-|\n%s" % "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
-            )
+            table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+            writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
         print(
             f"run: runs/{run_name} on {device}, reward: {args.reward}"
             + (f", goal={args.goal}, baseline={args.baseline}, alpha={args.alpha}" if args.reward == "clip" else "")
@@ -994,38 +771,26 @@ def main(args: Args) -> None:
         )
 
         actor = Actor(envs).to(device)
-        qf1, qf2 = SoftQNetwork(envs).to(device), SoftQNetwork(envs).to(device)
-        qf1_target, qf2_target = SoftQNetwork(envs).to(device), SoftQNetwork(envs).to(device)
+        qf1, qf2, qf1_target, qf2_target = (SoftQNetwork(envs).to(device) for _ in range(4))
         qf1_target.load_state_dict(qf1.state_dict())
         qf2_target.load_state_dict(qf2.state_dict())
-        # fused: one kernel per optimiser step instead of a loop over parameter tensors
-        q_optimizer = optim.Adam(list(qf1.parameters()) + list(qf2.parameters()), lr=args.q_lr, fused=True)
+        q_params, target_params = [*qf1.parameters(), *qf2.parameters()], [*qf1_target.parameters(), *qf2_target.parameters()]
+        q_optimizer = optim.Adam(q_params, lr=args.q_lr, fused=True)  # fused: one kernel per step, not one per tensor
         actor_optimizer = optim.Adam(actor.parameters(), lr=args.policy_lr, fused=True)
         target_entropy = -float(np.prod(envs.single_action_space.shape))
-        low, high = envs.single_action_space.low, envs.single_action_space.high
-        action_scale, action_bias = (
-            (high - low) / 2.0,
-            (high + low) / 2.0,
-        )  # as the actor's, on the host: no device sync per step
         log_ent_coef = torch.tensor([math.log(args.ent_coef)], device=device, requires_grad=args.autotune)
         ent_coef_optimizer = optim.Adam([log_ent_coef], lr=args.q_lr, fused=True) if args.autotune else None
         rb = ReplayBuffer(args.buffer_size, envs.single_observation_space.shape, envs.single_action_space.shape, device)
         # everything a gradient step changes, by name: checkpointed, and snapshotted as the last finite state
-        learner = {
-            "actor": actor,
-            "qf1": qf1,
-            "qf2": qf2,
-            "qf1_target": qf1_target,
-            "qf2_target": qf2_target,
-            "actor_optimizer": actor_optimizer,
-            "q_optimizer": q_optimizer,
-        }
+        learner = dict(actor=actor, qf1=qf1, qf2=qf2, qf1_target=qf1_target, qf2_target=qf2_target)
+        learner.update(actor_optimizer=actor_optimizer, q_optimizer=q_optimizer)
         if args.autotune:
             learner["ent_coef_optimizer"] = ent_coef_optimizer
+        low, high = envs.single_action_space.low, envs.single_action_space.high
+        action_scale, action_bias = (high - low) / 2.0, (high + low) / 2.0  # as the actor's, on the host: no device sync
 
-        # Transitions wait here until their frames are scored in one batch; they reach the replay buffer
-        # before the next gradient step, so training never samples a transition without its reward.
-        pending: dict[str, list] = {k: [] for k in ("obs", "next_obs", "actions", "terminations", "dones", "gt", "frames")}
+        # transitions wait here until their frames are scored in one batch, always before the next gradient step
+        pending = {k: [] for k in ("obs", "next_obs", "actions", "terminations", "dones", "gt", "frames")}
         components: list[str] = []  # the env's own reward terms (e.g. reward_forward), logged as diagnostics
         episode = {k: np.zeros(args.num_envs) for k in ("return", "gt_return", "clip_return", "length", "success")}
         render = args.reward == "clip"
@@ -1035,8 +800,7 @@ def main(args: Args) -> None:
         if checkpoint is not None:
             for name, module in learner.items():
                 module.load_state_dict(checkpoint[name])
-            with torch.no_grad():
-                log_ent_coef.copy_(checkpoint["log_ent_coef"])
+            log_ent_coef.data.copy_(checkpoint["log_ent_coef"])
             if checkpoint["replay_buffer"] is not None:
                 rb.load_state_dict(checkpoint["replay_buffer"])
                 checkpoint["replay_buffer"] = None  # frees the loaded copy (counted by the memory check)
@@ -1051,28 +815,21 @@ def main(args: Args) -> None:
             torch.set_rng_state(checkpoint["rng"]["torch"])
             if checkpoint["rng"]["cuda"] and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
-        ent_coef = log_ent_coef.exp().detach()  # kept as a tensor: no host-device sync per gradient step
+        ent_coef = log_ent_coef.exp().detach()  # a tensor: no host-device sync per gradient step
         last_finite, steps_since_snapshot = None, math.inf
         stop = install_stop_handlers()
         start_time = time.time()
-        progress = Progress(
-            args.total_timesteps, start_iteration * args.num_envs, args.reward == "clip", max(10, args.num_envs)
-        )
-        iteration, dones = (
-            start_iteration - 1,
-            np.ones(args.num_envs, dtype=bool),
-        )  # as they stay when a resumed run has no steps left
+        progress = Progress(args.total_timesteps, start_iteration * args.num_envs, render, max(10, args.num_envs))
+        iteration, dones = start_iteration - 1, np.ones(args.num_envs, dtype=bool)  # as they stay when no steps are left
         for iteration in range(start_iteration, num_iterations):
-            global_step = iteration * args.num_envs
-            # actions on the unit box (stored so); the env gets them rescaled to its bounds
-            if global_step < args.learning_starts:  # seeded, checkpointed RNG (not the action space's own)
+            global_step, next_step = iteration * args.num_envs, (iteration + 1) * args.num_envs
+            if global_step < args.learning_starts:  # unit-box actions (stored so), from the seeded, checkpointed RNG
                 actions = np.random.uniform(-1, 1, size=(args.num_envs, *envs.single_action_space.shape)).astype(np.float32)
             else:
                 with torch.no_grad():
-                    actions, _, _ = actor.get_action(torch.as_tensor(obs, dtype=torch.float32, device=device))
-                actions = actions.cpu().numpy()
-            env_actions = (actions * action_scale + action_bias).astype(np.float32)
+                    actions = actor.get_action(torch.as_tensor(obs, dtype=torch.float32, device=device))[0].cpu().numpy()
 
+            env_actions = (actions * action_scale + action_bias).astype(np.float32)
             t0 = time.perf_counter()
             next_obs, gt_rewards, terminations, truncations, infos = envs.step(env_actions)
             t1 = time.perf_counter()
@@ -1080,93 +837,67 @@ def main(args: Args) -> None:
             timing["env"] += t1 - t0
             timing["render"] += time.perf_counter() - t1
             dones = terminations | truncations
-            # fixed-length episodes end together: the one point where the whole run state is small. Stock episodes end
-            # at different steps: their checkpoint is taken when due, and a resume restarts the episodes in flight.
-            next_step = global_step + args.num_envs
+            # checkpoints where fixed-length episodes all end (a small run state); stock ones when due (episodes restart)
             stopping = stop["requested"]  # read once: a signal arriving after this is handled at the next step
             boundary = dones.all() or args.episodes == "stock"
             periodic = args.save_model and global_step // args.checkpoint_frequency != next_step // args.checkpoint_frequency
             save_now = boundary and (stopping or periodic or (args.save_model and iteration == num_iterations - 1))
 
-            if not components:
-                components = sorted(k for k in infos if k.startswith("reward_"))
-            pending["obs"].append(obs)
-            pending["next_obs"].append(next_obs)
-            pending["actions"].append(actions)
-            pending["terminations"].append(terminations)
-            pending["dones"].append(dones)
+            components = components or sorted(k for k in infos if k.startswith("reward_"))
             success = infos.get("success", np.zeros(args.num_envs))  # MountainCar: the flag reached in this episode so far
-            pending["gt"].append(np.stack([gt_rewards, success] + [infos[k] for k in components], axis=1))
-            if render:
-                pending["frames"].append(frames)
+            gt = np.stack([gt_rewards, success] + [infos[k] for k in components], axis=1)
+            for k, value in zip(pending, (obs, next_obs, actions, terminations, dones, gt, frames)):
+                if value is not None:  # no frames without the CLIP reward
+                    pending[k].append(value)
 
             train_now = global_step >= args.learning_starts and iteration % args.train_frequency == 0
-            num_pending = len(pending["obs"]) * args.num_envs
-            # a stock-episode checkpoint holds no pending transitions: their episodes restart on resume
-            # one --reward-batch-size chunk per reward device and call, so that every device has work
-            flush_now = (
-                train_now
-                or num_pending >= args.reward_batch_size * max(1, len(args.reward_devices))
-                or iteration == num_iterations - 1
-            )
-            if flush_now or (save_now and args.episodes == "stock"):
+            # scored for training, when each reward device has a full chunk, at the end, before a stock-episode checkpoint
+            full = len(pending["obs"]) * args.num_envs >= args.reward_batch_size * max(1, len(args.reward_devices))
+            if train_now or full or iteration == num_iterations - 1 or (save_now and args.episodes == "stock"):
                 t0 = time.perf_counter()
-                gt = np.concatenate(pending["gt"])
-                clip_rewards = reward_model(np.concatenate(pending["frames"])) if args.reward == "clip" else np.zeros(len(gt))
+                flat = {k: np.concatenate(v) for k, v in pending.items() if v}
+                clip_rewards = reward_model(flat["frames"]) if render else np.zeros(len(flat["gt"]))
                 timing["reward_model"] += time.perf_counter() - t0
-                rewards = clip_rewards if args.reward == "clip" else gt[:, 0]
+                rewards = clip_rewards if render else flat["gt"][:, 0]
                 if not np.all(np.isfinite(rewards)):  # never let a NaN into the buffer: it would poison every Q-value
                     saved = save_nonfinite(run_name, {"actor": actor.state_dict(), "args": asdict(args), "run_name": run_name})
                     raise NonFiniteError(
-                        f"the {args.reward} reward is not finite for {np.sum(~np.isfinite(rewards))} of {len(rewards)} frames at step {global_step}; {saved}."
+                        f"the {args.reward} reward is not finite for {np.sum(~np.isfinite(rewards))} of {len(rewards)} "
+                        f"frames at step {global_step}; {saved}."
                     )
-                dones_flat = np.concatenate(pending["dones"])
-                rb.add(
-                    np.concatenate(pending["obs"]),
-                    np.concatenate(pending["next_obs"]),
-                    np.concatenate(pending["actions"]),
-                    rewards,
-                    np.concatenate(pending["terminations"]),
-                )
-                # episode bookkeeping, in step order (rows are step-major: env i of step t is row t * num_envs + i)
-                for k in range(len(rewards)):
-                    env_i = k % args.num_envs
-                    episode["return"][env_i] += rewards[k]
-                    episode["gt_return"][env_i] += gt[k, 0]
-                    episode["clip_return"][env_i] += clip_rewards[k]
-                    episode["length"][env_i] += 1
+                rb.add(flat["obs"], flat["next_obs"], flat["actions"], rewards, flat["terminations"])
+                # episode sums in step order (rows are step-major: env i of step t is row t * num_envs + i)
+                for k, row in enumerate(flat["gt"]):
+                    i = k % args.num_envs
+                    episode["return"][i] += rewards[k]
+                    episode["gt_return"][i] += row[0]
+                    episode["clip_return"][i] += clip_rewards[k]
+                    episode["length"][i] += 1
+                    episode["success"][i] = row[1]  # latched by the env, cleared at its reset
                     for c, name in enumerate(components):
-                        episode.setdefault(name, np.zeros(args.num_envs))[env_i] += gt[k, 2 + c]
-                    episode["success"][env_i] = gt[k, 1]  # latched by the env, cleared at its reset
-                    if dones_flat[k]:
-                        step = (
-                            global_step - (len(pending["obs"]) - 1 - k // args.num_envs) * args.num_envs
-                        )  # the step it ended at
-                        length = episode["length"][env_i]
-                        progress.episode(episode["gt_return"][env_i], episode["clip_return"][env_i])
+                        episode.setdefault(name, np.zeros(args.num_envs))[i] += row[2 + c]
+                    if flat["dones"][k]:
+                        step = global_step - (len(rewards) - 1 - k) // args.num_envs * args.num_envs  # the step it ended at
+                        ep = {key: v[i] for key, v in episode.items()}
+                        progress.episode(ep["gt_return"], ep["clip_return"])
                         if args.log_episodes:
-                            print(
-                                f"global_step={step}, episodic_return={episode['return'][env_i]:.2f}, "
-                                f"gt_return={episode['gt_return'][env_i]:.1f}"
-                            )
-                        writer.add_scalar("charts/episodic_return", episode["return"][env_i], step)
-                        writer.add_scalar("charts/episodic_length", length, step)
-                        writer.add_scalar("charts/gt_return", episode["gt_return"][env_i], step)
+                            print(f"global_step={step}, episodic_return={ep['return']:.2f}, gt_return={ep['gt_return']:.1f}")
+                        scalars = {"charts/episodic_return": ep["return"], "charts/episodic_length": ep["length"]}
+                        scalars.update({"charts/gt_return": ep["gt_return"], **{f"gt/{n}": ep[n] for n in components}})
                         if args.env_id == "MountainCarContinuous-v0":
-                            writer.add_scalar("charts/gt_success", episode["success"][env_i], step)
-                        for name in components:
-                            writer.add_scalar(f"gt/{name}", episode[name][env_i], step)
-                        if args.reward == "clip":
-                            writer.add_scalar("charts/clip_return", episode["clip_return"][env_i], step)
-                            writer.add_scalar("charts/clip_reward_mean", episode["clip_return"][env_i] / length, step)
+                            scalars["charts/gt_success"] = ep["success"]
+                        if render:
+                            scalars["charts/clip_return"] = ep["clip_return"]
+                            scalars["charts/clip_reward_mean"] = ep["clip_return"] / ep["length"]
+                        for tag, value in scalars.items():
+                            writer.add_scalar(tag, value, step)
                         for v in episode.values():
-                            v[env_i] = 0
+                            v[i] = 0
                 pending = {k: [] for k in pending}
 
             if train_now:
                 t0 = time.perf_counter()
-                # a finite state, kept on the device and saved if a phase produces a NaN: copied about every 100 gradient
-                # steps, not before every phase (a copy per phase cost ~12% of the time at one gradient step per phase)
+                # a finite copy of the learner, saved if a phase produces a NaN: every ~100 gradient steps, as copies cost time
                 if steps_since_snapshot >= 100:
                     snapshot = {name: copy.deepcopy(module.state_dict()) for name, module in learner.items()}
                     snapshot["log_ent_coef"] = log_ent_coef.detach().clone()
@@ -1178,16 +909,12 @@ def main(args: Args) -> None:
                     b_obs, b_actions, b_rewards, b_next_obs, b_terminations = rb.sample(args.batch_size)
                     with torch.no_grad():
                         next_actions, next_log_pi, _ = actor.get_action(b_next_obs)
-                        min_qf_next_target = (
-                            torch.min(qf1_target(b_next_obs, next_actions), qf2_target(b_next_obs, next_actions))
-                            - ent_coef * next_log_pi
-                        )
+                        qf_next_target = torch.min(qf1_target(b_next_obs, next_actions), qf2_target(b_next_obs, next_actions))
+                        min_qf_next_target = qf_next_target - ent_coef * next_log_pi
                         # time limits are truncations: we bootstrap through them (the reference treated them as terminal)
                         next_q_value = b_rewards + (1 - b_terminations) * args.gamma * min_qf_next_target.view(-1)
-                    qf1_a_values = qf1(b_obs, b_actions).view(-1)
-                    qf2_a_values = qf2(b_obs, b_actions).view(-1)
-                    qf1_loss = F.mse_loss(qf1_a_values, next_q_value)
-                    qf2_loss = F.mse_loss(qf2_a_values, next_q_value)
+                    qf1_a_values, qf2_a_values = qf1(b_obs, b_actions).view(-1), qf2(b_obs, b_actions).view(-1)
+                    qf1_loss, qf2_loss = F.mse_loss(qf1_a_values, next_q_value), F.mse_loss(qf2_a_values, next_q_value)
                     qf_loss = qf1_loss + qf2_loss
                     q_optimizer.zero_grad()
                     qf_loss.backward()
@@ -1213,80 +940,53 @@ def main(args: Args) -> None:
                         ent_coef = log_ent_coef.exp().detach()
 
                     with torch.no_grad():
-                        for param, target_param in zip(qf1.parameters(), qf1_target.parameters()):
+                        for param, target_param in zip(q_params, target_params):
                             target_param.lerp_(param, args.tau)
-                        for param, target_param in zip(qf2.parameters(), qf2_target.parameters()):
-                            target_param.lerp_(param, args.tau)
-                if not finite:
-                    saved = (
-                        save_nonfinite(run_name, {**last_finite, "args": asdict(args), "run_name": run_name})
-                        if last_finite
-                        else "the networks were not finite already when training started"
-                    )  # e.g. a resumed checkpoint
+                if not finite:  # e.g. a resumed checkpoint that was not finite already
+                    saved = "the networks were not finite already when training started"
+                    if last_finite:
+                        saved = save_nonfinite(run_name, {**last_finite, "args": asdict(args), "run_name": run_name})
                     raise NonFiniteError(
-                        f"a SAC loss (qf_loss {qf_loss.item()}, actor_loss {actor_loss.item()}) is not finite in the training phase at step {global_step}; "
-                        f"{saved}; lower --q-lr / --policy-lr or check the rewards."
+                        f"a SAC loss (qf_loss {qf_loss.item()}, actor_loss {actor_loss.item()}) is not finite in the training "
+                        f"phase at step {global_step}; {saved}; lower --q-lr / --policy-lr or check the rewards."
                     )
                 timing["learning"] += time.perf_counter() - t0
 
                 if iteration % (10 * args.train_frequency) == 0:
-                    writer.add_scalar("losses/qf1_values", qf1_a_values.mean().item(), global_step)
-                    writer.add_scalar("losses/qf2_values", qf2_a_values.mean().item(), global_step)
-                    writer.add_scalar("losses/qf1_loss", qf1_loss.item(), global_step)
-                    writer.add_scalar("losses/qf2_loss", qf2_loss.item(), global_step)
-                    writer.add_scalar("losses/qf_loss", qf_loss.item() / 2.0, global_step)
-                    writer.add_scalar("losses/actor_loss", actor_loss.item(), global_step)
-                    writer.add_scalar("losses/ent_coef", ent_coef.item(), global_step)
-                    if args.autotune:
-                        writer.add_scalar("losses/ent_coef_loss", ent_coef_loss.item(), global_step)
-                    writer.add_scalar(
-                        "charts/SPS",
-                        int((global_step - start_iteration * args.num_envs) / (time.time() - start_time)),
-                        global_step,
-                    )
-                    for k, v in timing.items():
-                        writer.add_scalar(f"time/{k}_s", v, global_step)
+                    scalars = {"losses/qf1_values": qf1_a_values.mean(), "losses/qf2_values": qf2_a_values.mean()}
+                    scalars.update({"losses/qf1_loss": qf1_loss, "losses/qf2_loss": qf2_loss, "losses/qf_loss": qf_loss / 2.0})
+                    scalars.update({"losses/actor_loss": actor_loss, "losses/ent_coef": ent_coef})
+                    scalars.update({"losses/ent_coef_loss": ent_coef_loss} if args.autotune else {})
+                    scalars["charts/SPS"] = int((global_step - start_iteration * args.num_envs) / (time.time() - start_time))
+                    scalars.update({f"time/{k}_s": v for k, v in timing.items()})
+                    for tag, value in scalars.items():
+                        writer.add_scalar(tag, value.item() if torch.is_tensor(value) else value, global_step)
 
-            if args.capture_video and (
-                global_step // args.video_frequency != next_step // args.video_frequency or iteration == num_iterations - 1
-            ):
-                (result,) = evaluate(actor, eval_envs, args, device, reward_model, 1, args.seed + 10_000)
+            last = iteration == num_iterations - 1
+            if args.capture_video and (global_step // args.video_frequency != next_step // args.video_frequency or last):
+                (result,) = evaluate(actor, eval_envs, device, reward_model, 1, args.seed + 10_000)
                 save_video(result["frames"], f"videos/{run_name}/step-{next_step}.mp4")
                 writer.add_scalar("eval/gt_return", result["gt_return"], next_step)
                 if reward_model is not None:
                     writer.add_scalar("eval/clip_return", result["clip_return"], next_step)
-            if boundary:
-                if save_now:
-                    save_checkpoint(
-                        f"runs/{run_name}/checkpoint.pt",
-                        {
-                            "run_name": run_name,
-                            "iteration": iteration + 1,
-                            "global_step": next_step,
-                            "args": asdict(args),
-                            **{name: module.state_dict() for name, module in learner.items()},
-                            "log_ent_coef": log_ent_coef.detach().cpu(),
-                            "rng": rng_state(envs),
-                            "pending": pending,
-                            "episode": episode,
-                            "components": components,
-                            "replay_buffer": rb.state_dict() if args.save_buffer else None,
-                        },
-                    )
-                    print(
-                        f"checkpoint saved at step {next_step}: runs/{run_name}/checkpoint.pt"
-                        + ("" if args.save_buffer else " (without the replay buffer: pass --save-buffer for an exact resume)")
-                    )
-                if stopping:
-                    print(
-                        f"stopped; continue with: python {os.path.basename(__file__)} --resume runs/{run_name}/checkpoint.pt"
-                    )
-                    break
+            if save_now:
+                state = {name: module.state_dict() for name, module in learner.items()}
+                state.update(run_name=run_name, iteration=iteration + 1, global_step=next_step, args=asdict(args))
+                state.update(log_ent_coef=log_ent_coef.detach().cpu(), rng=rng_state(envs), pending=pending, episode=episode)
+                state.update(components=components, replay_buffer=rb.state_dict() if args.save_buffer else None)
+                save_checkpoint(f"runs/{run_name}/checkpoint.pt", state)
+                print(
+                    f"checkpoint saved at step {next_step}: runs/{run_name}/checkpoint.pt"
+                    + ("" if args.save_buffer else " (without the replay buffer: pass --save-buffer for an exact resume)")
+                )
+            if boundary and stopping:
+                print(f"stopped; continue with: python {os.path.basename(__file__)} --resume runs/{run_name}/checkpoint.pt")
+                break
             if dones.any():  # reset finished envs: their reset observations start the next episodes, never a transition
                 reset_obs, _ = envs.reset(options={"reset_mask": dones})
                 next_obs = np.where(dones[:, None], reset_obs, next_obs)
             obs = next_obs
-            progress.update(global_step + args.num_envs)
+            progress.update(next_step)
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -1295,22 +995,13 @@ def main(args: Args) -> None:
         envs.close()
 
     progress.update((iteration + 1) * args.num_envs, final=True)
-    elapsed = time.time() - start_time
-    steps = (iteration + 1 - start_iteration) * args.num_envs
-    print(
-        f"done: {steps} steps in {elapsed:.0f} s ({int(steps / max(elapsed, 1e-9))} SPS); time in "
-        + ", ".join(f"{k} {v:.2f} s" for k, v in timing.items())
-    )
+    elapsed, steps = time.time() - start_time, (iteration + 1 - start_iteration) * args.num_envs
+    times = ", ".join(f"{k} {v:.2f} s" for k, v in timing.items())
+    print(f"done: {steps} steps in {elapsed:.0f} s ({int(steps / max(elapsed, 1e-9))} SPS); time in {times}")
     if args.save_model and not stop["requested"]:
         if args.episodes == "fixed" and not dones.all():  # ended mid-episode: the final networks, to evaluate, not resume
-            save_checkpoint(
-                f"runs/{run_name}/checkpoint.pt",
-                {
-                    **{name: module.state_dict() for name, module in learner.items()},
-                    "args": asdict(args),
-                    "run_name": run_name,
-                },
-            )
+            state = {name: module.state_dict() for name, module in learner.items()}
+            save_checkpoint(f"runs/{run_name}/checkpoint.pt", {**state, "args": asdict(args), "run_name": run_name})
         print(f"roll the policy out with: python {os.path.basename(__file__)} --evaluate runs/{run_name}/checkpoint.pt")
 
 

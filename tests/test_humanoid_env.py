@@ -26,10 +26,8 @@ VISUAL_FIELDS = {
 }
 
 
-def _humanoid(size: int = 96, quality: str = "fast", textured: bool = True, length: int = 1000) -> gym.Env:
-    return make_env(
-        "Humanoid-v5", seed=0, idx=0, episode_length=length, render_size=size, render_quality=quality, realistic=textured
-    )()
+def _humanoid(size=96, quality="fast", textured=True, length=1000, camera="paper") -> gym.Env:
+    return make_env("Humanoid-v5", 0, 0, length, size, quality, textured, camera)()
 
 
 def _move_root(env: gym.Env, dx: float = 0.0, dy: float = 0.0) -> None:
@@ -166,16 +164,7 @@ def test_tracking_camera_follows_the_torso():
 
     columns = {}
     for camera in ("paper", "tracking"):
-        env = make_env(
-            "Humanoid-v5",
-            seed=0,
-            idx=0,
-            episode_length=100,
-            render_size=96,
-            render_quality="fast",
-            realistic=True,
-            camera=camera,
-        )()
+        env = _humanoid(length=100, camera=camera)
         env.reset(seed=0)
         start = body_column(env.render())
         _move_root(env, dy=1.0)  # one metre sideways
@@ -203,23 +192,16 @@ def test_render_quality_fast_and_high(size):
     assert np.abs(frames["fast"].astype(float) - frames["high"].astype(float)).mean() > 1.0
 
 
-def test_fixed_episode_length_and_other_envs():
-    env = _humanoid(size=64, length=7)
+@pytest.mark.parametrize("env_id", ["Humanoid-v5", "Hopper-v5"])
+def test_fixed_length_episodes_never_terminate(env_id):
+    env = make_env(env_id, 0, 0, 60, 48, "fast", True)()  # random actions topple both within 60 steps
     env.reset(seed=1)
-    for t in range(7):
+    assert env.render().shape == (48, 48, 3)
+    for t in range(60):
         _, _, terminated, truncated, _ = env.step(env.action_space.sample())
-        assert not terminated and truncated == (t == 6)
+        assert not terminated and truncated == (t == 59)
+    assert not env.unwrapped.is_healthy  # it fell, yet was never terminated
     env.close()
-
-    hopper = make_env("Hopper-v5", seed=0, idx=0, episode_length=5, render_size=48, render_quality="fast", realistic=True)()
-    hopper.reset(seed=0)
-    assert hopper.render().shape == (48, 48, 3)
-    truncated = False
-    for _ in range(5):
-        _, _, terminated, truncated, _ = hopper.step(np.zeros(hopper.action_space.shape, np.float32))
-        assert not terminated
-    assert truncated
-    hopper.close()
 
 
 def test_action_space_is_seeded():

@@ -25,38 +25,29 @@ def decoding_forward(self, frames: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(frames[:, 0, :4, 0]).view(np.float32)[:, 0].copy()
 
 
-def test_reward_belongs_to_the_frame_after_the_step_across_subprocess_autoresets(in_tmp, monkeypatch):
-    # the env subprocesses are forked after this patch, so they render stamped frames
-    monkeypatch.setattr(sac.RenderQuality, "render", stamped_render)
-    monkeypatch.setattr(sac.CLIPReward, "forward", decoding_forward)
-    monkeypatch.setattr(sac, "warn_if_slow_on_cpu", lambda *a: None)
-    added = []
-    original_add = sac.ReplayBuffer.add
+@pytest.fixture
+def added(monkeypatch):
+    """Every batch the loop adds to the replay buffer, as a dict of copies."""
+    batches, original_add = [], sac.ReplayBuffer.add
 
-    def spy_add(self, obs, next_obs, actions, rewards, terminations):
-        added.append((obs.copy(), next_obs.copy(), np.asarray(rewards).copy()))
-        original_add(self, obs, next_obs, actions, rewards, terminations)
+    def spy_add(self, *arrays):
+        batches.append({k: np.array(a) for k, a in zip(("obs", "next_obs", "actions", "rewards", "terminations"), arrays)})
+        original_add(self, *arrays)
 
     monkeypatch.setattr(sac.ReplayBuffer, "add", spy_add)
-    args = sac.Args(
-        clip_model=TINY_CLIP,
-        clip_pretrained="none",
-        num_envs=3,
-        episode_length=20,
-        render_size=32,
-        total_timesteps=300,
-        learning_starts=60,
-        train_frequency=10,
-        gradient_steps=2,
-        batch_size=32,
-        reward_batch_size=16,
-        buffer_size=1000,
-    )
-    sac.main(args)
+    return batches
 
-    obs = np.concatenate([a[0] for a in added])
-    next_obs = np.concatenate([a[1] for a in added])
-    rewards = np.concatenate([a[2] for a in added])
+
+def test_reward_belongs_to_the_frame_after_the_step_across_subprocess_autoresets(in_tmp, monkeypatch, added):
+    # the env subprocesses are forked after this patch, so they render stamped frames
+    monkeypatch.setattr(sac.Renderer, "render", stamped_render)
+    monkeypatch.setattr(sac.CLIPReward, "forward", decoding_forward)
+    monkeypatch.setattr(sac, "warn_if_slow_on_cpu", lambda *a: None)
+    small = dict(num_envs=3, episode_length=20, render_size=32, total_timesteps=300, learning_starts=60, train_frequency=10)
+    small.update(gradient_steps=2, batch_size=32, reward_batch_size=16, buffer_size=1000)
+    sac.main(sac.Args(clip_model=TINY_CLIP, clip_pretrained="none", **small))
+
+    obs, next_obs, rewards = (np.concatenate([batch[k] for batch in added]) for k in ("obs", "next_obs", "rewards"))
     # 100 vector steps of 3 envs, episodes of 20 steps, finished envs reset outside any step: every step
     # is a transition, and no reset observation or reset frame is ever stored
     assert len(rewards) == 3 * 100
@@ -97,20 +88,11 @@ def test_defaults_are_the_papers():
 
 def test_sac_learns_stock_inverted_pendulum_from_ground_truth(in_tmp):
     # --reward gt is the stock task by default: an episode ends when the pole falls (at most 1000 steps)
-    args = sac.Args(
-        env_id="InvertedPendulum-v5",
-        reward="gt",
-        seed=1,
-        num_envs=4,
-        total_timesteps=10_000,
-        learning_starts=1000,
-        train_frequency=25,
-        gradient_steps=25,
-        batch_size=256,
-        gamma=0.99,
-        ent_coef=0.2,
-    )  # SB3's start, 1.0, needs more than these 10k steps: 79.5 here, just short of 80
-    sac.main(args)
+    flags = dict(
+        num_envs=4, total_timesteps=10_000, learning_starts=1000, train_frequency=25, gradient_steps=25, batch_size=256
+    )
+    # ent_coef: SB3's start, 1.0, needs more than these 10k steps (79.5 here, just short of 80)
+    sac.main(sac.Args(env_id="InvertedPendulum-v5", reward="gt", seed=1, gamma=0.99, ent_coef=0.2, **flags))
     (run_dir,) = (in_tmp / "runs").iterdir()
     scalars = read_scalars(run_dir)
     lengths = [v for _, v in scalars["charts/episodic_length"]]
@@ -120,26 +102,11 @@ def test_sac_learns_stock_inverted_pendulum_from_ground_truth(in_tmp):
     assert np.mean(lengths[-12:]) >= 40, lengths[-12:]  # measured 78 (random actions: about 5); the policy still samples
 
 
-def test_ground_truth_default_is_the_stock_task_and_the_flag_restores_fixed_length(in_tmp, monkeypatch):
-    added = []
-    original_add = sac.ReplayBuffer.add
-
-    def spy_add(self, obs, next_obs, actions, rewards, terminations):
-        added.append(np.asarray(terminations).copy())
-        original_add(self, obs, next_obs, actions, rewards, terminations)
-
-    monkeypatch.setattr(sac.ReplayBuffer, "add", spy_add)
+def test_ground_truth_default_is_the_stock_task_and_the_flag_restores_fixed_length(in_tmp, monkeypatch, added):
     common = dict(
-        env_id="InvertedPendulum-v5",
-        reward="gt",
-        num_envs=2,
-        total_timesteps=400,
-        learning_starts=200,
-        train_frequency=10,
-        gradient_steps=1,
-        batch_size=32,
-        episode_length=50,
+        env_id="InvertedPendulum-v5", reward="gt", num_envs=2, total_timesteps=400, learning_starts=200, batch_size=32
     )
+    common.update(train_frequency=10, gradient_steps=1, episode_length=50)
     for episodes in ("auto", "fixed"):
         added.clear()
         run_dir = in_tmp / episodes
@@ -148,7 +115,7 @@ def test_ground_truth_default_is_the_stock_task_and_the_flag_restores_fixed_leng
         sac.main(sac.Args(episodes=episodes, **common))
         (tb_dir,) = (run_dir / "runs").iterdir()
         lengths = [v for _, v in read_scalars(tb_dir)["charts/episodic_length"]]
-        terminations = np.concatenate(added)
+        terminations = np.concatenate([batch["terminations"] for batch in added])
         if episodes == "auto":  # stock: the random policy drops the pole after a few steps, stored as terminal
             assert max(lengths) < 50 and len(set(lengths)) > 3 and terminations.sum() >= len(lengths)
         else:  # fixed: 50 steps each, the time limit a truncation (bootstrapped), never terminal
@@ -156,56 +123,15 @@ def test_ground_truth_default_is_the_stock_task_and_the_flag_restores_fixed_leng
 
 
 def test_clip_rewarded_smoke_run_trains_checkpoints_records_and_rolls_out(tmp_path):
-    result = run_script(
-        SCRIPT,
-        *TINY_CLIP_FLAGS,
-        "--num-envs",
-        "2",
-        "--render-size",
-        "64",
-        "--render-quality",
-        "fast",
-        "--total-timesteps",
-        "600",
-        "--learning-starts",
-        "200",
-        "--train-frequency",
-        "20",
-        "--gradient-steps",
-        "5",
-        "--batch-size",
-        "64",
-        "--capture-video",
-        "--video-frequency",
-        "300",
-        "--save-model",
-        "--checkpoint-frequency",
-        "300",
-        "--alpha",
-        "0.5",
-        cwd=tmp_path,
-    )
+    flags = "--num-envs 2 --render-size 64 --render-quality fast --total-timesteps 600 --learning-starts 200 --alpha 0.5"
+    flags += " --train-frequency 20 --gradient-steps 5 --batch-size 64 --capture-video --video-frequency 300 --save-model"
+    result = run_script(SCRIPT, *TINY_CLIP_FLAGS, *flags.split(), "--checkpoint-frequency", "300", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     scalars = read_scalars(run_dir)
-    for tag in [
-        "charts/episodic_return",
-        "charts/clip_return",
-        "charts/clip_reward_mean",
-        "charts/gt_return",
-        "gt/reward_forward",
-        "gt/reward_survive",
-        "gt/reward_ctrl",
-        "losses/qf1_loss",
-        "losses/qf_loss",
-        "losses/actor_loss",
-        "losses/ent_coef",
-        "charts/SPS",
-        "time/render_s",
-        "time/reward_model_s",
-        "eval/clip_return",
-        "eval/gt_return",
-    ]:
+    tags = "charts/episodic_return charts/clip_return charts/clip_reward_mean charts/gt_return gt/reward_forward"
+    tags += " gt/reward_survive gt/reward_ctrl losses/qf1_loss losses/qf_loss losses/actor_loss losses/ent_coef charts/SPS"
+    for tag in (tags + " time/render_s time/reward_model_s eval/clip_return eval/gt_return").split():
         values = [v for _, v in scalars[tag]]
         assert values and np.all(np.isfinite(values)), tag
     assert len(scalars["charts/episodic_return"]) == 2 * 3  # 600 steps = 3 episodes of 100 steps in each of 2 envs
@@ -216,19 +142,8 @@ def test_clip_rewarded_smoke_run_trains_checkpoints_records_and_rolls_out(tmp_pa
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)  # holds RNG states and arrays
     assert checkpoint["global_step"] == 600 and {"actor", "qf1", "qf2", "log_ent_coef"} <= checkpoint.keys()
 
-    rollout = run_script(
-        SCRIPT,
-        *TINY_CLIP_FLAGS,
-        "--render-size",
-        "64",
-        "--render-quality",
-        "fast",
-        "--evaluate",
-        str(run_dir / "checkpoint.pt"),
-        "--eval-episodes",
-        "1",
-        cwd=tmp_path,
-    )
+    flags = f"--render-size 64 --render-quality fast --evaluate {run_dir / 'checkpoint.pt'} --eval-episodes 1".split()
+    rollout = run_script(SCRIPT, *TINY_CLIP_FLAGS, *flags, cwd=tmp_path)
     assert rollout.returncode == 0, rollout.stderr[-3000:]
     assert "clip_return=" in rollout.stdout
     (eval_dir,) = [p for p in (tmp_path / "videos").iterdir() if p.name != run_dir.name]
@@ -238,15 +153,7 @@ def test_clip_rewarded_smoke_run_trains_checkpoints_records_and_rolls_out(tmp_pa
 
 def test_mountain_car_success_latches_within_an_episode_and_clears_at_reset():
     for textured in (False, True):  # Gymnasium's line art, the realistic landscape
-        env = sac.make_env(
-            "MountainCarContinuous-v0",
-            seed=0,
-            idx=0,
-            episode_length=200,
-            render_size=480,
-            render_quality="high",
-            realistic=textured,
-        )()
+        env = sac.make_env("MountainCarContinuous-v0", 0, 0, 200, 480, "high", textured)()
         env.reset(seed=0)
         assert env.render().shape == (400, 600, 3)
         car = env.unwrapped
@@ -264,25 +171,8 @@ def test_mountain_car_success_latches_within_an_episode_and_clears_at_reset():
 
 
 def test_mountain_car_trains_with_the_clip_reward_and_logs_success(tmp_path):
-    result = run_script(
-        SCRIPT,
-        "--env-id",
-        "MountainCarContinuous-v0",
-        *TINY_CLIP_FLAGS,
-        "--num-envs",
-        "2",
-        "--total-timesteps",
-        "800",
-        "--learning-starts",
-        "400",
-        "--train-frequency",
-        "20",
-        "--gradient-steps",
-        "5",
-        "--batch-size",
-        "64",
-        cwd=tmp_path,
-    )
+    flags = "--env-id MountainCarContinuous-v0 --num-envs 2 --total-timesteps 800 --learning-starts 400 --train-frequency 20"
+    result = run_script(SCRIPT, *TINY_CLIP_FLAGS, *flags.split(), *"--gradient-steps 5 --batch-size 64".split(), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "goal=('a car at the peak of the mountain, next to the yellow flag',)" in result.stdout
     scalars = read_scalars(next((tmp_path / "runs").iterdir()))
@@ -330,39 +220,16 @@ def test_bad_input_on_the_command_line_exits_2_with_one_line_and_no_traceback(tm
 
 
 def test_weights_that_cannot_be_downloaded(tmp_path):
-    result = run_script(
-        SCRIPT,
-        "--clip-model",
-        "RN50",
-        "--clip-pretrained",
-        "openai",
-        "--clip-cache-dir",
-        str(tmp_path / "c"),
-        "--num-envs",
-        "1",
-        cwd=tmp_path,
-        env={"HF_HUB_OFFLINE": "1"},
-    )
+    flags = f"--clip-model RN50 --clip-pretrained openai --clip-cache-dir {tmp_path / 'c'} --num-envs 1".split()
+    result = run_script(SCRIPT, *flags, cwd=tmp_path, env={"HF_HUB_OFFLINE": "1"})
     assert_clean_error(result, "RN50", "network", "--clip-checkpoint")
 
 
 def test_prompts_with_the_same_embedding_are_one_sentence_not_a_hang(tmp_path):
     # CLIP reads at most 77 tokens: prompts that differ only after them have one embedding, so d = g - b = 0
+    prompts = ["--goal", "pole " * 80 + "left", "--baseline", "pole " * 80 + "right", "--alpha", "0.5"]
     result = run_script(
-        SCRIPT,
-        *TINY_CLIP_FLAGS,
-        "--num-envs",
-        "2",
-        "--render-size",
-        "32",
-        "--goal",
-        "pole " * 80 + "left",
-        "--baseline",
-        "pole " * 80 + "right",
-        "--alpha",
-        "0.5",
-        cwd=tmp_path,
-        timeout=120,
+        SCRIPT, *TINY_CLIP_FLAGS, "--num-envs", "2", "--render-size", "32", *prompts, cwd=tmp_path, timeout=120
     )
     assert_clean_error(result, "--goal", "--baseline", "embedding", "--alpha 0")
     assert not (tmp_path / "runs").exists()
@@ -389,19 +256,8 @@ def test_a_bad_model_config_file_is_named_as_such(in_tmp, content, words):
 def test_missing_weights_say_what_is_fetched_and_fail_within_seconds_before_the_envs_start(tmp_path):
     # a documentation address (RFC 5737) stands for an unreachable hub, also where the machine has a network
     env = {"HF_ENDPOINT": "https://192.0.2.1", "HF_HUB_OFFLINE": "", "HTTPS_PROXY": "", "https_proxy": ""}
-    code, lines = run_timed(
-        SCRIPT,
-        "--clip-model",
-        "RN50",
-        "--clip-pretrained",
-        "openai",
-        "--clip-cache-dir",
-        str(tmp_path / "cache"),
-        "--no-cuda",
-        cwd=tmp_path,
-        env=env,
-        timeout=120,
-    )
+    flags = f"--clip-model RN50 --clip-pretrained openai --clip-cache-dir {tmp_path / 'cache'} --no-cuda".split()
+    code, lines = run_timed(SCRIPT, *flags, cwd=tmp_path, env=env, timeout=120)
     text = "\n".join(line for _, line in lines)
     assert code == 2 and "Traceback" not in text, text
     (fetching,) = [t for t, line in lines if line.startswith("fetching the RN50/openai CLIP weights (102M parameters")]
