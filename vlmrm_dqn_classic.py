@@ -477,10 +477,8 @@ def make_reward_model(args: Args, device: torch.device) -> CLIPReward:
 # Environments: fixed-length episodes; the env's own reward is the ground truth (logged, not learned from)
 # ----------------------------------------------------------------------------------------------
 class FixedLengthCartPole(gym.Wrapper):
-    """CartPole that never terminates: the pole angle wraps to [-pi, pi) and the cart stops at the track ends.
-
-    Reward = 1 when the step is upright (|theta| < 12 deg and |x| < 2.4), else 0.
-    """
+    """CartPole that never terminates: the pole angle wraps to [-pi, pi), the cart stops at the track ends.
+    Reward = 1 while upright (|theta| < 12 deg and |x| < 2.4), else 0."""
 
     def step(self, action):
         _, _, _, truncated, info = self.env.step(action)
@@ -489,21 +487,17 @@ class FixedLengthCartPole(gym.Wrapper):
         theta = (theta + math.pi) % (2 * math.pi) - math.pi
         if abs(x) > cartpole.x_threshold:  # the track ends are walls: stop there instead of leaving the screen
             x, x_dot = math.copysign(cartpole.x_threshold, x), 0.0
-        cartpole.state = np.array([x, x_dot, theta, theta_dot], dtype=np.float64)
+        cartpole.state = np.array([x, x_dot, theta, theta_dot])
         cartpole.steps_beyond_terminated = None  # we keep stepping on purpose: silence gym's warning
-        upright = bool(abs(theta) < cartpole.theta_threshold_radians and abs(x) < cartpole.x_threshold)
-        info["success"] = upright
-        return np.array(cartpole.state, dtype=np.float32), float(upright), False, truncated, info
+        info["success"] = bool(abs(theta) < cartpole.theta_threshold_radians and abs(x) < cartpole.x_threshold)
+        return cartpole.state.astype(np.float32), float(info["success"]), False, truncated, info
 
 
-MOUNTAINCAR_GOAL = 0.45  # the paper's flag position (Gymnasium's MountainCar-v0 uses 0.5)
+MOUNTAINCAR_GOAL = 0.45  # the paper's flag (Gymnasium's MountainCar-v0 has 0.5): reward, success and drawing use it
 
 
 class FixedLengthMountainCar(gym.Wrapper):
-    """MountainCar that never terminates. Reward = 1 while at the flag (x >= 0.45), else 0.
-
-    `info["success"]` says whether the flag was reached at any point of the current episode.
-    """
+    """MountainCar that never terminates: reward 1 while at the flag, else 0; `info["success"]`: reached this episode."""
 
     def reset(self, **kwargs):
         self.reached_goal = False
@@ -512,26 +506,67 @@ class FixedLengthMountainCar(gym.Wrapper):
     def step(self, action):
         obs, _, _, truncated, info = self.env.step(action)
         at_goal = bool(obs[0] >= MOUNTAINCAR_GOAL)
-        self.reached_goal |= at_goal
-        info["success"] = self.reached_goal
+        self.reached_goal = info["success"] = self.reached_goal or at_goal
         return obs, float(at_goal), False, truncated, info
 
-    def render(self):
-        # Gymnasium draws its flag at goal_position (0.5): draw it at our goal instead. Only for the drawing, so the
-        # env's own termination (which reads it too, and which step() discards anyway) keeps Gymnasium's value.
+    def render(self):  # Gymnasium draws its flag at goal_position: ours, for the drawing only (its own stays as it is)
         car = self.env.unwrapped
-        stock_goal, car.goal_position = car.goal_position, MOUNTAINCAR_GOAL
-        try:
-            return self.env.render()
-        finally:
-            car.goal_position = stock_goal
+        car.goal_position, stock = MOUNTAINCAR_GOAL, car.goal_position
+        frame = self.env.render()
+        car.goal_position = stock
+        return frame
+
+
+class RealisticMountainCar(gym.Wrapper):
+    """MountainCar drawn as a landscape (sky, far ridge, grassy hill, road, yellow flag, red car on the slope): CLIP
+    scores photo-like scenes far better than line art. Gymnasium's world-to-pixel mapping; the background is drawn once."""
+
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        import pygame
+
+        self.min_x, self.scale = env.unwrapped.min_position, 600 / (env.unwrapped.max_position - env.unwrapped.min_position)
+        rows, cols = np.mgrid[:400, :600]
+        depth = rows - self.pixel(self.min_x + cols / self.scale)[1]  # pixels below the road's centre line
+        noise = np.random.default_rng(0).normal(0, 12, (400, 600, 1))  # fixed: every frame of every run looks the same
+        ridge = 170 + 35 * np.sin(cols / 57) + 20 * np.sin(cols / 23 + 1.3) + 8 * np.sin(cols / 7)
+        pixels = np.select(  # first match wins: road, earth, grass, far ridge, else a sky from deep blue to pale
+            [c[..., None] for c in (abs(depth) <= 4, depth > 28, depth > 0, rows > ridge)],
+            [[95, 95, 100], [110, 85, 55] + noise, [70, 140, 55] + noise, [120, 140, 165]],
+            [70, 130, 210] + rows[..., None] / 399 * np.array([130, 95, 35]),
+        )
+        self.background = pygame.surfarray.make_surface(np.clip(pixels, 0, 255).astype(np.uint8).transpose(1, 0, 2))
+        x, y = (int(v) for v in self.pixel(MOUNTAINCAR_GOAL))
+        pygame.draw.line(self.background, (60, 60, 60), (x, y - 4), (x, y - 64), 3)
+        pygame.draw.polygon(self.background, (250, 210, 20), [(x + 2, y - 64), (x + 32, y - 54), (x + 2, y - 44)])
+        self.car = pygame.Surface((56, 34), pygame.SRCALPHA)  # red body, cabin, two windows, two wheels
+        for color, rect in [((200, 30, 35), (0, 12, 56, 14)), ((175, 25, 30), (12, 2, 30, 14))]:
+            pygame.draw.rect(self.car, color, rect, border_radius=5)
+        for x in (16, 29):
+            pygame.draw.rect(self.car, (170, 210, 235), (x, 5, 10, 8))
+        for x in (12, 44):
+            pygame.draw.circle(self.car, (25, 25, 25), (x, 27), 7)
+            pygame.draw.circle(self.car, (160, 160, 160), (x, 27), 3)
+        self.canvas = pygame.Surface((600, 400))
+
+    def pixel(self, x):  # world x -> (column, row) of the road's surface, as Gymnasium draws the track 0.45 sin(3x) + 0.55
+        return (x - self.min_x) * self.scale, 400 - (0.45 * np.sin(3 * x) + 0.55) * self.scale
+
+    def render(self) -> np.ndarray:
+        import pygame
+
+        x = float(self.env.unwrapped.state[0])
+        slope = math.atan(1.35 * math.cos(3 * x))  # the road's angle (both axes share one scale)
+        car = pygame.transform.rotozoom(self.car, math.degrees(slope), 1.0)
+        column, row = self.pixel(x)  # the car's centre stands 10 px above the road, along its normal
+        self.canvas.blit(self.background, (0, 0))
+        self.canvas.blit(car, car.get_rect(center=(column - 10 * math.sin(slope), row - 10 * math.cos(slope))))
+        return pygame.surfarray.array3d(self.canvas).transpose(1, 0, 2)
 
 
 class StockEpisodes(gym.Wrapper):
-    """Gymnasium's own task, unchanged (reward, termination, time limit), plus our ground-truth `info["success"]`:
-
-    CartPole: this step is upright; MountainCar: x >= 0.45 was reached during the episode (as in the fixed-length envs).
-    """
+    """Gymnasium's own task (reward, termination, time limit) plus the ground truth `info["success"]` of the
+    fixed-length envs: CartPole: this step is upright; MountainCar: the flag was reached during the episode."""
 
     def reset(self, **kwargs):
         self.reached_goal = False
@@ -539,100 +574,22 @@ class StockEpisodes(gym.Wrapper):
 
     def step(self, action):
         obs, reward, terminated, truncated, info = self.env.step(action)
-        if self.env.unwrapped.spec.id == "CartPole-v1":
-            cartpole = self.env.unwrapped
-            info["success"] = bool(abs(obs[2]) < cartpole.theta_threshold_radians and abs(obs[0]) < cartpole.x_threshold)
+        env = self.env.unwrapped
+        if env.spec.id == "CartPole-v1":
+            info["success"] = bool(abs(obs[2]) < env.theta_threshold_radians and abs(obs[0]) < env.x_threshold)
         else:
-            self.reached_goal |= bool(obs[0] >= MOUNTAINCAR_GOAL)
-            info["success"] = self.reached_goal
+            self.reached_goal = info["success"] = self.reached_goal or bool(obs[0] >= MOUNTAINCAR_GOAL)
         return obs, reward, terminated, truncated, info
-
-
-class RealisticMountainCar(gym.Wrapper):
-    """Draws MountainCar as a landscape (sky, hills, road, yellow flag, a car tilted to the slope).
-
-    CLIP scores photos-like scenes far better than line art. Same world-to-pixel mapping as Gymnasium's
-    renderer; the static background is drawn once, only the car is drawn per frame.
-    """
-
-    width, height = 600, 400
-
-    def __init__(self, env: gym.Env):
-        super().__init__(env)
-        import pygame
-
-        car = env.unwrapped
-        self.min_x, self.max_x = car.min_position, car.max_position
-        self.scale = self.width / (self.max_x - self.min_x)
-        rng = np.random.default_rng(0)  # fixed texture noise: every frame of every run looks the same
-        # sky: vertical gradient from deep blue to a pale horizon
-        t = np.linspace(0, 1, self.height)[:, None, None]
-        pixels = (1 - t) * np.array([70, 130, 210]) + t * np.array([200, 225, 245])
-        pixels = np.broadcast_to(pixels, (self.height, self.width, 3)).copy()
-        cols = np.arange(self.width)
-        # distant mountains: a hazy blue-grey ridge
-        ridge = 170 + 35 * np.sin(cols / 57.0) + 20 * np.sin(cols / 23.0 + 1.3) + 8 * np.sin(cols / 7.0)
-        far = np.arange(self.height)[:, None] > ridge[None, :]
-        pixels[far] = [120, 140, 165]
-        # the hill: grass below the track curve, with a darker earth layer and speckle noise
-        surface = self.height - self._pixel_height(self.min_x + cols / self.scale)
-        depth = np.arange(self.height)[:, None] - surface[None, :]
-        grass = (depth > 0)[..., None] * np.array([70, 140, 55])
-        earth = (depth > 28)[..., None] * (np.array([110, 85, 55]) - np.array([70, 140, 55]))
-        ground = depth > 0
-        noise = rng.normal(0, 12, (self.height, self.width, 1))
-        pixels[ground] = (grass + earth + noise)[ground]
-        road = (depth > -4) & (depth <= 4)  # a grey road along the curve the car drives on
-        pixels[road] = [95, 95, 100]
-        background = pygame.surfarray.make_surface(np.clip(pixels, 0, 255).astype(np.uint8).transpose(1, 0, 2))
-        # the yellow flag at the goal position
-        flag_x = int((MOUNTAINCAR_GOAL - self.min_x) * self.scale)
-        flag_y = self.height - int(self._pixel_height(MOUNTAINCAR_GOAL)) - 4
-        pygame.draw.line(background, (60, 60, 60), (flag_x, flag_y), (flag_x, flag_y - 60), 3)
-        pygame.draw.polygon(
-            background, (250, 210, 20), [(flag_x + 2, flag_y - 60), (flag_x + 32, flag_y - 50), (flag_x + 2, flag_y - 40)]
-        )
-        self.background = background
-        # the car sprite, drawn once and rotated per frame: red body, cabin with windows, two wheels
-        sprite = pygame.Surface((56, 34), pygame.SRCALPHA)
-        pygame.draw.rect(sprite, (200, 30, 35), (0, 12, 56, 14), border_radius=5)
-        pygame.draw.rect(sprite, (175, 25, 30), (12, 2, 30, 14), border_radius=4)
-        pygame.draw.rect(sprite, (170, 210, 235), (16, 5, 10, 8))
-        pygame.draw.rect(sprite, (170, 210, 235), (29, 5, 10, 8))
-        for wheel_x in (12, 44):
-            pygame.draw.circle(sprite, (25, 25, 25), (wheel_x, 27), 7)
-            pygame.draw.circle(sprite, (160, 160, 160), (wheel_x, 27), 3)
-        self.sprite = sprite
-        self.canvas = pygame.Surface((self.width, self.height))
-
-    def _pixel_height(self, x):
-        return (0.45 * np.sin(3 * np.asarray(x)) + 0.55) * self.scale
-
-    def render(self) -> np.ndarray:
-        import pygame
-
-        x = float(self.env.unwrapped.state[0])
-        slope = math.degrees(math.atan(0.45 * 3 * math.cos(3 * x)))  # same scale on both axes
-        car = pygame.transform.rotozoom(self.sprite, slope, 1.0)
-        # stand the car on the road: centre of the sprite 10 px above the surface, along the normal
-        normal = math.radians(slope)
-        cx = (x - self.min_x) * self.scale - 10 * math.sin(normal)
-        cy = self.height - self._pixel_height(x) - 10 * math.cos(normal)
-        self.canvas.blit(self.background, (0, 0))
-        self.canvas.blit(car, car.get_rect(center=(cx, cy)))
-        return np.array(pygame.surfarray.pixels3d(self.canvas)).transpose(1, 0, 2)
 
 
 def make_env(env_id: str, seed: int, idx: int, episode_length: int, realistic: bool, fixed_length: bool = True):
     def thunk():
-        if not fixed_length:  # the stock task: Gymnasium's reward, termination and time limit
-            env = StockEpisodes(gym.make(env_id, render_mode="rgb_array"))
-        elif env_id == "CartPole-v1":
-            env = FixedLengthCartPole(gym.make(env_id, render_mode="rgb_array", max_episode_steps=episode_length))
+        if fixed_length:  # no early termination: the time limit is the only end, so survival alone earns nothing
+            env = gym.make(env_id, render_mode="rgb_array", max_episode_steps=episode_length)
+            env = FixedLengthCartPole(env) if env_id == "CartPole-v1" else FixedLengthMountainCar(env)
         else:
-            env = FixedLengthMountainCar(gym.make(env_id, render_mode="rgb_array", max_episode_steps=episode_length))
-        if realistic and env_id == "MountainCar-v0":
-            env = RealisticMountainCar(env)
+            env = StockEpisodes(gym.make(env_id, render_mode="rgb_array"))
+        env = RealisticMountainCar(env) if realistic and env_id == "MountainCar-v0" else env
         env.action_space.seed(seed + idx)
         return env
 

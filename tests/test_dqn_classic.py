@@ -76,6 +76,8 @@ def test_realistic_mountaincar_is_a_landscape_that_shows_the_car_position():
     sky = frames[1][:30].reshape(-1, 3).mean(0)
     assert sky[2] > sky[0] + 40  # blue sky, not the white page of the line art
     assert frames[0][:30].mean() > 250
+    cloth = np.flatnonzero((np.abs(frames[1].astype(int) - (250, 210, 20)).max(2) < 10).any(0))
+    assert cloth.min() == 552  # the yellow flag flies right of its pole at x = 0.45 (column 550), the paper's goal
     real.unwrapped.state = np.array([0.45, 0.0])
     at_flag = real.render()
     changed = np.any(at_flag != frames[1], axis=2)
