@@ -1,8 +1,8 @@
 """VLM-RM: DQN on CartPole-v1 / MountainCar-v0 with a CLIP model as the reward (no hand-written reward).
 
-Every frame the environment renders is scored by a pretrained CLIP model against a goal sentence,
-optionally regularised towards a baseline sentence with strength alpha (goal-baseline projection).
-One file, read top to bottom: flags, CLIP reward, environments, Q-network, replay buffer, training loop.
+Every frame the environment renders is scored by a pretrained CLIP model against a goal sentence, optionally
+regularised towards a baseline sentence with strength alpha (goal-baseline projection). One file, read top to
+bottom: flags, CLIP reward, environments, Q-network and replay buffer, training loop. Based on CleanRL's dqn.py.
 
     python vlmrm_dqn_classic.py --env-id CartPole-v1 --goal "pole vertically upright on top of the cart" \
         --baseline "pole and cart" --alpha 0.5
@@ -28,6 +28,7 @@ os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # pygame draws off-screen: no
 os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
 
 import gymnasium as gym
+import imageio.v2 as imageio
 import numpy as np
 import torch
 import torch.nn as nn
@@ -48,25 +49,23 @@ class Args:
     cuda: bool = True
     """if toggled, CUDA (when available) runs the Q-network and the reward model"""
     torch_threads: Optional[int] = None
-    """torch CPU threads; default: 1 when the networks run on CPU (small networks gain nothing from more, and more threads
-    fight the env workers, renderer and other jobs for cores), untouched on GPU; 0 = torch's default (one per core)"""
+    """torch CPU threads; default: 1 on CPU (small networks gain nothing from more), untouched on GPU; 0 = torch's default"""
     log_episodes: bool = False
     """if toggled, print one line per finished episode (always in TensorBoard) instead of only the progress line"""
     capture_video: bool = False
-    """if toggled, save MP4s of env 0's episodes to `videos/<run_name>/`"""
-    video_interval: int = 50
-    """record every n-th episode of env 0"""
+    """if toggled, save an MP4 of a greedy episode every `--video-frequency` steps to `videos/<run_name>/`"""
+    video_frequency: int = 25_000
+    """environment steps between two evaluation videos"""
     save_model: bool = False
-    """if toggled, save checkpoints every `--checkpoint-frequency` steps, and the final Q-network to `runs/<run_name>/model.pt` (then evaluate it)"""
+    """if toggled, save checkpoints every `--checkpoint-frequency` steps and at the end, then evaluate the final Q-network"""
     checkpoint_frequency: int = 100_000
     """environment steps between two checkpoints (fixed-length episodes: taken at the next episode boundary)"""
     save_buffer: bool = False
     """if toggled, checkpoints include the replay buffer, so `--resume` continues exactly as if never stopped"""
     resume: Optional[str] = None
-    """path to a `checkpoint.pt`: continue that run (its flags, step, TensorBoard folder) until its `--total-timesteps`;
-    exact with fixed-length episodes, while stock episodes (`--episodes stock`) restart the episodes in flight"""
+    """path to a `checkpoint.pt`: continue that run (its flags, step, TensorBoard folder) until its `--total-timesteps`"""
     evaluate: Optional[str] = None
-    """path to a saved `model.pt`: roll it out greedily instead of training"""
+    """path to a saved checkpoint: roll out its greedy policy (video + frames) instead of training"""
     eval_episodes: int = 10
     """number of episodes of an evaluation"""
 
@@ -74,10 +73,9 @@ class Args:
     env_id: Literal["CartPole-v1", "MountainCar-v0"] = "CartPole-v1"
     """the environment"""
     episodes: Literal["auto", "fixed", "stock"] = "auto"
-    """fixed: `--episode-length` steps, no early termination (survival alone earns nothing); stock: Gymnasium's own task
-    (its reward, termination and time limit: CartPole 500 steps); auto: fixed for `--reward clip`, stock for `--reward gt`"""
+    """fixed: `--episode-length` steps, no early termination; stock: Gymnasium's own task; auto: fixed for clip, else stock"""
     episode_length: int = 200
-    """fixed episode length (`--episodes fixed` only): no early termination, so survival alone earns nothing"""
+    """fixed episode length (`--episodes fixed` only)"""
     realistic: bool = False
     """MountainCar only: draw a landscape (sky, hills, flag, car) instead of Gymnasium's line art"""
 
@@ -101,10 +99,9 @@ class Args:
     reward_batch_size: int = 64
     """frames scored per CLIP forward pass"""
     reward_devices: tuple[str, ...] = ()
-    """devices of the reward model, e.g. `cuda:0 cuda:1`: one CLIP replica each, scoring one `--reward-batch-size` chunk
-    each per call, in parallel; default: the one device of `--cuda` (the env and the learner stay there either way)"""
+    """devices of the reward model, e.g. `cuda:0 cuda:1`: one CLIP replica each, in parallel; default: that of `--cuda`"""
     reward_family: Literal["projection", "softmax"] = "projection"
-    """projection: the goal-baseline projection (--alpha); softmax: 1 if the goal beats --negatives in a softmax over cosines, else 0"""
+    """projection: the goal-baseline projection (--alpha); softmax: 1 if the goal beats --negatives in a softmax"""
     negatives: Optional[tuple[str, ...]] = None
     """softmax family: prompts the goal is contrasted with; default: our negatives for the default --goal (none for others)"""
     temperature: float = 0.01
@@ -189,7 +186,7 @@ def check_args(args: Args) -> None:
         "episode_length",
         "reward_batch_size",
         "eval_episodes",
-        "video_interval",
+        "video_frequency",
         "checkpoint_frequency",
     ]:
         if getattr(args, name) < 1:
@@ -614,15 +611,15 @@ class QNetwork(nn.Module):
         return self.network(x)
 
 
-def linear_schedule(start_e: float, end_e: float, duration: int, t: int) -> float:
-    if duration <= 0:  # --exploration-fraction 0: no exploration phase
-        return end_e
-    slope = (end_e - start_e) / duration
-    return max(slope * t + start_e, end_e)
+def linear_schedule(start_e: float, end_e: float, duration: float, t: int) -> float:
+    # --exploration-fraction 0 (duration 0): no exploration phase
+    return end_e if duration <= 0 else max((end_e - start_e) / duration * t + start_e, end_e)
 
 
 class ReplayBuffer:
-    """Plain ring buffer of (obs, action, reward, next_obs, terminated) on the host."""
+    """Plain ring buffer of (obs, action, reward, next_obs, terminated) on the host; its state_dict is the filled part."""
+
+    fields = ("obs", "next_obs", "actions", "rewards", "terminations")
 
     def __init__(self, size: int, obs_shape: tuple, device: torch.device):
         self.size, self.device, self.pos, self.full = size, device, 0, False
@@ -632,12 +629,10 @@ class ReplayBuffer:
         self.rewards = np.zeros((size,), dtype=np.float32)
         self.terminations = np.zeros((size,), dtype=np.float32)
 
-    def add(
-        self, obs: np.ndarray, next_obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminations: np.ndarray
-    ) -> None:
+    def add(self, obs, next_obs, actions, rewards, terminations) -> None:
         idx = (self.pos + np.arange(len(obs))) % self.size  # one vectorised write, wrapping around the end
-        self.obs[idx], self.next_obs[idx], self.actions[idx] = obs, next_obs, actions
-        self.rewards[idx], self.terminations[idx] = rewards, terminations
+        for name, values in zip(self.fields, (obs, next_obs, actions, rewards, terminations)):
+            getattr(self, name)[idx] = values
         self.full = self.full or self.pos + len(obs) >= self.size
         self.pos = (self.pos + len(obs)) % self.size
 
@@ -645,67 +640,46 @@ class ReplayBuffer:
         return self.size if self.full else self.pos
 
     def state_dict(self) -> dict:
-        n = len(self)
         return {
             "pos": self.pos,
             "full": self.full,
-            **{
-                name: torch.from_numpy(getattr(self, name)[:n])
-                for name in ("obs", "next_obs", "actions", "rewards", "terminations")
-            },
+            **{k: torch.from_numpy(getattr(self, k)[: len(self)]) for k in self.fields},
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.pos, self.full = state["pos"], state["full"]
-        for name in ("obs", "next_obs", "actions", "rewards", "terminations"):
+        for name in self.fields:
             getattr(self, name)[: len(state[name])] = state[name]
 
     def sample(self, batch_size: int) -> tuple[torch.Tensor, ...]:
         idx = np.random.randint(0, len(self), size=batch_size)
-        return tuple(
-            torch.from_numpy(a[idx]).to(self.device)
-            for a in (self.obs, self.actions, self.rewards, self.next_obs, self.terminations)
-        )
+        names = ("obs", "actions", "rewards", "next_obs", "terminations")
+        return tuple(torch.from_numpy(getattr(self, name)[idx]).to(self.device) for name in names)
 
 
 def evaluate(
-    model_path: str, args: Args, run_name: str, device: torch.device, reward_model: Optional[CLIPReward] = None
-) -> list[float]:
-    """Greedy rollouts of a saved Q-network; logs ground-truth (and CLIP, when given) returns."""
-    envs = gym.vector.SyncVectorEnv(
-        [make_env(args.env_id, args.seed + 10_000, 0, args.episode_length, args.realistic, args.episodes == "fixed")]
-    )
-    q_network = QNetwork(envs).to(device)
-    # a model.pt or a checkpoint.pt (RNG states and arrays: weights_only=False, only evaluate files you trust)
-    q_network.load_state_dict(torch.load(model_path, map_location=device, weights_only=False)["q_network"])
-    q_network.eval()
-    render = reward_model is not None or args.capture_video
-    gt_returns = []
-    for episode in range(args.eval_episodes):
-        obs, _ = envs.reset(seed=args.seed + 10_000 + episode)
-        frames, gt_return, clip_return = [], 0.0, 0.0
-        if args.capture_video:
-            frames.append(envs.call("render")[0])
-        done = False
+    q_network: QNetwork,
+    eval_envs: gym.vector.VectorEnv,
+    device: torch.device,
+    reward_model: Optional[CLIPReward],
+    episodes: int,
+    seed: int,
+) -> list[dict]:
+    """Greedy episodes of the Q-network: frames, ground-truth return and CLIP return of each."""
+    results = []
+    for episode in range(episodes):
+        obs, _ = eval_envs.reset(seed=seed + episode)
+        frames, gt_return, done = [eval_envs.call("render")[0]], 0.0, False
         while not done:  # fixed length: --episode-length steps; stock: until the env terminates or truncates
             with torch.no_grad():
-                actions = q_network(torch.from_numpy(obs).to(device)).argmax(dim=1).cpu().numpy()
-            obs, gt_rewards, terminations, truncations, _ = envs.step(actions)
-            done = bool(terminations[0] or truncations[0])
-            gt_return += float(gt_rewards[0])
-            if render:
-                frame = envs.call("render")[0]
-                frames.append(frame)
-                if reward_model is not None:
-                    clip_return += float(reward_model(frame[None])[0])
-        gt_returns.append(gt_return)
-        print(
-            f"eval episode {episode}: gt_return={gt_return:.1f}" + (f" clip_return={clip_return:.2f}" if reward_model else "")
-        )
-        if args.capture_video:
-            save_video(frames, f"videos/{run_name}/eval-episode-{episode}.mp4")
-    envs.close()
-    return gt_returns
+                actions = q_network(torch.as_tensor(obs, device=device)).argmax(dim=1).cpu().numpy()
+            obs, gt_rewards, terminations, truncations, _ = eval_envs.step(actions)
+            done, gt_return = bool(terminations[0] or truncations[0]), gt_return + float(gt_rewards[0])
+            frames.append(eval_envs.call("render")[0])
+        # the reset frame scores no transition: the reward of step t is the score of frame t + 1
+        clip_return = float(reward_model(np.stack(frames[1:])).sum()) if reward_model is not None else float("nan")
+        results.append({"frames": frames, "gt_return": gt_return, "clip_return": clip_return})
+    return results
 
 
 # ----------------------------------------------------------------------------------------------
@@ -716,9 +690,8 @@ def main(args: Args) -> None:
     if args.resume is not None:  # continue the same run: its flags, step, TensorBoard folder and random streams
         checkpoint = read_checkpoint(args.resume)
         args = resumed_args(args, checkpoint)
-    default_goal, default_baseline = DEFAULT_PROMPTS[args.env_id]
-    args.goal = args.goal if args.goal is not None else (default_goal,)
-    args.baseline = args.baseline if args.baseline is not None else (default_baseline,)
+    args.goal = (DEFAULT_PROMPTS[args.env_id][0],) if args.goal is None else args.goal
+    args.baseline = (DEFAULT_PROMPTS[args.env_id][1],) if args.baseline is None else args.baseline
     check_args(args)
     if args.episodes == "auto":  # resolved once: a checkpoint keeps the resolved value
         args.episodes = "fixed" if args.reward == "clip" else "stock"
@@ -730,13 +703,29 @@ def main(args: Args) -> None:
     torch.backends.cudnn.deterministic = args.torch_deterministic
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     set_torch_threads(args, device)
-
-    if args.evaluate is not None:
-        evaluate(args.evaluate, args, run_name, device, make_reward_model(args, device) if args.reward == "clip" else None)
-        return
-
+    make_eval_envs = lambda: gym.vector.SyncVectorEnv(  # noqa: E731
+        [make_env(args.env_id, args.seed + 10_000, 0, args.episode_length, args.realistic, args.episodes == "fixed")]
+    )
     # the reward model first: a failed download or an unusable prompt is one sentence before anything starts
     reward_model = make_reward_model(args, device) if args.reward == "clip" else None
+
+    if args.evaluate is not None:
+        eval_envs = make_eval_envs()
+        q_network = QNetwork(eval_envs).to(device)
+        q_network.load_state_dict(torch.load(args.evaluate, map_location=device, weights_only=False)["q_network"])
+        results = evaluate(q_network, eval_envs, device, reward_model, args.eval_episodes, args.seed + 10_000)
+        for episode, result in enumerate(results):
+            folder = f"videos/{run_name}/eval-episode-{episode}"
+            save_video(result["frames"], folder + ".mp4")
+            os.makedirs(folder, exist_ok=True)
+            for t, frame in enumerate(result["frames"]):
+                imageio.imwrite(f"{folder}/frame-{t:04d}.png", frame)
+            print(
+                f"eval episode {episode}: clip_return={result['clip_return']:.2f} gt_return={result['gt_return']:.1f}"
+                f" -> {folder}.mp4"
+            )
+        return
+
     # We reset finished envs ourselves (autoreset off): no reset step, so no reset frame or reset
     # observation can ever be stored as a transition, and episode boundaries are explicit for checkpoints.
     envs = gym.vector.SyncVectorEnv(
@@ -748,19 +737,17 @@ def main(args: Args) -> None:
     )
     if reward_model is not None:
         warn_if_slow_on_cpu(reward_model, args, (400, 600, 3))  # the pygame frames are 600x400
+    eval_envs = make_eval_envs() if args.capture_video else None
     num_iterations = args.total_timesteps // args.num_envs
     start_iteration = checkpoint["iteration"] if checkpoint else 0
     run_name = run_name if checkpoint else make_run_folder(run_name)
     # purge_step drops whatever a crashed run logged after its checkpoint, so the curves continue cleanly: from the first
     # step still pending in the checkpoint (the episodes ending there were logged only after it was saved)
-    writer = SummaryWriter(
-        f"runs/{run_name}",
-        purge_step=(start_iteration - len(checkpoint["pending"]["obs"])) * args.num_envs if checkpoint else None,
-    )
+    purge_step = (start_iteration - len(checkpoint["pending"]["obs"])) * args.num_envs if checkpoint else None
+    writer = SummaryWriter(f"runs/{run_name}", purge_step=purge_step)
     if checkpoint is None:
-        writer.add_text(
-            "hyperparameters", "|param|value|\n|-|-|\n%s" % "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
-        )
+        table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
     print(
         f"run: runs/{run_name} on {device}, reward: {args.reward}"
         + (f", goal={args.goal}, baseline={args.baseline}, alpha={args.alpha}" if args.reward == "clip" else "")
@@ -772,25 +759,25 @@ def main(args: Args) -> None:
     target_network = QNetwork(envs).to(device)
     target_network.load_state_dict(q_network.state_dict())
     rb = ReplayBuffer(args.buffer_size, envs.single_observation_space.shape, device)
+    # everything a gradient step changes, by name: checkpointed and restored together
+    learner = {"q_network": q_network, "target_network": target_network, "optimizer": optimizer}
+    networks = lambda: {"q_network": q_network.state_dict(), "args": asdict(args), "run_name": run_name}  # noqa: E731
 
     # Transitions wait here until their frames are scored in one batch; they reach the replay buffer
     # before the next gradient step, so training never samples a transition without its reward.
     pending: dict[str, list] = {k: [] for k in ("obs", "next_obs", "actions", "terminations", "dones", "gt", "frames")}
     episode = {k: np.zeros(args.num_envs) for k in ("return", "gt_return", "clip_return", "length", "success")}
-    render = args.reward == "clip" or args.capture_video
+    render = args.reward == "clip"
     timing = {"env": 0.0, "render": 0.0, "reward_model": 0.0, "learning": 0.0}
-    video_frames: list[np.ndarray] = []  # env 0's current episode, when --capture-video
-    video_episode = 0
 
     obs, _ = envs.reset(seed=args.seed)
     if checkpoint is not None:
-        q_network.load_state_dict(checkpoint["q_network"])
-        target_network.load_state_dict(checkpoint["target_network"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
+        for name, module in learner.items():
+            module.load_state_dict(checkpoint[name])
         if checkpoint["replay_buffer"] is not None:
             rb.load_state_dict(checkpoint["replay_buffer"])
             checkpoint["replay_buffer"] = None  # frees the loaded copy (counted by the memory check)
-        pending, episode, video_episode = checkpoint["pending"], checkpoint["episode"], checkpoint["video_episode"]
+        pending, episode = checkpoint["pending"], checkpoint["episode"]
         if args.episodes == "stock":  # saved mid-episode: the episodes in flight restart below, so drop their partial sums
             episode = {k: np.zeros_like(v) for k, v in episode.items()}
         # fixed-length checkpoints are taken at an episode boundary, just before the reset: redo it with the same env RNGs
@@ -801,16 +788,11 @@ def main(args: Args) -> None:
         torch.set_rng_state(checkpoint["rng"]["torch"])
         if checkpoint["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
-    if args.capture_video:
-        video_frames.append(envs.call("render")[0])
     stop = install_stop_handlers()
     start_time = time.time()
     time_limit = args.episode_length if args.episodes == "fixed" else gym.spec(args.env_id).max_episode_steps
     progress = Progress(args.total_timesteps, start_iteration * args.num_envs, args.reward == "clip", max(10, args.num_envs))
-    iteration, dones = (
-        start_iteration - 1,
-        np.ones(args.num_envs, dtype=bool),
-    )  # as they stay when a resumed run has no steps left
+    iteration, dones = start_iteration - 1, np.ones(args.num_envs, dtype=bool)  # as they stay if no steps are left
     try:
         for iteration in range(start_iteration, num_iterations):
             global_step = iteration * args.num_envs
@@ -819,8 +801,7 @@ def main(args: Args) -> None:
                 actions = np.random.randint(envs.single_action_space.n, size=args.num_envs)  # seeded, checkpointed RNG
             else:
                 with torch.no_grad():
-                    q_values = q_network(torch.from_numpy(obs).to(device))
-                actions = q_values.argmax(dim=1).cpu().numpy()
+                    actions = q_network(torch.from_numpy(obs).to(device)).argmax(dim=1).cpu().numpy()
 
             t0 = time.perf_counter()
             next_obs, gt_rewards, terminations, truncations, infos = envs.step(actions)
@@ -835,85 +816,59 @@ def main(args: Args) -> None:
             stopping = stop["requested"]  # read once: a signal arriving after this is handled at the next step
             boundary = dones.all() or args.episodes == "stock"
             periodic = args.save_model and global_step // args.checkpoint_frequency != next_step // args.checkpoint_frequency
-            save_now = boundary and (stopping or periodic)
+            save_now = boundary and (stopping or periodic or (args.save_model and iteration == num_iterations - 1))
 
-            pending["obs"].append(obs)
-            pending["next_obs"].append(next_obs)
-            pending["actions"].append(actions)
-            pending["terminations"].append(terminations)
-            pending["dones"].append(dones)
-            pending["gt"].append(np.stack([gt_rewards, infos["success"]], axis=1))
-            if render:
-                pending["frames"].append(frames)
-                if args.capture_video:
-                    video_frames.append(frames[0])
-                    if dones[0]:
-                        if video_episode % args.video_interval == 0:
-                            save_video(video_frames, f"videos/{run_name}/episode-{video_episode}.mp4")
-                        video_episode, video_frames = video_episode + 1, []
+            gt = np.stack([gt_rewards, infos["success"]], axis=1)
+            for key, value in zip(pending, (obs, next_obs, actions, terminations, dones, gt, frames)):
+                if value is not None:  # frames: only when rendered
+                    pending[key].append(value)
 
             train_now = global_step >= args.learning_starts and iteration % args.train_frequency == 0
+            # scored before a gradient step, once one --reward-batch-size chunk per reward device waits (every device
+            # has work), and at the end; a stock-episode checkpoint holds none (their episodes restart on resume)
             num_pending = len(pending["obs"]) * args.num_envs
-            # a stock-episode checkpoint holds no pending transitions: their episodes restart on resume
-            # one --reward-batch-size chunk per reward device and call, so that every device has work
-            flush_now = (
-                train_now
-                or num_pending >= args.reward_batch_size * max(1, len(args.reward_devices))
-                or iteration == num_iterations - 1
-            )
-            if flush_now or (save_now and args.episodes == "stock"):
+            full = num_pending >= args.reward_batch_size * max(1, len(args.reward_devices))
+            if train_now or full or iteration == num_iterations - 1 or (save_now and args.episodes == "stock"):
                 t0 = time.perf_counter()
-                gt = np.concatenate(pending["gt"])
-                clip_rewards = reward_model(np.concatenate(pending["frames"])) if args.reward == "clip" else np.zeros(len(gt))
+                batch = {k: np.concatenate(v) for k, v in pending.items() if v}
+                gt = batch["gt"]
+                clip_rewards = reward_model(batch["frames"]) if args.reward == "clip" else np.zeros(len(gt))
                 timing["reward_model"] += time.perf_counter() - t0
                 rewards = clip_rewards if args.reward == "clip" else gt[:, 0]
                 if not np.all(np.isfinite(rewards)):  # never let a NaN into the buffer: it would poison every Q-value
-                    saved = save_nonfinite(
-                        run_name, {"q_network": q_network.state_dict(), "args": asdict(args), "run_name": run_name}
-                    )
+                    saved = save_nonfinite(run_name, networks())
                     raise NonFiniteError(
-                        f"the {args.reward} reward is not finite for {np.sum(~np.isfinite(rewards))} of {len(rewards)} frames at step {global_step}; {saved}."
+                        f"the {args.reward} reward is not finite for {np.sum(~np.isfinite(rewards))} of {len(rewards)} "
+                        f"frames at step {global_step}; {saved}."
                     )
-                dones_flat = np.concatenate(pending["dones"])
-                rb.add(
-                    np.concatenate(pending["obs"]),
-                    np.concatenate(pending["next_obs"]),
-                    np.concatenate(pending["actions"]),
-                    rewards,
-                    np.concatenate(pending["terminations"]),
-                )
+                rb.add(batch["obs"], batch["next_obs"], batch["actions"], rewards, batch["terminations"])
                 # episode bookkeeping, in step order (rows are step-major: env i of step t is row t * num_envs + i)
                 for k in range(len(rewards)):
-                    env_i = k % args.num_envs
-                    episode["return"][env_i] += rewards[k]
-                    episode["gt_return"][env_i] += gt[k, 0]
-                    episode["clip_return"][env_i] += clip_rewards[k]
-                    episode["length"][env_i] += 1
-                    episode["success"][env_i] = gt[k, 1]
-                    if dones_flat[k]:
-                        step = (
-                            global_step - (len(pending["obs"]) - 1 - k // args.num_envs) * args.num_envs
-                        )  # the step it ended at
-                        length = episode["length"][env_i]
-                        # CartPole: share of the time limit's steps spent upright (a stock episode ends when the pole falls);
-                        # MountainCar: 1 if the flag was reached
-                        cartpole = args.env_id == "CartPole-v1"
-                        success = episode["gt_return"][env_i] / time_limit if cartpole else episode["success"][env_i]
-                        progress.episode(episode["gt_return"][env_i], episode["clip_return"][env_i])
-                        if args.log_episodes:
-                            print(
-                                f"global_step={step}, episodic_return={episode['return'][env_i]:.2f}, "
-                                f"gt_return={episode['gt_return'][env_i]:.0f}"
-                            )
-                        writer.add_scalar("charts/episodic_return", episode["return"][env_i], step)
-                        writer.add_scalar("charts/episodic_length", length, step)
-                        writer.add_scalar("charts/gt_return", episode["gt_return"][env_i], step)
-                        writer.add_scalar("charts/gt_success", success, step)
-                        if args.reward == "clip":
-                            writer.add_scalar("charts/clip_return", episode["clip_return"][env_i], step)
-                            writer.add_scalar("charts/clip_reward_mean", episode["clip_return"][env_i] / length, step)
-                        for v in episode.values():
-                            v[env_i] = 0
+                    i = k % args.num_envs
+                    for key, value in zip(
+                        ("return", "gt_return", "clip_return", "length"), (rewards[k], gt[k, 0], clip_rewards[k], 1)
+                    ):
+                        episode[key][i] += value
+                    episode["success"][i] = gt[k, 1]  # MountainCar: latched by the env, cleared at its reset
+                    if not batch["dones"][k]:
+                        continue
+                    step = global_step - (len(pending["obs"]) - 1 - k // args.num_envs) * args.num_envs  # when it ended
+                    ep = {key: value[i] for key, value in episode.items()}
+                    # CartPole: share of the time limit's steps spent upright (a stock episode ends when the pole falls);
+                    # MountainCar: 1 if the flag was reached
+                    success = ep["gt_return"] / time_limit if args.env_id == "CartPole-v1" else ep["success"]
+                    progress.episode(ep["gt_return"], ep["clip_return"])
+                    if args.log_episodes:
+                        print(f"global_step={step}, episodic_return={ep['return']:.2f}, gt_return={ep['gt_return']:.0f}")
+                    writer.add_scalar("charts/episodic_return", ep["return"], step)
+                    writer.add_scalar("charts/episodic_length", ep["length"], step)
+                    writer.add_scalar("charts/gt_return", ep["gt_return"], step)
+                    writer.add_scalar("charts/gt_success", success, step)
+                    if args.reward == "clip":
+                        writer.add_scalar("charts/clip_return", ep["clip_return"], step)
+                        writer.add_scalar("charts/clip_reward_mean", ep["clip_return"] / ep["length"], step)
+                    for value in episode.values():
+                        value[i] = 0
                 pending = {k: [] for k in pending}
 
             if global_step >= args.learning_starts:
@@ -927,23 +882,19 @@ def main(args: Args) -> None:
                     old_val = q_network(b_obs).gather(1, b_actions[:, None]).squeeze(1)
                     loss = F.mse_loss(td_target, old_val)
                     if not torch.isfinite(loss):  # checked before the update: the saved networks are the last finite ones
-                        saved = save_nonfinite(
-                            run_name, {"q_network": q_network.state_dict(), "args": asdict(args), "run_name": run_name}
-                        )
+                        saved = save_nonfinite(run_name, networks())
                         raise NonFiniteError(
-                            f"losses/td_loss is {loss.item()} at step {global_step}; {saved}; lower --learning-rate or check the rewards."
+                            f"losses/td_loss is {loss.item()} at step {global_step}; {saved}; "
+                            "lower --learning-rate or check the rewards."
                         )
                     optimizer.zero_grad()
                     loss.backward()
                     optimizer.step()
                     if iteration % (100 * args.train_frequency) == 0:
+                        sps = int((global_step - start_iteration * args.num_envs) / (time.time() - start_time))
                         writer.add_scalar("losses/td_loss", loss.item(), global_step)
                         writer.add_scalar("losses/q_values", old_val.mean().item(), global_step)
-                        writer.add_scalar(
-                            "charts/SPS",
-                            int((global_step - start_iteration * args.num_envs) / (time.time() - start_time)),
-                            global_step,
-                        )
+                        writer.add_scalar("charts/SPS", sps, global_step)
                         writer.add_scalar("charts/epsilon", epsilon, global_step)
                         for k, v in timing.items():
                             writer.add_scalar(f"time/{k}_s", v, global_step)
@@ -952,6 +903,14 @@ def main(args: Args) -> None:
                         target_param.data.copy_(args.tau * q_param.data + (1.0 - args.tau) * target_param.data)
                 timing["learning"] += time.perf_counter() - t0
 
+            if args.capture_video and (
+                global_step // args.video_frequency != next_step // args.video_frequency or iteration == num_iterations - 1
+            ):
+                (result,) = evaluate(q_network, eval_envs, device, reward_model, 1, args.seed + 10_000)
+                save_video(result["frames"], f"videos/{run_name}/step-{next_step}.mp4")
+                writer.add_scalar("eval/gt_return", result["gt_return"], next_step)
+                if reward_model is not None:
+                    writer.add_scalar("eval/clip_return", result["clip_return"], next_step)
             if boundary:
                 if save_now:
                     save_checkpoint(
@@ -959,14 +918,12 @@ def main(args: Args) -> None:
                         {
                             "run_name": run_name,
                             "iteration": iteration + 1,
+                            "global_step": next_step,
                             "args": asdict(args),
-                            "q_network": q_network.state_dict(),
-                            "target_network": target_network.state_dict(),
-                            "optimizer": optimizer.state_dict(),
+                            **{name: module.state_dict() for name, module in learner.items()},
                             "rng": rng_state(envs),
                             "pending": pending,
                             "episode": episode,
-                            "video_episode": video_episode,
                             "replay_buffer": rb.state_dict() if args.save_buffer else None,
                         },
                     )
@@ -983,28 +940,31 @@ def main(args: Args) -> None:
                 reset_obs, _ = envs.reset(options={"reset_mask": dones})
                 next_obs = np.where(dones[:, None], reset_obs, next_obs)
             obs = next_obs
-            progress.update(global_step + args.num_envs)
+            progress.update(next_step)
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         writer.close()  # flushes TensorBoard, also on an error or a second Ctrl-C
         envs.close()
 
-    progress.update((iteration + 1) * args.num_envs, final=True)
+    final_step = (iteration + 1) * args.num_envs
+    progress.update(final_step, final=True)
     elapsed = time.time() - start_time
-    steps = (iteration + 1 - start_iteration) * args.num_envs
+    steps = final_step - start_iteration * args.num_envs
     print(
         f"done: {steps} steps in {elapsed:.0f} s ({int(steps / max(elapsed, 1e-9))} SPS); time in "
         + ", ".join(f"{k} {v:.2f} s" for k, v in timing.items())
     )
     if args.save_model and not stop["requested"]:
-        model_path = f"runs/{run_name}/model.pt"
-        save_checkpoint(model_path, {"q_network": q_network.state_dict(), "args": asdict(args)})
-        print(f"model saved to {model_path}")
-        gt_returns = evaluate(model_path, args, run_name, device, reward_model)
+        if args.episodes == "fixed" and not dones.all():  # ended mid-episode: the final networks, to evaluate, not resume
+            save_checkpoint(f"runs/{run_name}/checkpoint.pt", networks())
+        # the final Q-network's greedy episodes are the run's evaluation: eval/gt_return at its last step
+        results = evaluate(q_network, make_eval_envs(), device, reward_model, args.eval_episodes, args.seed + 10_000)
         with SummaryWriter(f"runs/{run_name}") as eval_writer:
-            for i, r in enumerate(gt_returns):
-                eval_writer.add_scalar("eval/gt_return", r, i)
+            for i, result in enumerate(results):
+                print(f"eval episode {i}: clip_return={result['clip_return']:.2f} gt_return={result['gt_return']:.1f}")
+                eval_writer.add_scalar("eval/gt_return", result["gt_return"], final_step)
+        print(f"roll the policy out with: python {os.path.basename(__file__)} --evaluate runs/{run_name}/checkpoint.pt")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -218,8 +218,8 @@ def test_clip_rewarded_smoke_run_trains_saves_evaluates_and_records(tmp_path):
         "--train-frequency",
         "4",
         "--capture-video",
-        "--video-interval",
-        "2",
+        "--video-frequency",
+        "400",
         "--save-model",
         "--eval-episodes",
         "1",
@@ -238,17 +238,20 @@ def test_clip_rewarded_smoke_run_trains_saves_evaluates_and_records(tmp_path):
         "charts/SPS",
         "time/render_s",
         "time/reward_model_s",
+        "eval/clip_return",
     ]:
         values = [v for _, v in scalars[tag]]
         assert values and np.all(np.isfinite(values)), tag
     assert len(scalars["charts/episodic_return"]) == 1200 // 200
     # logged at the step each episode ended, though its rewards were scored in a later batch
     assert [s for s, _ in scalars["charts/episodic_return"]] == [199, 399, 599, 799, 999, 1199]
+    # a greedy episode every --video-frequency steps, then the final Q-network's --eval-episodes at the last step
+    assert [s for s, _ in scalars["eval/gt_return"]] == [400, 800, 1200, 1200]
     videos = sorted(p.name for p in (tmp_path / "videos" / run_dir.name).iterdir())
-    assert videos == ["episode-0.mp4", "episode-2.mp4", "episode-4.mp4", "eval-episode-0.mp4"]
+    assert videos == ["step-1200.mp4", "step-400.mp4", "step-800.mp4"]
     assert all((tmp_path / "videos" / run_dir.name / v).stat().st_size > 1000 for v in videos)
-    model = run_dir / "model.pt"
-    assert "q_network" in torch.load(model)
+    checkpoint = run_dir / "checkpoint.pt"
+    assert "q_network" in torch.load(checkpoint, weights_only=False)
     evaluation = run_script(
         SCRIPT,
         *TINY_CLIP_FLAGS,
@@ -256,13 +259,16 @@ def test_clip_rewarded_smoke_run_trains_saves_evaluates_and_records(tmp_path):
         "MountainCar-v0",
         "--realistic",
         "--evaluate",
-        str(model),
+        str(checkpoint),
         "--eval-episodes",
         "2",
         cwd=tmp_path,
     )
     assert evaluation.returncode == 0, evaluation.stderr[-3000:]
     assert evaluation.stdout.count("eval episode") == 2 and "clip_return=" in evaluation.stdout
+    (eval_dir,) = [d for d in (tmp_path / "videos").iterdir() if d.name != run_dir.name]
+    assert (eval_dir / "eval-episode-1.mp4").stat().st_size > 1000
+    assert len(list((eval_dir / "eval-episode-1").glob("frame-*.png"))) == 201  # reset frame + 200 steps
 
 
 BAD_INPUT = {
