@@ -617,22 +617,22 @@ def linear_schedule(start_e: float, end_e: float, duration: float, t: int) -> fl
 
 
 class ReplayBuffer:
-    """Plain ring buffer of (obs, action, reward, next_obs, terminated) on the host; its state_dict is the filled part."""
-
-    fields = ("obs", "next_obs", "actions", "rewards", "terminations")
+    """Plain ring buffer of transitions on the host; its state_dict (the filled part) makes a resume exact."""
 
     def __init__(self, size: int, obs_shape: tuple, device: torch.device):
         self.size, self.device, self.pos, self.full = size, device, 0, False
-        self.obs = np.zeros((size, *obs_shape), dtype=np.float32)
-        self.next_obs = np.zeros((size, *obs_shape), dtype=np.float32)
-        self.actions = np.zeros((size,), dtype=np.int64)
-        self.rewards = np.zeros((size,), dtype=np.float32)
-        self.terminations = np.zeros((size,), dtype=np.float32)
+        self.data = {
+            "obs": np.zeros((size, *obs_shape), np.float32),
+            "next_obs": np.zeros((size, *obs_shape), np.float32),
+            "actions": np.zeros(size, np.int64),
+            "rewards": np.zeros(size, np.float32),
+            "terminations": np.zeros(size, np.float32),
+        }
 
     def add(self, obs, next_obs, actions, rewards, terminations) -> None:
         idx = (self.pos + np.arange(len(obs))) % self.size  # one vectorised write, wrapping around the end
-        for name, values in zip(self.fields, (obs, next_obs, actions, rewards, terminations)):
-            getattr(self, name)[idx] = values
+        for array, values in zip(self.data.values(), (obs, next_obs, actions, rewards, terminations)):
+            array[idx] = values
         self.full = self.full or self.pos + len(obs) >= self.size
         self.pos = (self.pos + len(obs)) % self.size
 
@@ -640,31 +640,20 @@ class ReplayBuffer:
         return self.size if self.full else self.pos
 
     def state_dict(self) -> dict:
-        return {
-            "pos": self.pos,
-            "full": self.full,
-            **{k: torch.from_numpy(getattr(self, k)[: len(self)]) for k in self.fields},
-        }
+        return {"pos": self.pos, "full": self.full, **{k: torch.from_numpy(v[: len(self)]) for k, v in self.data.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.pos, self.full = state["pos"], state["full"]
-        for name in self.fields:
-            getattr(self, name)[: len(state[name])] = state[name]
+        for k, v in self.data.items():
+            v[: len(state[k])] = state[k]
 
     def sample(self, batch_size: int) -> tuple[torch.Tensor, ...]:
         idx = np.random.randint(0, len(self), size=batch_size)
-        names = ("obs", "actions", "rewards", "next_obs", "terminations")
-        return tuple(torch.from_numpy(getattr(self, name)[idx]).to(self.device) for name in names)
+        keys = ("obs", "actions", "rewards", "next_obs", "terminations")
+        return tuple(torch.from_numpy(self.data[k][idx]).to(self.device) for k in keys)
 
 
-def evaluate(
-    q_network: QNetwork,
-    eval_envs: gym.vector.VectorEnv,
-    device: torch.device,
-    reward_model: Optional[CLIPReward],
-    episodes: int,
-    seed: int,
-) -> list[dict]:
+def evaluate(q_network: QNetwork, eval_envs: gym.vector.VectorEnv, device, reward_model, episodes: int, seed: int) -> list:
     """Greedy episodes of the Q-network: frames, ground-truth return and CLIP return of each."""
     results = []
     for episode in range(episodes):
@@ -703,8 +692,9 @@ def main(args: Args) -> None:
     torch.backends.cudnn.deterministic = args.torch_deterministic
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     set_torch_threads(args, device)
+    eval_seed = args.seed + 10_000
     make_eval_envs = lambda: gym.vector.SyncVectorEnv(  # noqa: E731
-        [make_env(args.env_id, args.seed + 10_000, 0, args.episode_length, args.realistic, args.episodes == "fixed")]
+        [make_env(args.env_id, eval_seed, 0, args.episode_length, args.realistic, args.episodes == "fixed")]
     )
     # the reward model first: a failed download or an unusable prompt is one sentence before anything starts
     reward_model = make_reward_model(args, device) if args.reward == "clip" else None
@@ -713,15 +703,14 @@ def main(args: Args) -> None:
         eval_envs = make_eval_envs()
         q_network = QNetwork(eval_envs).to(device)
         q_network.load_state_dict(torch.load(args.evaluate, map_location=device, weights_only=False)["q_network"])
-        results = evaluate(q_network, eval_envs, device, reward_model, args.eval_episodes, args.seed + 10_000)
-        for episode, result in enumerate(results):
-            folder = f"videos/{run_name}/eval-episode-{episode}"
+        for i, result in enumerate(evaluate(q_network, eval_envs, device, reward_model, args.eval_episodes, eval_seed)):
+            folder = f"videos/{run_name}/eval-episode-{i}"
             save_video(result["frames"], folder + ".mp4")
             os.makedirs(folder, exist_ok=True)
             for t, frame in enumerate(result["frames"]):
                 imageio.imwrite(f"{folder}/frame-{t:04d}.png", frame)
             print(
-                f"eval episode {episode}: clip_return={result['clip_return']:.2f} gt_return={result['gt_return']:.1f}"
+                f"eval episode {i}: clip_return={result['clip_return']:.2f} gt_return={result['gt_return']:.1f}"
                 f" -> {folder}.mp4"
             )
         return
@@ -906,7 +895,7 @@ def main(args: Args) -> None:
             if args.capture_video and (
                 global_step // args.video_frequency != next_step // args.video_frequency or iteration == num_iterations - 1
             ):
-                (result,) = evaluate(q_network, eval_envs, device, reward_model, 1, args.seed + 10_000)
+                (result,) = evaluate(q_network, eval_envs, device, reward_model, 1, eval_seed)
                 save_video(result["frames"], f"videos/{run_name}/step-{next_step}.mp4")
                 writer.add_scalar("eval/gt_return", result["gt_return"], next_step)
                 if reward_model is not None:
@@ -959,7 +948,7 @@ def main(args: Args) -> None:
         if args.episodes == "fixed" and not dones.all():  # ended mid-episode: the final networks, to evaluate, not resume
             save_checkpoint(f"runs/{run_name}/checkpoint.pt", networks())
         # the final Q-network's greedy episodes are the run's evaluation: eval/gt_return at its last step
-        results = evaluate(q_network, make_eval_envs(), device, reward_model, args.eval_episodes, args.seed + 10_000)
+        results = evaluate(q_network, make_eval_envs(), device, reward_model, args.eval_episodes, eval_seed)
         with SummaryWriter(f"runs/{run_name}") as eval_writer:
             for i, result in enumerate(results):
                 print(f"eval episode {i}: clip_return={result['clip_return']:.2f} gt_return={result['gt_return']:.1f}")
