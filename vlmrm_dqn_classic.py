@@ -834,10 +834,10 @@ def main(args: Args) -> None:
                 # episode bookkeeping, in step order (rows are step-major: env i of step t is row t * num_envs + i)
                 for k in range(len(rewards)):
                     i = k % args.num_envs
-                    for key, value in zip(
-                        ("return", "gt_return", "clip_return", "length"), (rewards[k], gt[k, 0], clip_rewards[k], 1)
-                    ):
-                        episode[key][i] += value
+                    episode["return"][i] += rewards[k]
+                    episode["gt_return"][i] += gt[k, 0]
+                    episode["clip_return"][i] += clip_rewards[k]
+                    episode["length"][i] += 1
                     episode["success"][i] = gt[k, 1]  # MountainCar: latched by the env, cleared at its reset
                     if not batch["dones"][k]:
                         continue
