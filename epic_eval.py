@@ -7,7 +7,7 @@ on a fixed dataset of states EPIC reduces to sqrt((1 - rho) / 2), rho = Pearson 
 reward and the labels: 0 = same ordering up to a positive affine map, 1 = opposite.
 One file, three subcommands:
 
-    # 1. states + frames, from random actions (or --policy: a DQN model.pt or a SAC checkpoint.pt of our scripts)
+    # 1. states + frames, from random actions (or --policy: a checkpoint.pt of either training script)
     python epic_eval.py collect --env-id CartPole-v1 --num-frames 200 --out data/cartpole
     # 2. label them in the browser at http://127.0.0.1:8765 (keys: 1 success, 0 failure, s skip, Backspace back)
     python epic_eval.py label --dataset data/cartpole
@@ -80,7 +80,7 @@ class Collect:
     num_frames: int = 200
     """number of frames (states) to save"""
     policy: Optional[str] = None
-    """a `model.pt` of `vlmrm_dqn_classic.py --save-model` (greedy actions) or a `checkpoint.pt` of
+    """a `checkpoint.pt` of `vlmrm_dqn_classic.py --save-model` (greedy actions) or of
     `vlmrm_sac_humanoid.py --save-model` (deterministic actions); default: random actions"""
     epsilon: float = 0.0
     """with --policy: probability of a random action instead (mixes failures into a good policy's states)"""
@@ -252,10 +252,10 @@ def check_collect_args(args: Collect) -> Optional[dict]:
     check_output_folder(args.out, "--out")
     checkpoint = None
     if args.policy is not None:
-        which = "the model.pt of vlmrm_dqn_classic.py --save-model or the checkpoint.pt of vlmrm_sac_humanoid.py --save-model"
+        which = "the checkpoint.pt of vlmrm_dqn_classic.py or vlmrm_sac_humanoid.py --save-model"
         if not os.path.isfile(args.policy):
             raise UserError(f"--policy {args.policy}: no such file; pass {which}.")
-        try:  # a SAC checkpoint.pt also holds RNG states and arrays: load only files you trust
+        try:  # a checkpoint.pt also holds RNG states and arrays: load only files you trust
             checkpoint = torch.load(args.policy, map_location="cpu", weights_only=False)
         except Exception as e:  # noqa: BLE001 - any unreadable file gets the same advice
             raise UserError(f"--policy {args.policy} could not be read ({type(e).__name__}); pass {which}.") from None

@@ -59,7 +59,7 @@ class Rollout:
     The env and all its flags are the checkpoint's own: none can be given here."""
 
     checkpoint: str
-    """a checkpoint.pt (or model.pt) of vlmrm_dqn_classic.py or vlmrm_sac_humanoid.py"""
+    """a checkpoint.pt of vlmrm_dqn_classic.py or vlmrm_sac_humanoid.py"""
     episodes: int = 100
     """number of episodes (the paper judged 100)"""
     deterministic: bool = False
@@ -106,7 +106,7 @@ class Best:
     """Among checkpoints of runs of one configuration, the one with the highest mean CLIP return on evaluation rollouts."""
 
     checkpoints: tuple[str, ...] = ()
-    """checkpoint files (default: every checkpoint.pt and model.pt under --runs)"""
+    """checkpoint files (default: every checkpoint.pt under --runs)"""
     runs: str = "runs"
     """folder searched for checkpoints when none are given"""
     episodes: int = 10
@@ -143,7 +143,7 @@ class Study:
 # ----------------------------------------------------------------------------------------------
 def load_checkpoint(path: str) -> tuple[dict, object, object]:
     """(checkpoint, the training script's module, its Args as saved), or a one-sentence error."""
-    which = "a checkpoint.pt or model.pt of vlmrm_dqn_classic.py or vlmrm_sac_humanoid.py"
+    which = "a checkpoint.pt of vlmrm_dqn_classic.py or vlmrm_sac_humanoid.py"
     if not os.path.isfile(path):
         raise UserError(f"{path}: no such file; pass {which}.")
     try:  # our own files hold RNG states and arrays: weights_only=False, so only roll out checkpoints you trust
@@ -548,12 +548,9 @@ def best(args: Best) -> str:
     """Rolls every checkpoint out under the runs' own CLIP reward; prints each mean return and returns the best path."""
     if args.episodes < 1:
         raise UserError(f"--episodes must be a positive integer, got {args.episodes}.")
-    paths = list(args.checkpoints) or sorted(
-        glob.glob(os.path.join(args.runs, "**", "checkpoint.pt"), recursive=True)
-        + glob.glob(os.path.join(args.runs, "**", "model.pt"), recursive=True)
-    )
+    paths = list(args.checkpoints) or sorted(glob.glob(os.path.join(args.runs, "**", "checkpoint.pt"), recursive=True))
     if not paths:
-        raise UserError(f"no checkpoint.pt or model.pt under {args.runs}; pass checkpoint files or train with --save-model.")
+        raise UserError(f"no checkpoint.pt under {args.runs}; pass checkpoint files or train with --save-model.")
     loaded = [(path, *load_checkpoint(path)) for path in paths]
     first = loaded[0][3]
     if first.reward != "clip":

@@ -1,8 +1,8 @@
 """VLM-RM: DQN on CartPole-v1 / MountainCar-v0 with a CLIP model as the reward (no hand-written reward).
 
-Every frame the environment renders is scored by a pretrained CLIP model against a goal sentence,
-optionally regularised towards a baseline sentence with strength alpha (goal-baseline projection).
-One file, read top to bottom: flags, CLIP reward, environments, Q-network, replay buffer, training loop.
+Every frame the environment renders is scored by a pretrained CLIP model against a goal sentence, optionally
+regularised towards a baseline sentence with strength alpha (goal-baseline projection). One file, read top to
+bottom: flags, CLIP reward, environments, Q-network and replay buffer, training loop. Based on CleanRL's dqn.py.
 
     python vlmrm_dqn_classic.py --env-id CartPole-v1 --goal "pole vertically upright on top of the cart" \
         --baseline "pole and cart" --alpha 0.5
@@ -49,25 +49,23 @@ class Args:
     cuda: bool = True
     """if toggled, CUDA (when available) runs the Q-network and the reward model"""
     torch_threads: Optional[int] = None
-    """torch CPU threads; default: 1 when the networks run on CPU (small networks gain nothing from more, and more threads
-    fight the env workers, renderer and other jobs for cores), untouched on GPU; 0 = torch's default (one per core)"""
+    """torch CPU threads; default: 1 on CPU (small networks gain nothing from more), untouched on GPU; 0 = torch's default"""
     log_episodes: bool = False
     """if toggled, print one line per finished episode (always in TensorBoard) instead of only the progress line"""
     capture_video: bool = False
-    """if toggled, save MP4s of env 0's episodes to `videos/<run_name>/`"""
-    video_interval: int = 50
-    """record every n-th episode of env 0"""
+    """if toggled, save an MP4 of a greedy episode every `--video-frequency` steps to `videos/<run_name>/`"""
+    video_frequency: int = 25_000
+    """environment steps between two evaluation videos"""
     save_model: bool = False
-    """if toggled, save checkpoints every `--checkpoint-frequency` steps, and the final Q-network to `runs/<run_name>/model.pt` (then evaluate it)"""
+    """if toggled, save checkpoints every `--checkpoint-frequency` steps and at the end, then evaluate the final Q-network"""
     checkpoint_frequency: int = 100_000
     """environment steps between two checkpoints (fixed-length episodes: taken at the next episode boundary)"""
     save_buffer: bool = False
     """if toggled, checkpoints include the replay buffer, so `--resume` continues exactly as if never stopped"""
     resume: Optional[str] = None
-    """path to a `checkpoint.pt`: continue that run (its flags, step, TensorBoard folder) until its `--total-timesteps`;
-    exact with fixed-length episodes, while stock episodes (`--episodes stock`) restart the episodes in flight"""
+    """path to a `checkpoint.pt`: continue that run (its flags, step, TensorBoard folder) until its `--total-timesteps`"""
     evaluate: Optional[str] = None
-    """path to a saved `model.pt`: roll it out greedily instead of training"""
+    """path to a saved checkpoint: roll out its greedy policy (video + frames) instead of training"""
     eval_episodes: int = 10
     """number of episodes of an evaluation"""
 
@@ -75,10 +73,9 @@ class Args:
     env_id: Literal["CartPole-v1", "MountainCar-v0"] = "CartPole-v1"
     """the environment"""
     episodes: Literal["auto", "fixed", "stock"] = "auto"
-    """fixed: `--episode-length` steps, no early termination (survival alone earns nothing); stock: Gymnasium's own task
-    (its reward, termination and time limit: CartPole 500 steps); auto: fixed for `--reward clip`, stock for `--reward gt`"""
+    """fixed: `--episode-length` steps, no early termination; stock: Gymnasium's own task; auto: fixed for clip, else stock"""
     episode_length: int = 200
-    """fixed episode length (`--episodes fixed` only): no early termination, so survival alone earns nothing"""
+    """fixed episode length (`--episodes fixed` only)"""
     realistic: bool = False
     """MountainCar only: draw a landscape (sky, hills, flag, car) instead of Gymnasium's line art"""
 
@@ -102,10 +99,9 @@ class Args:
     reward_batch_size: int = 64
     """frames scored per CLIP forward pass"""
     reward_devices: tuple[str, ...] = ()
-    """devices of the reward model, e.g. `cuda:0 cuda:1`: one CLIP replica each, scoring one `--reward-batch-size` chunk
-    each per call, in parallel; default: the one device of `--cuda` (the env and the learner stay there either way)"""
+    """devices of the reward model, e.g. `cuda:0 cuda:1`: one CLIP replica each, in parallel; default: that of `--cuda`"""
     reward_family: Literal["projection", "softmax"] = "projection"
-    """projection: the goal-baseline projection (--alpha); softmax: 1 if the goal beats --negatives in a softmax over cosines, else 0"""
+    """projection: the goal-baseline projection (--alpha); softmax: 1 if the goal beats --negatives in a softmax"""
     negatives: Optional[tuple[str, ...]] = None
     """softmax family: prompts the goal is contrasted with; default: our negatives for the default --goal (none for others)"""
     temperature: float = 0.01
@@ -163,7 +159,7 @@ class NonFiniteError(Exception):
 def check_args(args: Args) -> None:
     """Refuse bad flags, each in one sentence, before anything expensive (model download, env spawn) happens."""
     positive = "total_timesteps num_envs buffer_size batch_size train_frequency target_network_frequency episode_length"
-    for name in (positive + " eval_episodes reward_batch_size video_interval checkpoint_frequency learning_rate").split():
+    for name in (positive + " eval_episodes reward_batch_size video_frequency checkpoint_frequency learning_rate").split():
         if not getattr(args, name) > 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
     for name in "alpha gamma tau start_e end_e exploration_fraction".split():
@@ -397,10 +393,8 @@ def make_reward_model(args: Args, device: torch.device) -> CLIPReward:
 # Environments: fixed-length episodes; the env's own reward is the ground truth (logged, not learned from)
 # ----------------------------------------------------------------------------------------------
 class FixedLengthCartPole(gym.Wrapper):
-    """CartPole that never terminates: the pole angle wraps to [-pi, pi) and the cart stops at the track ends.
-
-    Reward = 1 when the step is upright (|theta| < 12 deg and |x| < 2.4), else 0.
-    """
+    """CartPole that never terminates: the pole angle wraps to [-pi, pi), the cart stops at the track ends.
+    Reward = 1 while upright (|theta| < 12 deg and |x| < 2.4), else 0."""
 
     def step(self, action):
         _, _, _, truncated, info = self.env.step(action)
@@ -409,21 +403,17 @@ class FixedLengthCartPole(gym.Wrapper):
         theta = (theta + math.pi) % (2 * math.pi) - math.pi
         if abs(x) > cartpole.x_threshold:  # the track ends are walls: stop there instead of leaving the screen
             x, x_dot = math.copysign(cartpole.x_threshold, x), 0.0
-        cartpole.state = np.array([x, x_dot, theta, theta_dot], dtype=np.float64)
+        cartpole.state = np.array([x, x_dot, theta, theta_dot])
         cartpole.steps_beyond_terminated = None  # we keep stepping on purpose: silence gym's warning
-        upright = bool(abs(theta) < cartpole.theta_threshold_radians and abs(x) < cartpole.x_threshold)
-        info["success"] = upright
-        return np.array(cartpole.state, dtype=np.float32), float(upright), False, truncated, info
+        info["success"] = bool(abs(theta) < cartpole.theta_threshold_radians and abs(x) < cartpole.x_threshold)
+        return cartpole.state.astype(np.float32), float(info["success"]), False, truncated, info
 
 
-MOUNTAINCAR_GOAL = 0.45  # the paper's flag position (Gymnasium's MountainCar-v0 uses 0.5)
+MOUNTAINCAR_GOAL = 0.45  # the paper's flag (Gymnasium's MountainCar-v0 has 0.5): reward, success and drawing use it
 
 
 class FixedLengthMountainCar(gym.Wrapper):
-    """MountainCar that never terminates. Reward = 1 while at the flag (x >= 0.45), else 0.
-
-    `info["success"]` says whether the flag was reached at any point of the current episode.
-    """
+    """MountainCar that never terminates: reward 1 while at the flag, else 0; `info["success"]`: reached this episode."""
 
     def reset(self, **kwargs):
         self.reached_goal = False
@@ -432,26 +422,67 @@ class FixedLengthMountainCar(gym.Wrapper):
     def step(self, action):
         obs, _, _, truncated, info = self.env.step(action)
         at_goal = bool(obs[0] >= MOUNTAINCAR_GOAL)
-        self.reached_goal |= at_goal
-        info["success"] = self.reached_goal
+        self.reached_goal = info["success"] = self.reached_goal or at_goal
         return obs, float(at_goal), False, truncated, info
 
-    def render(self):
-        # Gymnasium draws its flag at goal_position (0.5): draw it at our goal instead. Only for the drawing, so the
-        # env's own termination (which reads it too, and which step() discards anyway) keeps Gymnasium's value.
+    def render(self):  # Gymnasium draws its flag at goal_position: ours, for the drawing only (its own stays as it is)
         car = self.env.unwrapped
-        stock_goal, car.goal_position = car.goal_position, MOUNTAINCAR_GOAL
-        try:
-            return self.env.render()
-        finally:
-            car.goal_position = stock_goal
+        car.goal_position, stock = MOUNTAINCAR_GOAL, car.goal_position
+        frame = self.env.render()
+        car.goal_position = stock
+        return frame
+
+
+class RealisticMountainCar(gym.Wrapper):
+    """MountainCar drawn as a landscape (sky, far ridge, grassy hill, road, yellow flag, red car on the slope): CLIP
+    scores photo-like scenes far better than line art. Gymnasium's world-to-pixel mapping; the background is drawn once."""
+
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        import pygame
+
+        self.min_x, self.scale = env.unwrapped.min_position, 600 / (env.unwrapped.max_position - env.unwrapped.min_position)
+        rows, cols = np.mgrid[:400, :600]
+        depth = rows - self.pixel(self.min_x + cols / self.scale)[1]  # pixels below the road's centre line
+        noise = np.random.default_rng(0).normal(0, 12, (400, 600, 1))  # fixed: every frame of every run looks the same
+        ridge = 170 + 35 * np.sin(cols / 57) + 20 * np.sin(cols / 23 + 1.3) + 8 * np.sin(cols / 7)
+        pixels = np.select(  # first match wins: road, earth, grass, far ridge, else a sky from deep blue to pale
+            [c[..., None] for c in (abs(depth) <= 4, depth > 28, depth > 0, rows > ridge)],
+            [[95, 95, 100], [110, 85, 55] + noise, [70, 140, 55] + noise, [120, 140, 165]],
+            [70, 130, 210] + rows[..., None] / 399 * np.array([130, 95, 35]),
+        )
+        self.background = pygame.surfarray.make_surface(np.clip(pixels, 0, 255).astype(np.uint8).transpose(1, 0, 2))
+        x, y = (int(v) for v in self.pixel(MOUNTAINCAR_GOAL))
+        pygame.draw.line(self.background, (60, 60, 60), (x, y - 4), (x, y - 64), 3)
+        pygame.draw.polygon(self.background, (250, 210, 20), [(x + 2, y - 64), (x + 32, y - 54), (x + 2, y - 44)])
+        self.car = pygame.Surface((56, 34), pygame.SRCALPHA)  # red body, cabin, two windows, two wheels
+        for color, rect in [((200, 30, 35), (0, 12, 56, 14)), ((175, 25, 30), (12, 2, 30, 14))]:
+            pygame.draw.rect(self.car, color, rect, border_radius=5)
+        for x in (16, 29):
+            pygame.draw.rect(self.car, (170, 210, 235), (x, 5, 10, 8))
+        for x in (12, 44):
+            pygame.draw.circle(self.car, (25, 25, 25), (x, 27), 7)
+            pygame.draw.circle(self.car, (160, 160, 160), (x, 27), 3)
+        self.canvas = pygame.Surface((600, 400))
+
+    def pixel(self, x):  # world x -> (column, row) of the road's surface, as Gymnasium draws the track 0.45 sin(3x) + 0.55
+        return (x - self.min_x) * self.scale, 400 - (0.45 * np.sin(3 * x) + 0.55) * self.scale
+
+    def render(self) -> np.ndarray:
+        import pygame
+
+        x = float(self.env.unwrapped.state[0])
+        slope = math.atan(1.35 * math.cos(3 * x))  # the road's angle (both axes share one scale)
+        car = pygame.transform.rotozoom(self.car, math.degrees(slope), 1.0)
+        column, row = self.pixel(x)  # the car's centre stands 10 px above the road, along its normal
+        self.canvas.blit(self.background, (0, 0))
+        self.canvas.blit(car, car.get_rect(center=(column - 10 * math.sin(slope), row - 10 * math.cos(slope))))
+        return pygame.surfarray.array3d(self.canvas).transpose(1, 0, 2)
 
 
 class StockEpisodes(gym.Wrapper):
-    """Gymnasium's own task, unchanged (reward, termination, time limit), plus our ground-truth `info["success"]`:
-
-    CartPole: this step is upright; MountainCar: x >= 0.45 was reached during the episode (as in the fixed-length envs).
-    """
+    """Gymnasium's own task (reward, termination, time limit) plus the ground truth `info["success"]` of the
+    fixed-length envs: CartPole: this step is upright; MountainCar: the flag was reached during the episode."""
 
     def reset(self, **kwargs):
         self.reached_goal = False
@@ -459,100 +490,22 @@ class StockEpisodes(gym.Wrapper):
 
     def step(self, action):
         obs, reward, terminated, truncated, info = self.env.step(action)
-        if self.env.unwrapped.spec.id == "CartPole-v1":
-            cartpole = self.env.unwrapped
-            info["success"] = bool(abs(obs[2]) < cartpole.theta_threshold_radians and abs(obs[0]) < cartpole.x_threshold)
+        env = self.env.unwrapped
+        if env.spec.id == "CartPole-v1":
+            info["success"] = bool(abs(obs[2]) < env.theta_threshold_radians and abs(obs[0]) < env.x_threshold)
         else:
-            self.reached_goal |= bool(obs[0] >= MOUNTAINCAR_GOAL)
-            info["success"] = self.reached_goal
+            self.reached_goal = info["success"] = self.reached_goal or bool(obs[0] >= MOUNTAINCAR_GOAL)
         return obs, reward, terminated, truncated, info
-
-
-class RealisticMountainCar(gym.Wrapper):
-    """Draws MountainCar as a landscape (sky, hills, road, yellow flag, a car tilted to the slope).
-
-    CLIP scores photos-like scenes far better than line art. Same world-to-pixel mapping as Gymnasium's
-    renderer; the static background is drawn once, only the car is drawn per frame.
-    """
-
-    width, height = 600, 400
-
-    def __init__(self, env: gym.Env):
-        super().__init__(env)
-        import pygame
-
-        car = env.unwrapped
-        self.min_x, self.max_x = car.min_position, car.max_position
-        self.scale = self.width / (self.max_x - self.min_x)
-        rng = np.random.default_rng(0)  # fixed texture noise: every frame of every run looks the same
-        # sky: vertical gradient from deep blue to a pale horizon
-        t = np.linspace(0, 1, self.height)[:, None, None]
-        pixels = (1 - t) * np.array([70, 130, 210]) + t * np.array([200, 225, 245])
-        pixels = np.broadcast_to(pixels, (self.height, self.width, 3)).copy()
-        cols = np.arange(self.width)
-        # distant mountains: a hazy blue-grey ridge
-        ridge = 170 + 35 * np.sin(cols / 57.0) + 20 * np.sin(cols / 23.0 + 1.3) + 8 * np.sin(cols / 7.0)
-        far = np.arange(self.height)[:, None] > ridge[None, :]
-        pixels[far] = [120, 140, 165]
-        # the hill: grass below the track curve, with a darker earth layer and speckle noise
-        surface = self.height - self._pixel_height(self.min_x + cols / self.scale)
-        depth = np.arange(self.height)[:, None] - surface[None, :]
-        grass = (depth > 0)[..., None] * np.array([70, 140, 55])
-        earth = (depth > 28)[..., None] * (np.array([110, 85, 55]) - np.array([70, 140, 55]))
-        ground = depth > 0
-        noise = rng.normal(0, 12, (self.height, self.width, 1))
-        pixels[ground] = (grass + earth + noise)[ground]
-        road = (depth > -4) & (depth <= 4)  # a grey road along the curve the car drives on
-        pixels[road] = [95, 95, 100]
-        background = pygame.surfarray.make_surface(np.clip(pixels, 0, 255).astype(np.uint8).transpose(1, 0, 2))
-        # the yellow flag at the goal position
-        flag_x = int((MOUNTAINCAR_GOAL - self.min_x) * self.scale)
-        flag_y = self.height - int(self._pixel_height(MOUNTAINCAR_GOAL)) - 4
-        pygame.draw.line(background, (60, 60, 60), (flag_x, flag_y), (flag_x, flag_y - 60), 3)
-        pygame.draw.polygon(
-            background, (250, 210, 20), [(flag_x + 2, flag_y - 60), (flag_x + 32, flag_y - 50), (flag_x + 2, flag_y - 40)]
-        )
-        self.background = background
-        # the car sprite, drawn once and rotated per frame: red body, cabin with windows, two wheels
-        sprite = pygame.Surface((56, 34), pygame.SRCALPHA)
-        pygame.draw.rect(sprite, (200, 30, 35), (0, 12, 56, 14), border_radius=5)
-        pygame.draw.rect(sprite, (175, 25, 30), (12, 2, 30, 14), border_radius=4)
-        pygame.draw.rect(sprite, (170, 210, 235), (16, 5, 10, 8))
-        pygame.draw.rect(sprite, (170, 210, 235), (29, 5, 10, 8))
-        for wheel_x in (12, 44):
-            pygame.draw.circle(sprite, (25, 25, 25), (wheel_x, 27), 7)
-            pygame.draw.circle(sprite, (160, 160, 160), (wheel_x, 27), 3)
-        self.sprite = sprite
-        self.canvas = pygame.Surface((self.width, self.height))
-
-    def _pixel_height(self, x):
-        return (0.45 * np.sin(3 * np.asarray(x)) + 0.55) * self.scale
-
-    def render(self) -> np.ndarray:
-        import pygame
-
-        x = float(self.env.unwrapped.state[0])
-        slope = math.degrees(math.atan(0.45 * 3 * math.cos(3 * x)))  # same scale on both axes
-        car = pygame.transform.rotozoom(self.sprite, slope, 1.0)
-        # stand the car on the road: centre of the sprite 10 px above the surface, along the normal
-        normal = math.radians(slope)
-        cx = (x - self.min_x) * self.scale - 10 * math.sin(normal)
-        cy = self.height - self._pixel_height(x) - 10 * math.cos(normal)
-        self.canvas.blit(self.background, (0, 0))
-        self.canvas.blit(car, car.get_rect(center=(cx, cy)))
-        return np.array(pygame.surfarray.pixels3d(self.canvas)).transpose(1, 0, 2)
 
 
 def make_env(env_id: str, seed: int, idx: int, episode_length: int, realistic: bool, fixed_length: bool = True):
     def thunk():
-        if not fixed_length:  # the stock task: Gymnasium's reward, termination and time limit
-            env = StockEpisodes(gym.make(env_id, render_mode="rgb_array"))
-        elif env_id == "CartPole-v1":
-            env = FixedLengthCartPole(gym.make(env_id, render_mode="rgb_array", max_episode_steps=episode_length))
+        if fixed_length:  # no early termination: the time limit is the only end, so survival alone earns nothing
+            env = gym.make(env_id, render_mode="rgb_array", max_episode_steps=episode_length)
+            env = FixedLengthCartPole(env) if env_id == "CartPole-v1" else FixedLengthMountainCar(env)
         else:
-            env = FixedLengthMountainCar(gym.make(env_id, render_mode="rgb_array", max_episode_steps=episode_length))
-        if realistic and env_id == "MountainCar-v0":
-            env = RealisticMountainCar(env)
+            env = StockEpisodes(gym.make(env_id, render_mode="rgb_array"))
+        env = RealisticMountainCar(env) if realistic and env_id == "MountainCar-v0" else env
         env.action_space.seed(seed + idx)
         return env
 
@@ -577,30 +530,28 @@ class QNetwork(nn.Module):
         return self.network(x)
 
 
-def linear_schedule(start_e: float, end_e: float, duration: int, t: int) -> float:
-    if duration <= 0:  # --exploration-fraction 0: no exploration phase
-        return end_e
-    slope = (end_e - start_e) / duration
-    return max(slope * t + start_e, end_e)
+def linear_schedule(start_e: float, end_e: float, duration: float, t: int) -> float:
+    # --exploration-fraction 0 (duration 0): no exploration phase
+    return end_e if duration <= 0 else max((end_e - start_e) / duration * t + start_e, end_e)
 
 
 class ReplayBuffer:
-    """Plain ring buffer of (obs, action, reward, next_obs, terminated) on the host."""
+    """Plain ring buffer of transitions on the host; its state_dict (the filled part) makes a resume exact."""
 
     def __init__(self, size: int, obs_shape: tuple, device: torch.device):
         self.size, self.device, self.pos, self.full = size, device, 0, False
-        self.obs = np.zeros((size, *obs_shape), dtype=np.float32)
-        self.next_obs = np.zeros((size, *obs_shape), dtype=np.float32)
-        self.actions = np.zeros((size,), dtype=np.int64)
-        self.rewards = np.zeros((size,), dtype=np.float32)
-        self.terminations = np.zeros((size,), dtype=np.float32)
+        self.data = {
+            "obs": np.zeros((size, *obs_shape), np.float32),
+            "next_obs": np.zeros((size, *obs_shape), np.float32),
+            "actions": np.zeros(size, np.int64),
+            "rewards": np.zeros(size, np.float32),
+            "terminations": np.zeros(size, np.float32),
+        }
 
-    def add(
-        self, obs: np.ndarray, next_obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray, terminations: np.ndarray
-    ) -> None:
+    def add(self, obs, next_obs, actions, rewards, terminations) -> None:
         idx = (self.pos + np.arange(len(obs))) % self.size  # one vectorised write, wrapping around the end
-        self.obs[idx], self.next_obs[idx], self.actions[idx] = obs, next_obs, actions
-        self.rewards[idx], self.terminations[idx] = rewards, terminations
+        for array, values in zip(self.data.values(), (obs, next_obs, actions, rewards, terminations)):
+            array[idx] = values
         self.full = self.full or self.pos + len(obs) >= self.size
         self.pos = (self.pos + len(obs)) % self.size
 
@@ -608,67 +559,35 @@ class ReplayBuffer:
         return self.size if self.full else self.pos
 
     def state_dict(self) -> dict:
-        n = len(self)
-        return {
-            "pos": self.pos,
-            "full": self.full,
-            **{
-                name: torch.from_numpy(getattr(self, name)[:n])
-                for name in ("obs", "next_obs", "actions", "rewards", "terminations")
-            },
-        }
+        return {"pos": self.pos, "full": self.full, **{k: torch.from_numpy(v[: len(self)]) for k, v in self.data.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.pos, self.full = state["pos"], state["full"]
-        for name in ("obs", "next_obs", "actions", "rewards", "terminations"):
-            getattr(self, name)[: len(state[name])] = state[name]
+        for k, v in self.data.items():
+            v[: len(state[k])] = state[k]
 
     def sample(self, batch_size: int) -> tuple[torch.Tensor, ...]:
         idx = np.random.randint(0, len(self), size=batch_size)
-        return tuple(
-            torch.from_numpy(a[idx]).to(self.device)
-            for a in (self.obs, self.actions, self.rewards, self.next_obs, self.terminations)
-        )
+        keys = ("obs", "actions", "rewards", "next_obs", "terminations")
+        return tuple(torch.from_numpy(self.data[k][idx]).to(self.device) for k in keys)
 
 
-def evaluate(
-    model_path: str, args: Args, run_name: str, device: torch.device, reward_model: Optional[CLIPReward] = None
-) -> list[float]:
-    """Greedy rollouts of a saved Q-network; logs ground-truth (and CLIP, when given) returns."""
-    envs = gym.vector.SyncVectorEnv(
-        [make_env(args.env_id, args.seed + 10_000, 0, args.episode_length, args.realistic, args.episodes == "fixed")]
-    )
-    q_network = QNetwork(envs).to(device)
-    # a model.pt or a checkpoint.pt (RNG states and arrays: weights_only=False, only evaluate files you trust)
-    q_network.load_state_dict(torch.load(model_path, map_location=device, weights_only=False)["q_network"])
-    q_network.eval()
-    render = reward_model is not None or args.capture_video
-    gt_returns = []
-    for episode in range(args.eval_episodes):
-        obs, _ = envs.reset(seed=args.seed + 10_000 + episode)
-        frames, gt_return, clip_return = [], 0.0, 0.0
-        if args.capture_video:
-            frames.append(envs.call("render")[0])
-        done = False
+def evaluate(q_network: QNetwork, eval_envs: gym.vector.VectorEnv, device, reward_model, episodes: int, seed: int) -> list:
+    """Greedy episodes of the Q-network: frames, ground-truth return and CLIP return of each."""
+    results = []
+    for episode in range(episodes):
+        obs, _ = eval_envs.reset(seed=seed + episode)
+        frames, gt_return, done = [eval_envs.call("render")[0]], 0.0, False
         while not done:  # fixed length: --episode-length steps; stock: until the env terminates or truncates
             with torch.no_grad():
-                actions = q_network(torch.from_numpy(obs).to(device)).argmax(dim=1).cpu().numpy()
-            obs, gt_rewards, terminations, truncations, _ = envs.step(actions)
-            done = bool(terminations[0] or truncations[0])
-            gt_return += float(gt_rewards[0])
-            if render:
-                frame = envs.call("render")[0]
-                frames.append(frame)
-                if reward_model is not None:
-                    clip_return += float(reward_model(frame[None])[0])
-        gt_returns.append(gt_return)
-        print(
-            f"eval episode {episode}: gt_return={gt_return:.1f}" + (f" clip_return={clip_return:.2f}" if reward_model else "")
-        )
-        if args.capture_video:
-            save_video(frames, f"videos/{run_name}/eval-episode-{episode}.mp4")
-    envs.close()
-    return gt_returns
+                actions = q_network(torch.as_tensor(obs, device=device)).argmax(dim=1).cpu().numpy()
+            obs, gt_rewards, terminations, truncations, _ = eval_envs.step(actions)
+            done, gt_return = bool(terminations[0] or truncations[0]), gt_return + float(gt_rewards[0])
+            frames.append(eval_envs.call("render")[0])
+        # the reset frame scores no transition: the reward of step t is the score of frame t + 1
+        clip_return = float(reward_model(np.stack(frames[1:])).sum()) if reward_model is not None else float("nan")
+        results.append({"frames": frames, "gt_return": gt_return, "clip_return": clip_return})
+    return results
 
 
 # ----------------------------------------------------------------------------------------------
@@ -679,9 +598,8 @@ def main(args: Args) -> None:
     if args.resume is not None:  # continue the same run: its flags, step, TensorBoard folder and random streams
         checkpoint = read_checkpoint(args.resume)
         args = resumed_args(args, checkpoint)
-    default_goal, default_baseline = DEFAULT_PROMPTS[args.env_id]
-    args.goal = args.goal if args.goal is not None else (default_goal,)
-    args.baseline = args.baseline if args.baseline is not None else (default_baseline,)
+    args.goal = (DEFAULT_PROMPTS[args.env_id][0],) if args.goal is None else args.goal
+    args.baseline = (DEFAULT_PROMPTS[args.env_id][1],) if args.baseline is None else args.baseline
     check_args(args)
     if args.episodes == "auto":  # resolved once: a checkpoint keeps the resolved value
         args.episodes = "fixed" if args.reward == "clip" else "stock"
@@ -693,13 +611,29 @@ def main(args: Args) -> None:
     torch.backends.cudnn.deterministic = args.torch_deterministic
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     set_torch_threads(args, device)
-
-    if args.evaluate is not None:
-        evaluate(args.evaluate, args, run_name, device, make_reward_model(args, device) if args.reward == "clip" else None)
-        return
-
+    eval_seed = args.seed + 10_000
+    make_eval_envs = lambda: gym.vector.SyncVectorEnv(  # noqa: E731
+        [make_env(args.env_id, eval_seed, 0, args.episode_length, args.realistic, args.episodes == "fixed")]
+    )
     # the reward model first: a failed download or an unusable prompt is one sentence before anything starts
     reward_model = make_reward_model(args, device) if args.reward == "clip" else None
+
+    if args.evaluate is not None:
+        eval_envs = make_eval_envs()
+        q_network = QNetwork(eval_envs).to(device)
+        q_network.load_state_dict(torch.load(args.evaluate, map_location=device, weights_only=False)["q_network"])
+        for i, result in enumerate(evaluate(q_network, eval_envs, device, reward_model, args.eval_episodes, eval_seed)):
+            folder = f"videos/{run_name}/eval-episode-{i}"
+            save_video(result["frames"], folder + ".mp4")
+            os.makedirs(folder, exist_ok=True)
+            for t, frame in enumerate(result["frames"]):
+                imageio.imwrite(f"{folder}/frame-{t:04d}.png", frame)
+            print(
+                f"eval episode {i}: clip_return={result['clip_return']:.2f} gt_return={result['gt_return']:.1f}"
+                f" -> {folder}.mp4"
+            )
+        return
+
     # We reset finished envs ourselves (autoreset off): no reset step, so no reset frame or reset
     # observation can ever be stored as a transition, and episode boundaries are explicit for checkpoints.
     envs = gym.vector.SyncVectorEnv(
@@ -711,19 +645,17 @@ def main(args: Args) -> None:
     )
     if reward_model is not None:
         warn_if_slow_on_cpu(reward_model, args, (400, 600, 3))  # the pygame frames are 600x400
+    eval_envs = make_eval_envs() if args.capture_video else None
     num_iterations = args.total_timesteps // args.num_envs
     start_iteration = checkpoint["iteration"] if checkpoint else 0
     run_name = run_name if checkpoint else make_run_folder(run_name)
     # purge_step drops whatever a crashed run logged after its checkpoint, so the curves continue cleanly: from the first
     # step still pending in the checkpoint (the episodes ending there were logged only after it was saved)
-    writer = SummaryWriter(
-        f"runs/{run_name}",
-        purge_step=(start_iteration - len(checkpoint["pending"]["obs"])) * args.num_envs if checkpoint else None,
-    )
+    purge_step = (start_iteration - len(checkpoint["pending"]["obs"])) * args.num_envs if checkpoint else None
+    writer = SummaryWriter(f"runs/{run_name}", purge_step=purge_step)
     if checkpoint is None:
-        writer.add_text(
-            "hyperparameters", "|param|value|\n|-|-|\n%s" % "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
-        )
+        table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
     print(
         f"run: runs/{run_name} on {device}, reward: {args.reward}"
         + (f", goal={args.goal}, baseline={args.baseline}, alpha={args.alpha}" if args.reward == "clip" else "")
@@ -735,25 +667,25 @@ def main(args: Args) -> None:
     target_network = QNetwork(envs).to(device)
     target_network.load_state_dict(q_network.state_dict())
     rb = ReplayBuffer(args.buffer_size, envs.single_observation_space.shape, device)
+    # everything a gradient step changes, by name: checkpointed and restored together
+    learner = {"q_network": q_network, "target_network": target_network, "optimizer": optimizer}
+    networks = lambda: {"q_network": q_network.state_dict(), "args": asdict(args), "run_name": run_name}  # noqa: E731
 
     # Transitions wait here until their frames are scored in one batch; they reach the replay buffer
     # before the next gradient step, so training never samples a transition without its reward.
     pending: dict[str, list] = {k: [] for k in ("obs", "next_obs", "actions", "terminations", "dones", "gt", "frames")}
     episode = {k: np.zeros(args.num_envs) for k in ("return", "gt_return", "clip_return", "length", "success")}
-    render = args.reward == "clip" or args.capture_video
+    render = args.reward == "clip"
     timing = {"env": 0.0, "render": 0.0, "reward_model": 0.0, "learning": 0.0}
-    video_frames: list[np.ndarray] = []  # env 0's current episode, when --capture-video
-    video_episode = 0
 
     obs, _ = envs.reset(seed=args.seed)
     if checkpoint is not None:
-        q_network.load_state_dict(checkpoint["q_network"])
-        target_network.load_state_dict(checkpoint["target_network"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
+        for name, module in learner.items():
+            module.load_state_dict(checkpoint[name])
         if checkpoint["replay_buffer"] is not None:
             rb.load_state_dict(checkpoint["replay_buffer"])
             checkpoint["replay_buffer"] = None  # frees the loaded copy (counted by the memory check)
-        pending, episode, video_episode = checkpoint["pending"], checkpoint["episode"], checkpoint["video_episode"]
+        pending, episode = checkpoint["pending"], checkpoint["episode"]
         if args.episodes == "stock":  # saved mid-episode: the episodes in flight restart below, so drop their partial sums
             episode = {k: np.zeros_like(v) for k, v in episode.items()}
         # fixed-length checkpoints are taken at an episode boundary, just before the reset: redo it with the same env RNGs
@@ -764,16 +696,11 @@ def main(args: Args) -> None:
         torch.set_rng_state(checkpoint["rng"]["torch"])
         if checkpoint["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
-    if args.capture_video:
-        video_frames.append(envs.call("render")[0])
     stop = install_stop_handlers()
     start_time = time.time()
     time_limit = args.episode_length if args.episodes == "fixed" else gym.spec(args.env_id).max_episode_steps
     progress = Progress(args.total_timesteps, start_iteration * args.num_envs, args.reward == "clip", max(10, args.num_envs))
-    iteration, dones = (
-        start_iteration - 1,
-        np.ones(args.num_envs, dtype=bool),
-    )  # as they stay when a resumed run has no steps left
+    iteration, dones = start_iteration - 1, np.ones(args.num_envs, dtype=bool)  # as they stay if no steps are left
     try:
         for iteration in range(start_iteration, num_iterations):
             global_step = iteration * args.num_envs
@@ -782,8 +709,7 @@ def main(args: Args) -> None:
                 actions = np.random.randint(envs.single_action_space.n, size=args.num_envs)  # seeded, checkpointed RNG
             else:
                 with torch.no_grad():
-                    q_values = q_network(torch.from_numpy(obs).to(device))
-                actions = q_values.argmax(dim=1).cpu().numpy()
+                    actions = q_network(torch.from_numpy(obs).to(device)).argmax(dim=1).cpu().numpy()
 
             t0 = time.perf_counter()
             next_obs, gt_rewards, terminations, truncations, infos = envs.step(actions)
@@ -798,85 +724,59 @@ def main(args: Args) -> None:
             stopping = stop["requested"]  # read once: a signal arriving after this is handled at the next step
             boundary = dones.all() or args.episodes == "stock"
             periodic = args.save_model and global_step // args.checkpoint_frequency != next_step // args.checkpoint_frequency
-            save_now = boundary and (stopping or periodic)
+            save_now = boundary and (stopping or periodic or (args.save_model and iteration == num_iterations - 1))
 
-            pending["obs"].append(obs)
-            pending["next_obs"].append(next_obs)
-            pending["actions"].append(actions)
-            pending["terminations"].append(terminations)
-            pending["dones"].append(dones)
-            pending["gt"].append(np.stack([gt_rewards, infos["success"]], axis=1))
-            if render:
-                pending["frames"].append(frames)
-                if args.capture_video:
-                    video_frames.append(frames[0])
-                    if dones[0]:
-                        if video_episode % args.video_interval == 0:
-                            save_video(video_frames, f"videos/{run_name}/episode-{video_episode}.mp4")
-                        video_episode, video_frames = video_episode + 1, []
+            gt = np.stack([gt_rewards, infos["success"]], axis=1)
+            for key, value in zip(pending, (obs, next_obs, actions, terminations, dones, gt, frames)):
+                if value is not None:  # frames: only when rendered
+                    pending[key].append(value)
 
             train_now = global_step >= args.learning_starts and iteration % args.train_frequency == 0
+            # scored before a gradient step, once one --reward-batch-size chunk per reward device waits (every device
+            # has work), and at the end; a stock-episode checkpoint holds none (their episodes restart on resume)
             num_pending = len(pending["obs"]) * args.num_envs
-            # a stock-episode checkpoint holds no pending transitions: their episodes restart on resume
-            # one --reward-batch-size chunk per reward device and call, so that every device has work
-            flush_now = (
-                train_now
-                or num_pending >= args.reward_batch_size * max(1, len(args.reward_devices))
-                or iteration == num_iterations - 1
-            )
-            if flush_now or (save_now and args.episodes == "stock"):
+            full = num_pending >= args.reward_batch_size * max(1, len(args.reward_devices))
+            if train_now or full or iteration == num_iterations - 1 or (save_now and args.episodes == "stock"):
                 t0 = time.perf_counter()
-                gt = np.concatenate(pending["gt"])
-                clip_rewards = reward_model(np.concatenate(pending["frames"])) if args.reward == "clip" else np.zeros(len(gt))
+                batch = {k: np.concatenate(v) for k, v in pending.items() if v}
+                gt = batch["gt"]
+                clip_rewards = reward_model(batch["frames"]) if args.reward == "clip" else np.zeros(len(gt))
                 timing["reward_model"] += time.perf_counter() - t0
                 rewards = clip_rewards if args.reward == "clip" else gt[:, 0]
                 if not np.all(np.isfinite(rewards)):  # never let a NaN into the buffer: it would poison every Q-value
-                    saved = save_nonfinite(
-                        run_name, {"q_network": q_network.state_dict(), "args": asdict(args), "run_name": run_name}
-                    )
+                    saved = save_nonfinite(run_name, networks())
                     raise NonFiniteError(
-                        f"the {args.reward} reward is not finite for {np.sum(~np.isfinite(rewards))} of {len(rewards)} frames at step {global_step}; {saved}."
+                        f"the {args.reward} reward is not finite for {np.sum(~np.isfinite(rewards))} of {len(rewards)} "
+                        f"frames at step {global_step}; {saved}."
                     )
-                dones_flat = np.concatenate(pending["dones"])
-                rb.add(
-                    np.concatenate(pending["obs"]),
-                    np.concatenate(pending["next_obs"]),
-                    np.concatenate(pending["actions"]),
-                    rewards,
-                    np.concatenate(pending["terminations"]),
-                )
+                rb.add(batch["obs"], batch["next_obs"], batch["actions"], rewards, batch["terminations"])
                 # episode bookkeeping, in step order (rows are step-major: env i of step t is row t * num_envs + i)
                 for k in range(len(rewards)):
-                    env_i = k % args.num_envs
-                    episode["return"][env_i] += rewards[k]
-                    episode["gt_return"][env_i] += gt[k, 0]
-                    episode["clip_return"][env_i] += clip_rewards[k]
-                    episode["length"][env_i] += 1
-                    episode["success"][env_i] = gt[k, 1]
-                    if dones_flat[k]:
-                        step = (
-                            global_step - (len(pending["obs"]) - 1 - k // args.num_envs) * args.num_envs
-                        )  # the step it ended at
-                        length = episode["length"][env_i]
-                        # CartPole: share of the time limit's steps spent upright (a stock episode ends when the pole falls);
-                        # MountainCar: 1 if the flag was reached
-                        cartpole = args.env_id == "CartPole-v1"
-                        success = episode["gt_return"][env_i] / time_limit if cartpole else episode["success"][env_i]
-                        progress.episode(episode["gt_return"][env_i], episode["clip_return"][env_i])
-                        if args.log_episodes:
-                            print(
-                                f"global_step={step}, episodic_return={episode['return'][env_i]:.2f}, "
-                                f"gt_return={episode['gt_return'][env_i]:.0f}"
-                            )
-                        writer.add_scalar("charts/episodic_return", episode["return"][env_i], step)
-                        writer.add_scalar("charts/episodic_length", length, step)
-                        writer.add_scalar("charts/gt_return", episode["gt_return"][env_i], step)
-                        writer.add_scalar("charts/gt_success", success, step)
-                        if args.reward == "clip":
-                            writer.add_scalar("charts/clip_return", episode["clip_return"][env_i], step)
-                            writer.add_scalar("charts/clip_reward_mean", episode["clip_return"][env_i] / length, step)
-                        for v in episode.values():
-                            v[env_i] = 0
+                    i = k % args.num_envs
+                    episode["return"][i] += rewards[k]
+                    episode["gt_return"][i] += gt[k, 0]
+                    episode["clip_return"][i] += clip_rewards[k]
+                    episode["length"][i] += 1
+                    episode["success"][i] = gt[k, 1]  # MountainCar: latched by the env, cleared at its reset
+                    if not batch["dones"][k]:
+                        continue
+                    step = global_step - (len(pending["obs"]) - 1 - k // args.num_envs) * args.num_envs  # when it ended
+                    ep = {key: value[i] for key, value in episode.items()}
+                    # CartPole: share of the time limit's steps spent upright (a stock episode ends when the pole falls);
+                    # MountainCar: 1 if the flag was reached
+                    success = ep["gt_return"] / time_limit if args.env_id == "CartPole-v1" else ep["success"]
+                    progress.episode(ep["gt_return"], ep["clip_return"])
+                    if args.log_episodes:
+                        print(f"global_step={step}, episodic_return={ep['return']:.2f}, gt_return={ep['gt_return']:.0f}")
+                    writer.add_scalar("charts/episodic_return", ep["return"], step)
+                    writer.add_scalar("charts/episodic_length", ep["length"], step)
+                    writer.add_scalar("charts/gt_return", ep["gt_return"], step)
+                    writer.add_scalar("charts/gt_success", success, step)
+                    if args.reward == "clip":
+                        writer.add_scalar("charts/clip_return", ep["clip_return"], step)
+                        writer.add_scalar("charts/clip_reward_mean", ep["clip_return"] / ep["length"], step)
+                    for value in episode.values():
+                        value[i] = 0
                 pending = {k: [] for k in pending}
 
             if global_step >= args.learning_starts:
@@ -890,23 +790,19 @@ def main(args: Args) -> None:
                     old_val = q_network(b_obs).gather(1, b_actions[:, None]).squeeze(1)
                     loss = F.mse_loss(td_target, old_val)
                     if not torch.isfinite(loss):  # checked before the update: the saved networks are the last finite ones
-                        saved = save_nonfinite(
-                            run_name, {"q_network": q_network.state_dict(), "args": asdict(args), "run_name": run_name}
-                        )
+                        saved = save_nonfinite(run_name, networks())
                         raise NonFiniteError(
-                            f"losses/td_loss is {loss.item()} at step {global_step}; {saved}; lower --learning-rate or check the rewards."
+                            f"losses/td_loss is {loss.item()} at step {global_step}; {saved}; "
+                            "lower --learning-rate or check the rewards."
                         )
                     optimizer.zero_grad()
                     loss.backward()
                     optimizer.step()
                     if iteration % (100 * args.train_frequency) == 0:
+                        sps = int((global_step - start_iteration * args.num_envs) / (time.time() - start_time))
                         writer.add_scalar("losses/td_loss", loss.item(), global_step)
                         writer.add_scalar("losses/q_values", old_val.mean().item(), global_step)
-                        writer.add_scalar(
-                            "charts/SPS",
-                            int((global_step - start_iteration * args.num_envs) / (time.time() - start_time)),
-                            global_step,
-                        )
+                        writer.add_scalar("charts/SPS", sps, global_step)
                         writer.add_scalar("charts/epsilon", epsilon, global_step)
                         for k, v in timing.items():
                             writer.add_scalar(f"time/{k}_s", v, global_step)
@@ -915,6 +811,14 @@ def main(args: Args) -> None:
                         target_param.data.copy_(args.tau * q_param.data + (1.0 - args.tau) * target_param.data)
                 timing["learning"] += time.perf_counter() - t0
 
+            if args.capture_video and (
+                global_step // args.video_frequency != next_step // args.video_frequency or iteration == num_iterations - 1
+            ):
+                (result,) = evaluate(q_network, eval_envs, device, reward_model, 1, eval_seed)
+                save_video(result["frames"], f"videos/{run_name}/step-{next_step}.mp4")
+                writer.add_scalar("eval/gt_return", result["gt_return"], next_step)
+                if reward_model is not None:
+                    writer.add_scalar("eval/clip_return", result["clip_return"], next_step)
             if boundary:
                 if save_now:
                     save_checkpoint(
@@ -922,14 +826,12 @@ def main(args: Args) -> None:
                         {
                             "run_name": run_name,
                             "iteration": iteration + 1,
+                            "global_step": next_step,
                             "args": asdict(args),
-                            "q_network": q_network.state_dict(),
-                            "target_network": target_network.state_dict(),
-                            "optimizer": optimizer.state_dict(),
+                            **{name: module.state_dict() for name, module in learner.items()},
                             "rng": rng_state(envs),
                             "pending": pending,
                             "episode": episode,
-                            "video_episode": video_episode,
                             "replay_buffer": rb.state_dict() if args.save_buffer else None,
                         },
                     )
@@ -946,28 +848,31 @@ def main(args: Args) -> None:
                 reset_obs, _ = envs.reset(options={"reset_mask": dones})
                 next_obs = np.where(dones[:, None], reset_obs, next_obs)
             obs = next_obs
-            progress.update(global_step + args.num_envs)
+            progress.update(next_step)
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         writer.close()  # flushes TensorBoard, also on an error or a second Ctrl-C
         envs.close()
 
-    progress.update((iteration + 1) * args.num_envs, final=True)
+    final_step = (iteration + 1) * args.num_envs
+    progress.update(final_step, final=True)
     elapsed = time.time() - start_time
-    steps = (iteration + 1 - start_iteration) * args.num_envs
+    steps = final_step - start_iteration * args.num_envs
     print(
         f"done: {steps} steps in {elapsed:.0f} s ({int(steps / max(elapsed, 1e-9))} SPS); time in "
         + ", ".join(f"{k} {v:.2f} s" for k, v in timing.items())
     )
     if args.save_model and not stop["requested"]:
-        model_path = f"runs/{run_name}/model.pt"
-        save_checkpoint(model_path, {"q_network": q_network.state_dict(), "args": asdict(args)})
-        print(f"model saved to {model_path}")
-        gt_returns = evaluate(model_path, args, run_name, device, reward_model)
+        if args.episodes == "fixed" and not dones.all():  # ended mid-episode: the final networks, to evaluate, not resume
+            save_checkpoint(f"runs/{run_name}/checkpoint.pt", networks())
+        # the final Q-network's greedy episodes are the run's evaluation: eval/gt_return at its last step
+        results = evaluate(q_network, make_eval_envs(), device, reward_model, args.eval_episodes, eval_seed)
         with SummaryWriter(f"runs/{run_name}") as eval_writer:
-            for i, r in enumerate(gt_returns):
-                eval_writer.add_scalar("eval/gt_return", r, i)
+            for i, result in enumerate(results):
+                print(f"eval episode {i}: clip_return={result['clip_return']:.2f} gt_return={result['gt_return']:.1f}")
+                eval_writer.add_scalar("eval/gt_return", result["gt_return"], final_step)
+        print(f"roll the policy out with: python {os.path.basename(__file__)} --evaluate runs/{run_name}/checkpoint.pt")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -473,14 +473,11 @@ class NoEarlyTermination(gym.Wrapper):
 
 
 # MountainCarContinuous-v0, the paper's MountainCar (trained with SAC): copied from vlmrm_dqn_classic.py
-MOUNTAINCAR_GOAL = 0.45  # the paper's flag position (Gymnasium's MountainCar-v0 uses 0.5)
+MOUNTAINCAR_GOAL = 0.45  # the paper's flag (Gymnasium's MountainCar-v0 has 0.5): reward, success and drawing use it
 
 
 class FixedLengthMountainCar(gym.Wrapper):
-    """MountainCar that never terminates. Reward = 1 while at the flag (x >= 0.45), else 0.
-
-    `info["success"]` says whether the flag was reached at any point of the current episode.
-    """
+    """MountainCar that never terminates: reward 1 while at the flag, else 0; `info["success"]`: reached this episode."""
 
     def reset(self, **kwargs):
         self.reached_goal = False
@@ -489,84 +486,62 @@ class FixedLengthMountainCar(gym.Wrapper):
     def step(self, action):
         obs, _, _, truncated, info = self.env.step(action)
         at_goal = bool(obs[0] >= MOUNTAINCAR_GOAL)
-        self.reached_goal |= at_goal
-        info["success"] = self.reached_goal
+        self.reached_goal = info["success"] = self.reached_goal or at_goal
         return obs, float(at_goal), False, truncated, info
+
+    def render(self):  # Gymnasium draws its flag at goal_position: ours, for the drawing only (its own stays as it is)
+        car = self.env.unwrapped
+        car.goal_position, stock = MOUNTAINCAR_GOAL, car.goal_position
+        frame = self.env.render()
+        car.goal_position = stock
+        return frame
 
 
 class RealisticMountainCar(gym.Wrapper):
-    """Draws MountainCar as a landscape (sky, hills, road, yellow flag, a car tilted to the slope).
-
-    CLIP scores photos-like scenes far better than line art. Same world-to-pixel mapping as Gymnasium's
-    renderer; the static background is drawn once, only the car is drawn per frame.
-    """
-
-    width, height = 600, 400
+    """MountainCar drawn as a landscape (sky, far ridge, grassy hill, road, yellow flag, red car on the slope): CLIP
+    scores photo-like scenes far better than line art. Gymnasium's world-to-pixel mapping; the background is drawn once."""
 
     def __init__(self, env: gym.Env):
         super().__init__(env)
         import pygame
 
-        car = env.unwrapped
-        self.min_x, self.max_x = car.min_position, car.max_position
-        self.scale = self.width / (self.max_x - self.min_x)
-        rng = np.random.default_rng(0)  # fixed texture noise: every frame of every run looks the same
-        # sky: vertical gradient from deep blue to a pale horizon
-        t = np.linspace(0, 1, self.height)[:, None, None]
-        pixels = (1 - t) * np.array([70, 130, 210]) + t * np.array([200, 225, 245])
-        pixels = np.broadcast_to(pixels, (self.height, self.width, 3)).copy()
-        cols = np.arange(self.width)
-        # distant mountains: a hazy blue-grey ridge
-        ridge = 170 + 35 * np.sin(cols / 57.0) + 20 * np.sin(cols / 23.0 + 1.3) + 8 * np.sin(cols / 7.0)
-        far = np.arange(self.height)[:, None] > ridge[None, :]
-        pixels[far] = [120, 140, 165]
-        # the hill: grass below the track curve, with a darker earth layer and speckle noise
-        surface = self.height - self._pixel_height(self.min_x + cols / self.scale)
-        depth = np.arange(self.height)[:, None] - surface[None, :]
-        grass = (depth > 0)[..., None] * np.array([70, 140, 55])
-        earth = (depth > 28)[..., None] * (np.array([110, 85, 55]) - np.array([70, 140, 55]))
-        ground = depth > 0
-        noise = rng.normal(0, 12, (self.height, self.width, 1))
-        pixels[ground] = (grass + earth + noise)[ground]
-        road = (depth > -4) & (depth <= 4)  # a grey road along the curve the car drives on
-        pixels[road] = [95, 95, 100]
-        background = pygame.surfarray.make_surface(np.clip(pixels, 0, 255).astype(np.uint8).transpose(1, 0, 2))
-        # the yellow flag at the goal position
-        flag_x = int((MOUNTAINCAR_GOAL - self.min_x) * self.scale)
-        flag_y = self.height - int(self._pixel_height(MOUNTAINCAR_GOAL)) - 4
-        pygame.draw.line(background, (60, 60, 60), (flag_x, flag_y), (flag_x, flag_y - 60), 3)
-        pygame.draw.polygon(
-            background, (250, 210, 20), [(flag_x + 2, flag_y - 60), (flag_x + 32, flag_y - 50), (flag_x + 2, flag_y - 40)]
+        self.min_x, self.scale = env.unwrapped.min_position, 600 / (env.unwrapped.max_position - env.unwrapped.min_position)
+        rows, cols = np.mgrid[:400, :600]
+        depth = rows - self.pixel(self.min_x + cols / self.scale)[1]  # pixels below the road's centre line
+        noise = np.random.default_rng(0).normal(0, 12, (400, 600, 1))  # fixed: every frame of every run looks the same
+        ridge = 170 + 35 * np.sin(cols / 57) + 20 * np.sin(cols / 23 + 1.3) + 8 * np.sin(cols / 7)
+        pixels = np.select(  # first match wins: road, earth, grass, far ridge, else a sky from deep blue to pale
+            [c[..., None] for c in (abs(depth) <= 4, depth > 28, depth > 0, rows > ridge)],
+            [[95, 95, 100], [110, 85, 55] + noise, [70, 140, 55] + noise, [120, 140, 165]],
+            [70, 130, 210] + rows[..., None] / 399 * np.array([130, 95, 35]),
         )
-        self.background = background
-        # the car sprite, drawn once and rotated per frame: red body, cabin with windows, two wheels
-        sprite = pygame.Surface((56, 34), pygame.SRCALPHA)
-        pygame.draw.rect(sprite, (200, 30, 35), (0, 12, 56, 14), border_radius=5)
-        pygame.draw.rect(sprite, (175, 25, 30), (12, 2, 30, 14), border_radius=4)
-        pygame.draw.rect(sprite, (170, 210, 235), (16, 5, 10, 8))
-        pygame.draw.rect(sprite, (170, 210, 235), (29, 5, 10, 8))
-        for wheel_x in (12, 44):
-            pygame.draw.circle(sprite, (25, 25, 25), (wheel_x, 27), 7)
-            pygame.draw.circle(sprite, (160, 160, 160), (wheel_x, 27), 3)
-        self.sprite = sprite
-        self.canvas = pygame.Surface((self.width, self.height))
+        self.background = pygame.surfarray.make_surface(np.clip(pixels, 0, 255).astype(np.uint8).transpose(1, 0, 2))
+        x, y = (int(v) for v in self.pixel(MOUNTAINCAR_GOAL))
+        pygame.draw.line(self.background, (60, 60, 60), (x, y - 4), (x, y - 64), 3)
+        pygame.draw.polygon(self.background, (250, 210, 20), [(x + 2, y - 64), (x + 32, y - 54), (x + 2, y - 44)])
+        self.car = pygame.Surface((56, 34), pygame.SRCALPHA)  # red body, cabin, two windows, two wheels
+        for color, rect in [((200, 30, 35), (0, 12, 56, 14)), ((175, 25, 30), (12, 2, 30, 14))]:
+            pygame.draw.rect(self.car, color, rect, border_radius=5)
+        for x in (16, 29):
+            pygame.draw.rect(self.car, (170, 210, 235), (x, 5, 10, 8))
+        for x in (12, 44):
+            pygame.draw.circle(self.car, (25, 25, 25), (x, 27), 7)
+            pygame.draw.circle(self.car, (160, 160, 160), (x, 27), 3)
+        self.canvas = pygame.Surface((600, 400))
 
-    def _pixel_height(self, x):
-        return (0.45 * np.sin(3 * np.asarray(x)) + 0.55) * self.scale
+    def pixel(self, x):  # world x -> (column, row) of the road's surface, as Gymnasium draws the track 0.45 sin(3x) + 0.55
+        return (x - self.min_x) * self.scale, 400 - (0.45 * np.sin(3 * x) + 0.55) * self.scale
 
     def render(self) -> np.ndarray:
         import pygame
 
         x = float(self.env.unwrapped.state[0])
-        slope = math.degrees(math.atan(0.45 * 3 * math.cos(3 * x)))  # same scale on both axes
-        car = pygame.transform.rotozoom(self.sprite, slope, 1.0)
-        # stand the car on the road: centre of the sprite 10 px above the surface, along the normal
-        normal = math.radians(slope)
-        cx = (x - self.min_x) * self.scale - 10 * math.sin(normal)
-        cy = self.height - self._pixel_height(x) - 10 * math.cos(normal)
+        slope = math.atan(1.35 * math.cos(3 * x))  # the road's angle (both axes share one scale)
+        car = pygame.transform.rotozoom(self.car, math.degrees(slope), 1.0)
+        column, row = self.pixel(x)  # the car's centre stands 10 px above the road, along its normal
         self.canvas.blit(self.background, (0, 0))
-        self.canvas.blit(car, car.get_rect(center=(cx, cy)))
-        return np.array(pygame.surfarray.pixels3d(self.canvas)).transpose(1, 0, 2)
+        self.canvas.blit(car, car.get_rect(center=(column - 10 * math.sin(slope), row - 10 * math.cos(slope))))
+        return pygame.surfarray.array3d(self.canvas).transpose(1, 0, 2)
 
 
 def make_env(env_id, seed, idx, episode_length, render_size, render_quality, realistic, camera="paper", fixed_length=True):

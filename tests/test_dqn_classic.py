@@ -1,6 +1,7 @@
 """vlmrm_dqn_classic.py: environments, reward-frame alignment, learning, CLI smoke run and bad input."""
 
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -76,6 +77,8 @@ def test_realistic_mountaincar_is_a_landscape_that_shows_the_car_position():
     sky = frames[1][:30].reshape(-1, 3).mean(0)
     assert sky[2] > sky[0] + 40  # blue sky, not the white page of the line art
     assert frames[0][:30].mean() > 250
+    cloth = np.flatnonzero((np.abs(frames[1].astype(int) - (250, 210, 20)).max(2) < 10).any(0))
+    assert cloth.min() == 552  # the yellow flag flies right of its pole at x = 0.45 (column 550), the paper's goal
     real.unwrapped.state = np.array([0.45, 0.0])
     at_flag = real.render()
     changed = np.any(at_flag != frames[1], axis=2)
@@ -201,66 +204,50 @@ def test_stock_cartpole_env_terminates_and_truncates_at_500():
 
 # ---------------------------------------------------------------------------- CLI
 def test_clip_rewarded_smoke_run_trains_saves_evaluates_and_records(tmp_path):
-    result = run_script(
-        SCRIPT,
-        *TINY_CLIP_FLAGS,
-        "--env-id",
-        "MountainCar-v0",
-        "--realistic",
-        "--alpha",
-        "0.5",
-        "--total-timesteps",
-        "1200",
-        "--learning-starts",
-        "400",
-        "--train-frequency",
-        "4",
-        "--capture-video",
-        "--video-interval",
-        "2",
-        "--save-model",
-        "--eval-episodes",
-        "1",
-        cwd=tmp_path,
-    )
+    car = ["--env-id", "MountainCar-v0", "--realistic"]
+    flags = "--alpha 0.5 --total-timesteps 1200 --learning-starts 400 --train-frequency 4 --save-model --eval-episodes 1"
+    video = ["--capture-video", "--video-frequency", "400"]
+    result = run_script(SCRIPT, *TINY_CLIP_FLAGS, *car, *flags.split(), *video, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     scalars = read_scalars(run_dir)
-    for tag in [
-        "charts/episodic_return",
-        "charts/gt_return",
-        "charts/gt_success",
-        "charts/clip_reward_mean",
-        "losses/td_loss",
-        "losses/q_values",
-        "charts/SPS",
-        "time/render_s",
-        "time/reward_model_s",
-    ]:
+    tags = "episodic_return gt_return gt_success clip_reward_mean SPS".split()
+    for tag in [*(f"charts/{t}" for t in tags), "losses/td_loss", "losses/q_values", "time/render_s", "eval/clip_return"]:
         values = [v for _, v in scalars[tag]]
         assert values and np.all(np.isfinite(values)), tag
     assert len(scalars["charts/episodic_return"]) == 1200 // 200
     # logged at the step each episode ended, though its rewards were scored in a later batch
     assert [s for s, _ in scalars["charts/episodic_return"]] == [199, 399, 599, 799, 999, 1199]
+    # a greedy episode every --video-frequency steps, then the final Q-network's --eval-episodes at the last step
+    assert [s for s, _ in scalars["eval/gt_return"]] == [400, 800, 1200, 1200]
     videos = sorted(p.name for p in (tmp_path / "videos" / run_dir.name).iterdir())
-    assert videos == ["episode-0.mp4", "episode-2.mp4", "episode-4.mp4", "eval-episode-0.mp4"]
+    assert videos == ["step-1200.mp4", "step-400.mp4", "step-800.mp4"]
     assert all((tmp_path / "videos" / run_dir.name / v).stat().st_size > 1000 for v in videos)
-    model = run_dir / "model.pt"
-    assert "q_network" in torch.load(model)
+    checkpoint = run_dir / "checkpoint.pt"
+    assert {"q_network", "iteration", "rng"} <= torch.load(
+        checkpoint, weights_only=False
+    ).keys()  # resumable: ended at a boundary
     evaluation = run_script(
-        SCRIPT,
-        *TINY_CLIP_FLAGS,
-        "--env-id",
-        "MountainCar-v0",
-        "--realistic",
-        "--evaluate",
-        str(model),
-        "--eval-episodes",
-        "2",
-        cwd=tmp_path,
+        SCRIPT, *TINY_CLIP_FLAGS, *car, "--evaluate", str(checkpoint), "--eval-episodes", "2", cwd=tmp_path
     )
     assert evaluation.returncode == 0, evaluation.stderr[-3000:]
     assert evaluation.stdout.count("eval episode") == 2 and "clip_return=" in evaluation.stdout
+    (eval_dir,) = [d for d in (tmp_path / "videos").iterdir() if d.name != run_dir.name]
+    assert (eval_dir / "eval-episode-1.mp4").stat().st_size > 1000
+    assert len(list((eval_dir / "eval-episode-1").glob("frame-*.png"))) == 201  # reset frame + 200 steps
+
+
+def test_a_run_that_ends_mid_episode_saves_its_final_networks_to_evaluate_not_to_resume(in_tmp):
+    flags = dict(episodes="fixed", episode_length=100, total_timesteps=250, learning_starts=100, eval_episodes=1)
+    classic.main(classic.Args(reward="gt", save_model=True, checkpoint_frequency=1000, **flags))
+    (checkpoint,) = (in_tmp / "runs").glob("*/checkpoint.pt")
+    saved = torch.load(checkpoint, weights_only=False)
+    assert {"q_network", "args", "run_name"} == saved.keys() and saved["args"]["total_timesteps"] == 250
+    checkpoint = checkpoint.rename(in_tmp / "final.pt")
+    shutil.rmtree(in_tmp / "runs")  # assert_refused checks that nothing is written
+    assert_refused(classic, ["--resume", "final.pt"], "no resumable training state")
+    classic.main(classic.Args(reward="gt", evaluate=str(checkpoint), **flags))  # rolls it out instead
+    assert len(list((in_tmp / "videos").glob("*/eval-episode-0/frame-*.png"))) == 101
 
 
 BAD_INPUT = {
@@ -306,17 +293,8 @@ def test_bad_input_on_the_command_line_exits_2_with_one_line_and_no_traceback(tm
 
 def test_weights_that_cannot_be_downloaded(tmp_path):
     # HF_HUB_OFFLINE makes the hub fail at once, the same way it does without a network
-    result = run_script(
-        SCRIPT,
-        "--clip-model",
-        "RN50",
-        "--clip-pretrained",
-        "openai",
-        "--clip-cache-dir",
-        str(tmp_path / "cache"),
-        cwd=tmp_path,
-        env={"HF_HUB_OFFLINE": "1"},
-    )
+    flags = ["--clip-model", "RN50", "--clip-pretrained", "openai", "--clip-cache-dir", str(tmp_path / "cache")]
+    result = run_script(SCRIPT, *flags, cwd=tmp_path, env={"HF_HUB_OFFLINE": "1"})
     assert_clean_error(result, "RN50", "network", "--clip-cache-dir", "--clip-checkpoint")
 
 
@@ -355,18 +333,8 @@ def test_a_bad_model_config_file_is_named_as_such(in_tmp, content, words):
 def test_missing_weights_say_what_is_fetched_and_fail_within_seconds(tmp_path):
     # a documentation address (RFC 5737) stands for an unreachable hub, also where the machine has a network
     env = {"HF_ENDPOINT": "https://192.0.2.1", "HF_HUB_OFFLINE": "", "HTTPS_PROXY": "", "https_proxy": ""}
-    code, lines = run_timed(
-        SCRIPT,
-        "--clip-model",
-        "RN50",
-        "--clip-pretrained",
-        "openai",
-        "--clip-cache-dir",
-        str(tmp_path / "cache"),
-        cwd=tmp_path,
-        env=env,
-        timeout=120,
-    )
+    flags = ["--clip-model", "RN50", "--clip-pretrained", "openai", "--clip-cache-dir", str(tmp_path / "cache")]
+    code, lines = run_timed(SCRIPT, *flags, cwd=tmp_path, env=env, timeout=120)
     text = "\n".join(line for _, line in lines)
     assert code == 2 and "Traceback" not in text, text
     (fetching,) = [t for t, line in lines if line.startswith("fetching the RN50/openai CLIP weights (102M parameters")]

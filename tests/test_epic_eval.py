@@ -166,7 +166,7 @@ def test_unknown_env_id_is_one_sentence_error(tmp_path):
 
 @pytest.fixture(scope="module")
 def saved_policies(tmp_path_factory) -> dict[str, str]:
-    """A DQN model.pt (CartPole), SAC checkpoint.pt files (Humanoid, MountainCarContinuous), from short --save-model runs."""
+    """DQN (CartPole) and SAC checkpoint.pt files (Humanoid, MountainCarContinuous), from short --save-model runs."""
     import vlmrm_dqn_classic
     import vlmrm_sac_humanoid
 
@@ -209,7 +209,7 @@ def saved_policies(tmp_path_factory) -> dict[str, str]:
         os.chdir(cwd)
     runs = sorted((folder / "runs").iterdir())
     return {
-        "dqn": str(next(r for r in runs if "CartPole" in r.name) / "model.pt"),
+        "dqn": str(next(r for r in runs if "CartPole" in r.name) / "checkpoint.pt"),
         "sac": str(next(r for r in runs if "Humanoid" in r.name) / "checkpoint.pt"),
         "sac_car": str(next(r for r in runs if "MountainCarContinuous" in r.name) / "checkpoint.pt"),
     }
@@ -281,10 +281,10 @@ def test_collect_policy_problems_are_one_sentence_errors(saved_policies, tmp_pat
     (tmp_path / "text.pt").write_text("not a checkpoint")
     sac = torch.load(saved_policies["sac"], map_location="cpu", weights_only=False)
     torch.save({"actor": sac["actor"], "args": dict(sac["args"], env_id="InvertedPendulum-v5")}, tmp_path / "pendulum.pt")
-    dqn = torch.load(saved_policies["dqn"], map_location="cpu")
+    dqn = torch.load(saved_policies["dqn"], map_location="cpu", weights_only=False)
     torch.save({"q_network": dqn["q_network"], "args": dict(dqn["args"], env_id="MountainCar-v0")}, tmp_path / "relabelled.pt")
     problems = {
-        str(tmp_path / "missing.pt"): "no such file; pass the model.pt of vlmrm_dqn_classic.py",
+        str(tmp_path / "missing.pt"): "no such file; pass the checkpoint.pt of vlmrm_dqn_classic.py",
         str(tmp_path / "text.pt"): "could not be read",
         str(tmp_path / "empty.pt"): "holds no policy",
         str(tmp_path / "pendulum.pt"): (

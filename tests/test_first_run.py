@@ -110,9 +110,9 @@ def test_memory_estimate_only_when_training(module, in_tmp, capsys, monkeypatch)
     flags = {"clip_model": TINY_CLIP, "clip_pretrained": "none"} | ({"goal": ("x",)} if module is classic else {})
     module.check_args(module.Args(**flags))
     assert capsys.readouterr().out.count("memory:") == 1
-    (in_tmp / "model.pt").write_bytes(b"")  # its checks are --evaluate's own tests; here a checkpoint that passes them
+    (in_tmp / "checkpoint.pt").write_bytes(b"")  # its checks are --evaluate's own tests; here a checkpoint that passes them
     monkeypatch.setattr(module, "read_checkpoint", lambda *a: {"actor": {}, "q_network": {}, "args": {}})
-    module.check_args(module.Args(**flags, evaluate=str(in_tmp / "model.pt")))
+    module.check_args(module.Args(**flags, evaluate=str(in_tmp / "checkpoint.pt")))
     assert "memory:" not in capsys.readouterr().out
 
 

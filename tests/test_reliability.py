@@ -186,8 +186,8 @@ def test_corrupt_or_foreign_checkpoints_are_refused(in_tmp):
     assert_refused(classic, ["--resume", "garbage.pt"], "garbage.pt", "readable")
     torch.save({"iteration": 3, "rng": {}, "args": {"policy_lr": 1.0}}, in_tmp / "sac.pt")
     assert_refused(classic, ["--resume", "sac.pt"], "another script")
-    torch.save({"q_network": {}, "args": {}}, in_tmp / "model.pt")
-    assert_refused(classic, ["--resume", "model.pt"], "no resumable training state")
+    torch.save({"q_network": {}, "args": {}}, in_tmp / "final.pt")  # the final networks of a run ended mid-episode
+    assert_refused(classic, ["--resume", "final.pt"], "no resumable training state")
 
 
 def test_checkpoint_write_is_atomic_and_a_full_disk_is_one_sentence(tmp_path, monkeypatch):

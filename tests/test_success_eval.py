@@ -43,7 +43,7 @@ def runs(tmp_path_factory) -> dict:
     os.chdir(folder)
     out = io.StringIO()
     try:
-        with contextlib.redirect_stdout(out):  # DQN evaluates its model.pt greedily after training: our reference
+        with contextlib.redirect_stdout(out):  # DQN evaluates its final Q-network greedily: our reference
             dqn.main(
                 dqn.Args(
                     clip_model=TINY_CLIP,
@@ -76,9 +76,9 @@ def runs(tmp_path_factory) -> dict:
         os.chdir(cwd)
     evals = [line.split() for line in out.getvalue().splitlines() if line.startswith("eval episode")]
     return {
-        "dqn": str(next(folder.glob("runs/CartPole*/model.pt"))),
+        "dqn": str(next(folder.glob("runs/CartPole*/checkpoint.pt"))),
         "sac": str(next(folder.glob("runs/Humanoid*/checkpoint.pt"))),
-        "dqn_eval": [(float(w[3].split("=")[1]), float(w[4].split("=")[1])) for w in evals],
+        "dqn_eval": [(float(w[4].split("=")[1]), float(w[3].split("=")[1])) for w in evals],  # clip_return=.. gt_return=..
         "folder": folder,
     }
 
@@ -120,7 +120,7 @@ def test_dqn_rollout_reads_env_and_reward_from_the_checkpoint(runs, tmp_path):
     assert policy["mode"] == "deterministic" and policy["script"] == "vlmrm_dqn_classic.py"
     # stochastic by default: epsilon-greedy at the run's final epsilon; the default folder sits beside the checkpoint
     out = se.rollout(se.Rollout(checkpoint=runs["dqn"], episodes=2, cuda=False))
-    assert out == os.path.join(os.path.dirname(runs["dqn"]), "rollouts-model-stochastic") and len(read_episodes(out)) == 2
+    assert out == os.path.join(os.path.dirname(runs["dqn"]), "rollouts-checkpoint-stochastic") and len(read_episodes(out)) == 2
     with pytest.raises(UserError, match="already exists and is not empty"):
         se.rollout(se.Rollout(checkpoint=runs["dqn"], episodes=1, cuda=False))
 
@@ -292,7 +292,7 @@ def test_best_picks_the_highest_mean_clip_return(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(se, "reward_model_for", lambda *a: CartX())
     left = crafted_checkpoint(Path("runs/left/checkpoint.pt"), 0)
-    right = crafted_checkpoint(Path("runs/right/model.pt"), 1)
+    right = crafted_checkpoint(Path("runs/right/checkpoint.pt"), 1)
     assert se.best(se.Best(episodes=2, deterministic=True, cuda=False)) == right  # found under runs/
     out = capsys.readouterr().out
     means = {
@@ -306,7 +306,7 @@ def test_best_picks_the_highest_mean_clip_return(tmp_path, monkeypatch, capsys):
     other = crafted_checkpoint(tmp_path / "other.pt", 1, alpha=0.5)
     with pytest.raises(UserError, match="differs from .* in --alpha; CLIP returns compare only under one reward"):
         se.best(se.Best(checkpoints=(left, other), cuda=False))
-    with pytest.raises(UserError, match="no checkpoint.pt or model.pt under"):
+    with pytest.raises(UserError, match="no checkpoint.pt under"):
         se.best(se.Best(runs=str(tmp_path / "nothing")))
 
 

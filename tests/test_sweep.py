@@ -79,7 +79,7 @@ def test_local_grid_end_to_end_then_rerun_skips_finished(tmp_path):
         ("0.5", "2", "done", "1000"),
     ]
     for r in rows:
-        assert (tmp_path / r["run_dir"] / "model.pt").is_file() and float(r["gt_success"]) <= 1
+        assert (tmp_path / r["run_dir"] / "checkpoint.pt").is_file() and float(r["gt_success"]) <= 1
         assert r["run_dir"].startswith("runs/CartPole-v1__g-alpha=") and float(r["gt_return"]) > 0
     assert (tmp_path / "sweeps" / "g" / "sweep.md").read_text().count("| done |") == 4
 
