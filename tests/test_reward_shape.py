@@ -263,7 +263,7 @@ def test_frames_equal_the_training_script(env_id, realistic):
 
 def test_sweep_scores_equal_clip_reward_per_alpha():
     """Embedding once and projecting per alpha gives exactly CLIPReward(alpha)'s rewards (tiny random CLIP)."""
-    spec = reward_shape.ClipModelArgs(TINY, "none", None, None)
+    spec = reward_shape.ClipArgs(TINY, "none")
     torch.manual_seed(0)
     model, tokenizer = reward_shape.load_clip(spec, torch.device("cpu"))
     frames, _ = reward_shape.render_states("CartPole-v1", False, np.linspace(-1.5, 1.5, 5), seed=1)
