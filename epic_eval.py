@@ -214,15 +214,10 @@ def env_state(env: gym.Env) -> tuple[list[str], list[float], Optional[int]]:
 def randomise_state(env: gym.Env, rng: np.random.Generator) -> np.ndarray:
     """Put a classic-control env in a uniformly random state; returns the matching observation."""
     base = env.unwrapped
-    if base.spec.id == "CartPole-v1":
-        x_max = base.x_threshold
-        base.state = np.array(
-            [rng.uniform(-x_max, x_max), rng.uniform(-1, 1), rng.uniform(-math.pi, math.pi), rng.uniform(-1, 1)]
-        )
+    if base.spec.id == "CartPole-v1":  # x within the track, any pole angle, speeds up to 1
+        base.state = rng.uniform(-1, 1, size=4) * np.array([base.x_threshold, 1.0, math.pi, 1.0])
     else:
-        base.state = np.array(
-            [rng.uniform(base.min_position, base.max_position), rng.uniform(-base.max_speed, base.max_speed)]
-        )
+        base.state = rng.uniform([base.min_position, -base.max_speed], [base.max_position, base.max_speed])
     return np.array(base.state, dtype=np.float32)
 
 
@@ -519,12 +514,9 @@ def read_frames(dataset: str, frames: list[str]) -> np.ndarray:
     images = []
     for frame in frames:
         try:  # check_images has passed them, but a file can change (or hide a fault) between the two reads
-            image = imageio.imread(os.path.join(dataset, "frames", frame))
+            images.append(imageio.imread(os.path.join(dataset, "frames", frame), mode="RGB"))  # grey or RGBA: RGB
         except Exception as e:  # noqa: BLE001
             raise unreadable_frame(dataset, frame, e) from None
-        if image.ndim == 2:
-            image = np.stack([image] * 3, axis=-1)
-        images.append(image[..., :3])
     if len({image.shape for image in images}) > 1:
         raise UserError(f"the frames of {dataset} have different sizes; keep one environment and render size per dataset.")
     return np.stack(images)
@@ -576,22 +568,15 @@ def make_label_server(dataset: str, port: int, task: str, items=None, media="fra
 
     class Handler(http.server.BaseHTTPRequestHandler):
         timeout = 10  # seconds per socket read or write: a stalled client never holds a handler thread
-        csp = None  # a Content-Security-Policy set by a response, merged with ours in end_headers
 
         def log_message(self, *args) -> None:  # keep the terminal for our own messages
             pass
 
-        def send_header(self, keyword: str, value: str) -> None:
-            if keyword.lower() == "content-security-policy":
-                self.csp = value
-            else:
-                super().send_header(keyword, value)
-
         def end_headers(self) -> None:  # every response, the standard library's error pages included
-            super().send_header("X-Frame-Options", "DENY")
-            super().send_header("X-Content-Type-Options", "nosniff")
-            super().send_header("Content-Security-Policy", f"{self.csp}; {LABEL_PAGE_CSP}" if self.csp else LABEL_PAGE_CSP)
-            self.csp = None
+            # a browser enforces every Content-Security-Policy header it gets: ours holds beside any other
+            self.send_header("X-Frame-Options", "DENY")
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.send_header("Content-Security-Policy", LABEL_PAGE_CSP)
             super().end_headers()
 
         def _send(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
@@ -915,7 +900,7 @@ def plot_epic(table: list[dict], path: str, title: str) -> None:
     if not any(row["family"] == "projection" for row in table):
         ax.set_xlim(0, 1)
     ax.set(xlabel="alpha (goal-baseline regularisation; the softmax family is dashed)", ylim=(0, 1))
-    ax.set_ylabel("EPIC distance to labels (lower is better)")
+    ax.set(ylabel="EPIC distance to labels (lower is better)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:  # nothing to list when every EPIC is undefined
@@ -941,9 +926,9 @@ def score(args: Score) -> str:
     """Writes runs/<run_name>/{epic.csv, epic.png, rewards.csv, args.json}; returns the run folder."""
     frames, labels = label_values(args.dataset, args.labels)  # dataset problems first: they are cheapest
     env_id = load_states(args.dataset)[0]["env_id"]
-    default_goal, default_baseline = PROMPTS.get(env_id, (None, None))
-    args.goal = args.goal if args.goal is not None else ((default_goal,) if default_goal else None)
-    args.baseline = args.baseline if args.baseline is not None else ((default_baseline,) if default_baseline else None)
+    default_goal, default_baseline = PROMPTS.get(env_id, (None, None))  # a dataset of another env: give --goal/--baseline
+    args.goal = args.goal if args.goal is not None else (default_goal,) * bool(default_goal) or None
+    args.baseline = args.baseline if args.baseline is not None else (default_baseline,) * bool(default_baseline) or None
     clip_args = check_score_args(args)
     if is_constant(labels):
         raise UserError(
@@ -973,12 +958,8 @@ def score(args: Score) -> str:
         reward_model = flags_reward_model(args, model, tokenizer, device)
         # image embeddings once per model, from disk in batches; every curve reuses them
         start, batch = time.perf_counter(), args.reward_batch_size
-        embeddings = torch.cat(
-            [
-                reward_model.embed_images(torch.from_numpy(read_frames(args.dataset, frames[i : i + batch]))).float().cpu()
-                for i in range(0, len(frames), batch)
-            ]
-        )
+        chunks = [torch.from_numpy(read_frames(args.dataset, frames[i : i + batch])) for i in range(0, len(frames), batch)]
+        embeddings = torch.cat([reward_model.embed_images(chunk).float().cpu() for chunk in chunks])
         print(f"{name}: embedded {len(frames)} frames in {time.perf_counter() - start:.1f} s")
         alphas = args.alphas if "projection" in args.reward_families else ()
         for key, rewards in score_curves(reward_model, embeddings, alphas, SOFTMAX in args.reward_families).items():
@@ -1014,13 +995,11 @@ def score(args: Score) -> str:
     plot_epic(table, os.path.join(run_dir, "epic.png"), title)
     print(f"wrote {run_dir}/epic.csv, epic.png, rewards.csv")
     if undefined:
-        hint = (
-            " (a binary softmax reward that never or always crosses --threshold: try another --threshold or --soft)"
-            if any(u.endswith(" softmax") for u in undefined)
-            else ""
-        )
+        binary_softmax = any(u.endswith(" softmax") for u in undefined)
+        hint = " (a binary softmax reward that never or always crosses --threshold: try another --threshold or --soft)"
         raise UserError(
-            f"the rewards of {', '.join(undefined)} are the same for every frame{hint}, so their correlation with the "
+            f"the rewards of {', '.join(undefined)} are the same for every frame{hint if binary_softmax else ''}, so their "
+            "correlation with the "
             f"labels (and EPIC) is undefined; the other results are in {run_dir}/epic.csv."
         )
     return run_dir
@@ -1034,12 +1013,7 @@ Commands = Union[
 
 
 def main(args: Union[Collect, Label, Score]) -> None:
-    if isinstance(args, Collect):
-        collect(args)
-    elif isinstance(args, Label):
-        label(args)
-    else:
-        score(args)
+    {Collect: collect, Label: label, Score: score}[type(args)](args)
 
 
 if __name__ == "__main__":
