@@ -294,9 +294,8 @@ def test_end_to_end_collect_then_score_with_ground_truth_labels(cartpole_dataset
 
 
 def score_args(dataset: str, **kwargs) -> "epic_eval.Score":
-    return epic_eval.Score(
-        dataset=dataset, clip_models=(TINY,), clip_pretrained=("none",), alphas=(0.0, 1.0), bootstrap=50, **kwargs
-    )
+    defaults = dict(clip_models=(TINY,), clip_pretrained=("none",), alphas=(0.0, 1.0), bootstrap=50)
+    return epic_eval.Score(dataset=dataset, **{**defaults, **kwargs})
 
 
 def test_score_defaults_to_the_papers_fig_4a_alphas():
@@ -370,9 +369,17 @@ def test_both_reward_families_side_by_side(cartpole_dataset, tmp_path, monkeypat
         (dict(temperature=float("nan")), "--temperature must be a positive number"),
         (dict(threshold=1.0), r"--threshold must be in \(0, 1\)"),
         (dict(threshold=0.0), r"--threshold must be in \(0, 1\)"),
+        (dict(alphas=()), "--alphas needs at least one value"),
+        (dict(alphas=(0.0, 1.5)), r"--alphas must all be in \[0, 1\], got 1.5"),
+        (dict(goal=("A Pole",), baseline=("a  pole ",)), "same prompts"),
+        (dict(bootstrap=0), "--bootstrap and --reward-batch-size must be positive integers"),
+        (dict(confidence=1.0), r"--confidence must be in \(0, 1\), got 1.0"),
+        (dict(clip_pretrained=("none",) * 2), r"one per --clip-models entry \(1\), got 2"),
+        (dict(clip_checkpoints=("none", "none")), "--clip-checkpoints needs one entry per model"),
+        (dict(clip_models=(TINY, TINY)), "name the same model twice"),
     ],
 )
-def test_softmax_family_bad_input(cartpole_dataset, tmp_path, monkeypatch, kwargs, message):
+def test_score_refuses_bad_flags_before_loading_a_model(cartpole_dataset, tmp_path, monkeypatch, kwargs, message):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(epic_eval, "load_clip", lambda *a: pytest.fail("bad input must be refused before a model is loaded"))
     with pytest.raises(UserError, match=message):
@@ -910,15 +917,10 @@ def _ready(base: str) -> bool:
         return False
 
 
-@pytest.mark.parametrize(
-    "goal, baseline, message",
-    [
-        ("A Pole", "a  pole ", "same prompts"),  # refused before any model is loaded
-        ("pole " * 80 + "left", "pole " * 80 + "right", "same CLIP embedding"),  # past CLIP's 77 tokens: one embedding
-    ],
-)
-def test_goal_and_baseline_that_clip_cannot_tell_apart(cartpole_dataset, tmp_path, monkeypatch, goal, baseline, message):
+def test_goal_and_baseline_that_clip_cannot_tell_apart(cartpole_dataset, tmp_path, monkeypatch):
+    """Past CLIP's 77 tokens two prompts have one embedding: found once the model has embedded them, before any output."""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(UserError, match=message) as error:
-        epic_eval.score(score_args(cartpole_dataset, labels="gt", goal=(goal,), baseline=(baseline,)))
-    assert "\n" not in str(error.value)
+    goal, baseline = ("pole " * 80 + "left",), ("pole " * 80 + "right",)
+    with pytest.raises(UserError, match="same CLIP embedding") as error:
+        epic_eval.score(score_args(cartpole_dataset, labels="gt", goal=goal, baseline=baseline))
+    assert "\n" not in str(error.value) and not (tmp_path / "runs").exists()
