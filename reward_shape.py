@@ -65,6 +65,8 @@ from vlmrm_sac_humanoid import make_env as make_sac_env  # MountainCarContinuous
 
 @dataclass(kw_only=True)
 class Args(RewardFlags):
+    """Sweep one state axis, render each state as in training and score it with each CLIP model (paper Fig. 2)."""
+
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
     seed: int = 1
