@@ -825,12 +825,11 @@ def clip_args_list(models: tuple[str, ...], pretrained: tuple[str, ...], checkpo
 
 def flags_reward_model(args: RewardFlags, model, tokenizer, device: torch.device) -> CLIPReward:
     """The training scripts' CLIPReward for these flags, embeddings only: score_curves applies every alpha to them."""
-    softmax = SOFTMAX in args.reward_families
-    reward_model = CLIPReward(
-        *(model, tokenizer, args.goal, args.baseline, 0.0, args.reward_batch_size, device),
-        *("softmax" if softmax else "projection", args.negatives or (), args.temperature, args.threshold, args.soft),
-        args.antialias,
+    family = "softmax" if SOFTMAX in args.reward_families else "projection"  # the softmax family needs its negatives
+    flags = dict(
+        negatives=args.negatives or (), **{k: getattr(args, k) for k in ("temperature", "threshold", "soft", "antialias")}
     )
+    reward_model = CLIPReward(model, tokenizer, args.goal, args.baseline, 0.0, args.reward_batch_size, device, family, **flags)
     alphas = args.alphas if "projection" in args.reward_families else ()
     if alphas:  # prompts that differ only where CLIP cannot see (e.g. past its 77 tokens) have d = 0
         check_goal_direction(reward_model.goal_embeddings, reward_model.baseline_embeddings, max(alphas), "only --alphas")
@@ -927,8 +926,8 @@ def score(args: Score) -> str:
     frames, labels = label_values(args.dataset, args.labels)  # dataset problems first: they are cheapest
     env_id = load_states(args.dataset)[0]["env_id"]
     default_goal, default_baseline = PROMPTS.get(env_id, (None, None))  # a dataset of another env: give --goal/--baseline
-    args.goal = args.goal if args.goal is not None else (default_goal,) * bool(default_goal) or None
-    args.baseline = args.baseline if args.baseline is not None else (default_baseline,) * bool(default_baseline) or None
+    args.goal = args.goal if args.goal is not None else ((default_goal,) if default_goal else None)
+    args.baseline = args.baseline if args.baseline is not None else ((default_baseline,) if default_baseline else None)
     clip_args = check_score_args(args)
     if is_constant(labels):
         raise UserError(
