@@ -189,11 +189,7 @@ class ClipArgs:
 # ----------------------------------------------------------------------------------------------
 # Collect: frames + states.csv
 # ----------------------------------------------------------------------------------------------
-STATE_COLUMNS = {
-    "CartPole-v1": ["x", "x_dot", "theta", "theta_dot"],
-    "MountainCar-v0": ["position", "velocity"],
-    "MountainCarContinuous-v0": ["position", "velocity"],
-}
+STATE_COLUMNS = {"CartPole-v1": ["x", "x_dot", "theta", "theta_dot"], **dict.fromkeys(ENV_IDS[1:3], ["position", "velocity"])}
 
 
 def env_state(env: gym.Env) -> tuple[list[str], list[float], Optional[int]]:
@@ -549,8 +545,6 @@ def append_label(path: str, frame: str, label: str) -> None:
 
 # the page is its own file, next to this script: HTML, CSS and JavaScript, no build step
 LABEL_PAGE = (Path(__file__).parent / "epic_eval_label.html").read_text(encoding="utf-8")
-
-
 MAX_LABEL_BODY = 4096  # bytes; a label request is about 50: a bigger one is refused before it is read
 LABEL_PAGE_CSP = "frame-ancestors 'none'"  # with X-Frame-Options: no other site can frame the page (clickjacking)
 
