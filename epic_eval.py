@@ -9,13 +9,15 @@ One file, three subcommands:
 
     # 1. states + frames, from random actions (or --policy: a checkpoint.pt of either training script)
     python epic_eval.py collect --env-id CartPole-v1 --num-frames 200 --out data/cartpole
-    # 2. label them in the browser at http://127.0.0.1:8765 (keys: 1 success, 0 failure, s skip, Backspace back)
+    # 2. label them in the browser at http://127.0.0.1:8765 (keys: 1 success, 0 failure, s skip, Backspace back);
+    #    the page is epic_eval_label.html, next to this script
     python epic_eval.py label --dataset data/cartpole
     # 3. EPIC (with a bootstrap interval), ROC AUC and PR AUC per model and alpha -> runs/<run_name>/
     python epic_eval.py score --dataset data/cartpole --clip-models RN50 ViT-L-14 --clip-pretrained openai \
         --alphas 0 0.5 1            # --labels gt uses the ground-truth column instead of your labels
     #    ...both reward families side by side: the projection per alpha and the thresholded softmax vs negatives
-    python epic_eval.py score --dataset data/cartpole --reward-families projection softmax --negatives "pole lying flat next to the cart"
+    python epic_eval.py score --dataset data/cartpole --reward-families projection softmax \
+        --negatives "pole lying flat next to the cart"
 
 Dataset layout: <dataset>/frames/*.png, <dataset>/states.csv (frame, env_id, episode, step, state
 columns, gt), <dataset>/labels.csv (frame, label, time; append-only, the last label of a frame wins).
@@ -50,6 +52,7 @@ import tyro
 
 # One source of truth: rewards, environments and policies are the training scripts' own, as the agent sees them.
 from vlmrm_dqn_classic import (
+    DEFAULT_PROMPTS,
     MOUNTAINCAR_GOAL,
     CLIPReward,
     QNetwork,
@@ -66,7 +69,12 @@ from vlmrm_dqn_classic import (
 from vlmrm_sac_humanoid import Actor
 from vlmrm_sac_humanoid import make_env as make_humanoid_env
 
-ENV_IDS = ("CartPole-v1", "MountainCar-v0", "MountainCarContinuous-v0", "Humanoid-v5")  # checked in check_collect_args
+ENV_IDS = ("CartPole-v1", "MountainCar-v0", "MountainCarContinuous-v0", "Humanoid-v5")
+PROMPTS = {  # (goal, baseline) from the paper, per env (reward_shape.py uses them too)
+    **DEFAULT_PROMPTS,
+    "MountainCarContinuous-v0": DEFAULT_PROMPTS["MountainCar-v0"],
+    "Humanoid-v5": ("a humanoid robot kneeling", "a humanoid robot"),
+}
 
 
 @dataclass
@@ -114,32 +122,24 @@ class Label:
     """the question shown above each frame (default: the environment's default goal prompt)"""
 
 
-@dataclass
-class Score:
-    """EPIC distance, ROC AUC and PR AUC between each CLIP reward model (model x alpha) and the labels."""
+@dataclass(kw_only=True)
+class RewardFlags:
+    """The CLIP reward model's flags, shared by `score` and reward_shape.py (their names as in the training scripts)."""
 
-    dataset: str
-    """dataset folder written by `collect` (and labelled by `label` unless --labels gt)"""
-    labels: Literal["human", "gt"] = "human"
-    """human: the last label per frame in labels.csv (skipped frames left out); gt: the states.csv ground truth"""
     clip_models: tuple[str, ...] = ("ViT-bigG-14",)
-    """open_clip architecture names, or paths of open_clip model configs (.json): one line each in the plot"""
+    """open_clip architecture names, or paths of open_clip model configs (.json); several = a model comparison"""
     clip_pretrained: tuple[str, ...] = ("laion2b_s39b_b160k",)
-    """pretrained tag per model, or one tag for all ("none" = random weights, for tests only)"""
-    clip_checkpoints: Optional[tuple[str, ...]] = None
-    """local weights file per model (overrides --clip-pretrained); "none" for a model without one"""
+    """open_clip pretrained tag per --clip-models entry, or one tag for all ("none" = random weights, for tests only)"""
     clip_cache_dir: Optional[str] = None
     """where downloaded CLIP weights are cached (default: the Hugging Face cache)"""
-    alphas: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99)
-    """goal-baseline regularisation strengths to evaluate, each in [0, 1] (default: the paper's Fig. 4a grid)"""
     goal: Optional[tuple[str, ...]] = None
     """goal prompt(s); default: a description of the task's goal state"""
     baseline: Optional[tuple[str, ...]] = None
-    """baseline prompt(s); default: a description of the scene"""
+    """baseline prompt(s) for the goal-baseline projection; default: a description of the scene"""
     reward_families: tuple[Literal["projection", "softmax"], ...] = ("projection",)
-    """reward families to compare side by side: projection (one row per --alphas), softmax (one row: goal vs --negatives)"""
+    """reward families side by side: projection (one curve per --alphas), softmax (one curve: goal vs --negatives)"""
     negatives: Optional[tuple[str, ...]] = None
-    """softmax family: prompts the goal is contrasted with; default: our negatives for the default --goal (none for others)"""
+    """softmax family: prompts the goal is contrasted with; default: ours for the default --goal (none for others)"""
     temperature: float = 0.01
     """softmax family: temperature tau of the softmax over cosine similarities (0.01 = CLIP's own logit scale 100)"""
     threshold: float = 0.5
@@ -148,16 +148,30 @@ class Score:
     """softmax family: if toggled, the reward is the goal's probability itself instead of 0/1"""
     antialias: bool = False
     """if toggled, antialias the bicubic squash of frames to CLIP's input (default off, as in the paper's code)"""
+    reward_batch_size: int = 64
+    """frames embedded per CLIP forward pass"""
+    cuda: bool = True
+    """if toggled, CUDA (when available) runs the reward model"""
+
+
+@dataclass(kw_only=True)
+class Score(RewardFlags):
+    """EPIC distance, ROC AUC and PR AUC between each CLIP reward model (model x alpha) and the labels."""
+
+    dataset: str
+    """dataset folder written by `collect` (and labelled by `label` unless --labels gt)"""
+    labels: Literal["human", "gt"] = "human"
+    """human: the last label per frame in labels.csv (skipped frames left out); gt: the states.csv ground truth"""
+    alphas: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99)
+    """goal-baseline regularisation strengths to evaluate, each in [0, 1] (default: the paper's Fig. 4a grid)"""
+    clip_checkpoints: Optional[tuple[str, ...]] = None
+    """local weights file per model (overrides --clip-pretrained); "none" for a model without one"""
     bootstrap: int = 1000
     """bootstrap resamples for the EPIC confidence interval"""
     confidence: float = 0.95
     """confidence level of the interval"""
     seed: int = 1
     """seed of the bootstrap"""
-    reward_batch_size: int = 64
-    """frames embedded per CLIP forward pass"""
-    cuda: bool = True
-    """if toggled, CUDA (when available) runs the reward model"""
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment (outputs go to runs/<env>__<exp_name>__<seed>__<time>/)"""
 
@@ -172,22 +186,10 @@ class ClipArgs:
     clip_cache_dir: Optional[str] = None
 
 
-DEFAULT_PROMPTS = {  # (goal, baseline) from the paper
-    "CartPole-v1": ("pole vertically upright on top of the cart", "pole and cart"),
-    "MountainCar-v0": ("a car at the peak of the mountain, next to the yellow flag", "a car in the mountain"),
-    "MountainCarContinuous-v0": ("a car at the peak of the mountain, next to the yellow flag", "a car in the mountain"),
-    "Humanoid-v5": ("a humanoid robot kneeling", "a humanoid robot"),
-}
-
-
 # ----------------------------------------------------------------------------------------------
 # Collect: frames + states.csv
 # ----------------------------------------------------------------------------------------------
-STATE_COLUMNS = {
-    "CartPole-v1": ["x", "x_dot", "theta", "theta_dot"],
-    "MountainCar-v0": ["position", "velocity"],
-    "MountainCarContinuous-v0": ["position", "velocity"],
-}
+STATE_COLUMNS = {"CartPole-v1": ["x", "x_dot", "theta", "theta_dot"], **dict.fromkeys(ENV_IDS[1:3], ["position", "velocity"])}
 
 
 def env_state(env: gym.Env) -> tuple[list[str], list[float], Optional[int]]:
@@ -199,8 +201,7 @@ def env_state(env: gym.Env) -> tuple[list[str], list[float], Optional[int]]:
         return names, [float(v) for v in np.concatenate([qpos, qvel])], None
     state = [float(v) for v in base.state]
     if base.spec.id == "CartPole-v1":  # the same test as FixedLengthCartPole's reward
-        x, _, theta, _ = state
-        success = abs(theta) < base.theta_threshold_radians and abs(x) < base.x_threshold
+        success = abs(state[2]) < base.theta_threshold_radians and abs(state[0]) < base.x_threshold
     else:  # MountainCar: at the flag in this frame (FixedLengthMountainCar's per-step reward)
         success = state[0] >= MOUNTAINCAR_GOAL
     return STATE_COLUMNS[base.spec.id], state, int(success)
@@ -209,19 +210,10 @@ def env_state(env: gym.Env) -> tuple[list[str], list[float], Optional[int]]:
 def randomise_state(env: gym.Env, rng: np.random.Generator) -> np.ndarray:
     """Put a classic-control env in a uniformly random state; returns the matching observation."""
     base = env.unwrapped
-    if base.spec.id == "CartPole-v1":
-        base.state = np.array(
-            [
-                rng.uniform(-base.x_threshold, base.x_threshold),
-                rng.uniform(-1, 1),
-                rng.uniform(-math.pi, math.pi),
-                rng.uniform(-1, 1),
-            ]
-        )
+    if base.spec.id == "CartPole-v1":  # x within the track, any pole angle, speeds up to 1
+        base.state = rng.uniform(-1, 1, size=4) * np.array([base.x_threshold, 1.0, math.pi, 1.0])
     else:
-        base.state = np.array(
-            [rng.uniform(base.min_position, base.max_position), rng.uniform(-base.max_speed, base.max_speed)]
-        )
+        base.state = rng.uniform([base.min_position, -base.max_speed], [base.max_position, base.max_speed])
     return np.array(base.state, dtype=np.float32)
 
 
@@ -247,7 +239,8 @@ def check_collect_args(args: Collect) -> Optional[dict]:
         raise UserError(f"--env-id {args.env_id} is not supported; choose one of: {', '.join(ENV_IDS)}.")
     if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
         raise UserError(
-            f"--out {args.out} already exists and is not empty; choose a new folder (a dataset and its labels are never overwritten)."
+            f"--out {args.out} already exists and is not empty; choose a new folder "
+            "(a dataset and its labels are never overwritten)."
         )
     check_output_folder(args.out, "--out")
     checkpoint = None
@@ -264,11 +257,11 @@ def check_collect_args(args: Collect) -> Optional[dict]:
         trained_on = checkpoint["args"].get("env_id")
         if args.env_id is not None and args.env_id != trained_on:
             raise UserError(f"--policy {args.policy} was trained on {trained_on}, not --env-id {args.env_id}.")
-        dqn = "q_network" in checkpoint
-        supported = ("CartPole-v1", "MountainCar-v0") if dqn else ("Humanoid-v5", "MountainCarContinuous-v0")
+        supported = ENV_IDS[:2] if "q_network" in checkpoint else ("Humanoid-v5", "MountainCarContinuous-v0")
         if trained_on not in supported:
             raise UserError(
-                f"--policy {args.policy} was trained on {trained_on}; collect supports its policies on {', '.join(supported)} only."
+                f"--policy {args.policy} was trained on {trained_on}; "
+                f"collect supports its policies on {', '.join(supported)} only."
             )
         args.env_id = trained_on
     args.env_id = args.env_id or "CartPole-v1"
@@ -277,6 +270,20 @@ def check_collect_args(args: Collect) -> Optional[dict]:
     if args.realistic and not args.env_id.startswith("MountainCar"):
         raise UserError("--realistic only changes how MountainCar is drawn.")
     return checkpoint
+
+
+def load_policy(checkpoint: dict, envs: gym.vector.VectorEnv, args: Collect, device: torch.device) -> Callable:
+    """observations -> actions on the device: greedy for the Q-network, the actor's deterministic action (as in evaluation)."""
+    name, network = ("q_network", QNetwork(envs)) if "q_network" in checkpoint else ("actor", Actor(envs))
+    try:
+        network.to(device).load_state_dict(checkpoint[name])
+    except (RuntimeError, TypeError, AttributeError) as e:  # wrong shapes or keys: another env or version
+        reason = " ".join(str(e).split())[:200]  # torch's message spans lines
+        raise UserError(
+            f"--policy {args.policy}: its {name} does not fit {args.env_id} ({reason}); "
+            "pass a policy saved by this version of the training scripts."
+        ) from None
+    return (lambda x: network(x).argmax(dim=1)) if name == "q_network" else (lambda x: network.get_action(x)[2])
 
 
 def collect(args: Collect) -> None:
@@ -291,32 +298,20 @@ def collect(args: Collect) -> None:
     # a one-env vector env, as in the training scripts' evaluate(): QNetwork reads its single_* spaces
     envs = gym.vector.SyncVectorEnv([thunk])
     env = envs.envs[0]
-    policy: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # observations -> actions, on the device
-    if checkpoint is not None:
-        name, network = ("q_network", QNetwork(envs)) if "q_network" in checkpoint else ("actor", Actor(envs))
-        try:
-            network.to(device).load_state_dict(checkpoint[name])
-        except (RuntimeError, TypeError, AttributeError) as e:  # wrong shapes or keys: another env or version
-            envs.close()
-            reason = " ".join(str(e).split())[:200]  # torch's message spans lines
-            raise UserError(
-                f"--policy {args.policy}: its {name} does not fit {args.env_id} ({reason}); "
-                "pass a policy saved by this version of the training scripts."
-            ) from None
-        # greedy for the Q-network; the actor's deterministic action, as in evaluation
-        policy = (lambda x: network(x).argmax(dim=1)) if name == "q_network" else (lambda x: network.get_action(x)[2])
+    try:
+        policy = load_policy(checkpoint, envs, args, device) if checkpoint is not None else None
+    except UserError:
+        envs.close()
+        raise
 
     # the dataset is made in a hidden folder beside --out and renamed into place once complete: an error or Ctrl-C
     # part-way never leaves a half-made dataset (which would also block the same --out)
     out = os.path.abspath(args.out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     partial = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.partial-{os.getpid()}-{time.time_ns()}")
-    frames_dir = os.path.join(partial, "frames")
-    os.makedirs(frames_dir)
+    os.makedirs(os.path.join(partial, "frames"))
+    rows, header, episode = [], [], 0
     try:
-        rows: list[list] = []
-        header: list[str] = []
-        episode = 0
         while len(rows) < args.num_frames:
             obs, _ = envs.reset(seed=args.seed + episode)
             if args.random_init:
@@ -332,22 +327,20 @@ def collect(args: Collect) -> None:
                     continue
                 # the frame after the step: the one that scores this transition in training
                 frame_name = f"{len(rows):06d}.png"
-                imageio.imwrite(os.path.join(frames_dir, frame_name), envs.call("render")[0])
+                imageio.imwrite(os.path.join(partial, "frames", frame_name), envs.call("render")[0])
                 names, values, success = env_state(env)
                 header = ["frame", "env_id", "episode", "step", *names, "gt"]
                 rows.append([frame_name, args.env_id, episode, step, *values, "" if success is None else success])
                 if len(rows) == args.num_frames:
                     break
             episode += 1
-        envs.close()
         with open(os.path.join(partial, "states.csv"), "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(header)
-            writer.writerows(rows)
+            csv.writer(f).writerows([header, *rows])
     except BaseException:
-        envs.close()
         shutil.rmtree(partial, ignore_errors=True)
         raise
+    finally:
+        envs.close()
     try:
         os.rename(partial, out)  # atomic; also replaces an empty --out folder, never a non-empty one
     except OSError:
@@ -377,12 +370,8 @@ SKIP = "skip"  # a frame the labeller could not judge: kept in labels.csv, left 
 
 def is_plain_file_name(name: object) -> bool:
     """A file directly inside a folder: no separators, not '.' or '..', no control characters (a CSV line each)."""
-    return (
-        isinstance(name, str)
-        and name not in ("", ".", "..")
-        and not any(c in name for c in "/\\")
-        and all(ord(c) >= 32 and ord(c) != 127 for c in name)
-    )
+    ok = isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\")
+    return ok and all(ord(c) >= 32 and ord(c) != 127 for c in name)
 
 
 def load_states(dataset: str) -> list[dict]:
@@ -415,7 +404,8 @@ def load_states(dataset: str) -> list[dict]:
     missing = [n for n in names if not os.path.isfile(os.path.join(dataset, "frames", n))]
     if missing:
         raise UserError(
-            f"{len(missing)} of the {len(rows)} frames in {states_path} have no image file in {os.path.join(dataset, 'frames')} (first: {missing[0]})."
+            f"{len(missing)} of the {len(rows)} frames in {states_path} have no image file in "
+            f"{os.path.join(dataset, 'frames')} (first: {missing[0]})."
         )
     env_ids = {r["env_id"] for r in rows}
     if len(env_ids) > 1:
@@ -429,8 +419,7 @@ def read_labels(dataset: str, frames: set[str]) -> dict[str, str]:
     if not os.path.isfile(path):
         return {}
     with open(path, newline="") as f:
-        text = f.read()
-    lines = text.splitlines()
+        lines = f.read().splitlines()
     if not lines:
         return {}
     if next(csv.reader(lines[:1])) != LABELS_HEADER:
@@ -455,7 +444,8 @@ def label_values(dataset: str, source: str) -> tuple[list[str], np.ndarray]:
     if source == "gt":
         if "gt" not in rows[0] or all(r["gt"] == "" for r in rows):
             raise UserError(
-                f"{dataset}/states.csv has no ground-truth labels ({rows[0]['env_id']} has none); label the frames with `python epic_eval.py label --dataset {dataset}` and use --labels human."
+                f"{dataset}/states.csv has no ground-truth labels ({rows[0]['env_id']} has none); label the frames with "
+                f"`python epic_eval.py label --dataset {dataset}` and use --labels human."
             )
         raw = {r["frame"]: r["gt"] for r in rows if r["gt"] != ""}
         where = "the gt column of states.csv"
@@ -464,21 +454,25 @@ def label_values(dataset: str, source: str) -> tuple[list[str], np.ndarray]:
         where = "labels.csv"
         if not raw:
             raise UserError(
-                f"{dataset} has no labelled frames yet; label some with `python epic_eval.py label --dataset {dataset}`, or use --labels gt for CartPole/MountainCar."
+                f"{dataset} has no labelled frames yet; label some with `python epic_eval.py label --dataset {dataset}`, "
+                "or use --labels gt for CartPole/MountainCar."
             )
     frames = [r["frame"] for r in rows if r["frame"] in raw]  # states.csv order
-    values = []
-    for frame in frames:
-        try:
-            value = float(raw[frame])
-        except ValueError:
-            value = float("nan")
-        if not math.isfinite(value):
-            raise UserError(
-                f"label {raw[frame]!r} of frame {frame} in {where} is not a number; labels must be numbers (1 success, 0 failure) or '{SKIP}'."
-            )
-        values.append(value)
-    return frames, np.array(values)
+    bad = next((f for f in frames if not is_number(raw[f])), None)
+    if bad is not None:
+        raise UserError(
+            f"label {raw[bad]!r} of frame {bad} in {where} is not a number; "
+            f"labels must be numbers (1 success, 0 failure) or '{SKIP}'."
+        )
+    return frames, np.array([float(raw[f]) for f in frames])
+
+
+def is_number(text: str) -> bool:
+    """A finite number as float() reads it ("1", "0", "0.5"); not "yes", "nan" or "inf"."""
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
 
 
 def unreadable_frame(dataset: str, frame: str, error: Exception) -> UserError:
@@ -516,12 +510,9 @@ def read_frames(dataset: str, frames: list[str]) -> np.ndarray:
     images = []
     for frame in frames:
         try:  # check_images has passed them, but a file can change (or hide a fault) between the two reads
-            image = imageio.imread(os.path.join(dataset, "frames", frame))
+            images.append(imageio.imread(os.path.join(dataset, "frames", frame), mode="RGB"))  # grey or RGBA: RGB
         except Exception as e:  # noqa: BLE001
             raise unreadable_frame(dataset, frame, e) from None
-        if image.ndim == 2:
-            image = np.stack([image] * 3, axis=-1)
-        images.append(image[..., :3])
     if len({image.shape for image in images}) > 1:
         raise UserError(f"the frames of {dataset} have different sizes; keep one environment and render size per dataset.")
     return np.stack(images)
@@ -539,10 +530,8 @@ def append_label(path: str, frame: str, label: str) -> None:
             if f.read(1) != b"\n":  # an earlier write was cut short: keep it on a line of its own
                 f.write(b"\n")
         line = io.StringIO()  # the csv module quotes a frame name with a comma or a quote in it
-        writer = csv.writer(line, lineterminator="\n")
-        if new:
-            writer.writerow(LABELS_HEADER)
-        writer.writerow([frame, label, datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")])
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        csv.writer(line, lineterminator="\n").writerows(([LABELS_HEADER] if new else []) + [[frame, label, now]])
         f.write(line.getvalue().encode())
         f.flush()
         os.fsync(f.fileno())
@@ -554,105 +543,13 @@ def append_label(path: str, frame: str, label: str) -> None:
             os.close(dir_fd)
 
 
-LABEL_PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>label frames</title>
-<style>
- body { font-family: sans-serif; background: #1e1e1e; color: #eee; margin: 1em; }
- #frame { display: block; max-width: 95vw; max-height: 68vh; border: 6px solid #555; margin: .5em 0; }
- #frame.l1 { border-color: #2b2; } #frame.l0 { border-color: #d33; } #frame.lskip { border-color: #999; }
- #status.error { color: #f66; font-weight: bold; }
- button { font-size: 1em; margin-right: .4em; }
- kbd { background: #444; border-radius: 3px; padding: 0 .3em; }
-</style></head>
-<body>
-<h2>Success? <span id="task"></span></h2>
-<div id="progress"></div>
-<img id="frame" alt="frame">
-<div>frame <span id="name"></span>: <span id="current"></span></div>
-<p><kbd>1</kbd> success &nbsp; <kbd>0</kbd> failure &nbsp; <kbd>s</kbd> skip &nbsp;
-   <kbd>Backspace</kbd>/<kbd>&larr;</kbd> back &nbsp; <kbd>&rarr;</kbd> next without labelling</p>
-<div><button data-key="1">1 success</button><button data-key="0">0 failure</button>
-     <button data-key="s">s skip</button><button data-key="Backspace">&larr; back</button></div>
-<p id="status"></p>
-<script>
-"use strict";
-let frames = [], labels = {}, index = 0, queue = Promise.resolve();
-const NAMES = {"1": "success", "0": "failure", "skip": "skipped"};
-const $ = id => document.getElementById(id);
-
-function setStatus(text, error) { $("status").textContent = text; $("status").className = error ? "error" : ""; }
-
-function show() {
-  const done = index >= frames.length;
-  const values = Object.values(labels);
-  const count = v => values.filter(x => x === v).length;
-  $("progress").textContent = `${values.length} of ${frames.length} frames labelled (${count("1")} success, ` +
-    `${count("0")} failure, ${count("skip")} skipped)` + (done ? " - all done, you can close this page" : "");
-  $("frame").style.visibility = done ? "hidden" : "visible";
-  if (done) { $("name").textContent = "-"; $("current").textContent = ""; return; }
-  const frame = frames[index];
-  $("frame").src = "frames/" + encodeURIComponent(frame);
-  $("frame").className = frame in labels ? "l" + labels[frame] : "";
-  $("name").textContent = `${frame} (${index + 1}/${frames.length})`;
-  $("current").textContent = frame in labels ? "labelled " + NAMES[labels[frame]] : "not labelled";
-  if (index + 1 < frames.length) new Image().src = "frames/" + encodeURIComponent(frames[index + 1]);
-}
-
-async function save(label) {
-  if (index >= frames.length) return;
-  const frame = frames[index];
-  const response = await fetch("api/label", {method: "POST", headers: {"Content-Type": "application/json"},
-                                             body: JSON.stringify({frame: frame, label: label})});
-  if (!response.ok) throw new Error(await response.text());
-  labels[frame] = label;  // only after the server has it on disk
-  setStatus(`saved: ${frame} = ${NAMES[label]}`, false);
-  index += 1;
-  show();
-}
-
-function move(step) { index = Math.max(0, Math.min(frames.length, index + step)); show(); }
-
-function handle(key) {
-  const actions = {"1": () => save("1"), "0": () => save("0"), "s": () => save("skip"), "S": () => save("skip"),
-                   "Backspace": () => move(-1), "ArrowLeft": () => move(-1), "ArrowRight": () => move(1)};
-  if (!(key in actions)) return false;
-  // one at a time, in key order: a fast typist never races two saves
-  queue = queue.then(actions[key]).catch(e => setStatus("NOT saved: " + e.message + " (is the server still running?)", true));
-  return true;
-}
-
-document.addEventListener("keydown", e => {
-  if (e.ctrlKey || e.metaKey || e.altKey || e.repeat) return;
-  if (handle(e.key)) e.preventDefault();
-});
-document.querySelectorAll("button").forEach(b => b.addEventListener("click", () => { handle(b.dataset.key); b.blur(); }));
-
-fetch("api/state").then(r => r.json()).then(state => {
-  frames = state.frames; labels = state.labels;
-  $("task").textContent = state.task;
-  index = frames.findIndex(f => !(f in labels));  // resume at the first frame without a label
-  if (index < 0) index = frames.length;
-  show();
-  document.body.dataset.ready = "1";
-}).catch(e => setStatus("could not load the dataset: " + e.message, true));
-</script>
-</body></html>
-"""
-
-
+# the page is its own file, next to this script: HTML, CSS and JavaScript, no build step
+LABEL_PAGE = (Path(__file__).parent / "epic_eval_label.html").read_text(encoding="utf-8")
 MAX_LABEL_BODY = 4096  # bytes; a label request is about 50: a bigger one is refused before it is read
 LABEL_PAGE_CSP = "frame-ancestors 'none'"  # with X-Frame-Options: no other site can frame the page (clickjacking)
 
 
-def make_label_server(
-    dataset: str,
-    port: int,
-    task: str,
-    items: Optional[list[str]] = None,
-    media: str = "frames",
-    media_type: str = "image/png",
-    page: str = LABEL_PAGE,
-) -> http.server.ThreadingHTTPServer:
+def make_label_server(dataset: str, port: int, task: str, items=None, media="frames", media_type="image/png", page=LABEL_PAGE):
     """A server for the label page, bound to 127.0.0.1; `port` 0 picks a free one (see server.server_port).
 
     `items` (files in <dataset>/<media>/, served as `media_type`) default to the frames of states.csv; success_eval.py
@@ -665,22 +562,15 @@ def make_label_server(
 
     class Handler(http.server.BaseHTTPRequestHandler):
         timeout = 10  # seconds per socket read or write: a stalled client never holds a handler thread
-        csp = None  # a Content-Security-Policy set by a response, merged with ours in end_headers
 
         def log_message(self, *args) -> None:  # keep the terminal for our own messages
             pass
 
-        def send_header(self, keyword: str, value: str) -> None:
-            if keyword.lower() == "content-security-policy":
-                self.csp = value
-            else:
-                super().send_header(keyword, value)
-
         def end_headers(self) -> None:  # every response, the standard library's error pages included
-            super().send_header("X-Frame-Options", "DENY")
-            super().send_header("X-Content-Type-Options", "nosniff")
-            super().send_header("Content-Security-Policy", f"{self.csp}; {LABEL_PAGE_CSP}" if self.csp else LABEL_PAGE_CSP)
-            self.csp = None
+            # a browser enforces every Content-Security-Policy header it gets: ours holds beside any other
+            self.send_header("X-Frame-Options", "DENY")
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.send_header("Content-Security-Policy", LABEL_PAGE_CSP)
             super().end_headers()
 
         def _send(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
@@ -694,75 +584,63 @@ def make_label_server(
         def _local(self) -> bool:
             # only pages served from here may talk to us: a foreign Host (DNS rebinding) is refused
             port_ = self.server.server_port
-            if self.headers.get("Host") not in (f"127.0.0.1:{port_}", f"localhost:{port_}"):
-                self._send(403, b"forbidden host\n")
-                return False
-            return True
-
-        def _frame(self, path: str) -> Optional[str]:
-            # the page asks for frames/<encodeURIComponent(name)>; no file but a listed frame is ever served
-            name = urllib.parse.unquote(path[len(f"/{media}/") :])
-            return name if is_plain_file_name(name) and name in frame_set else None
+            return self.headers.get("Host") in (f"127.0.0.1:{port_}", f"localhost:{port_}")
 
         def do_GET(self) -> None:
-            if not self._local():
-                return
             path = self.path.split("?")[0]
-            if path == "/":
+            # the page asks for frames/<encodeURIComponent(name)>; no file but a listed frame is ever served
+            name = urllib.parse.unquote(path[len(f"/{media}/") :]) if path.startswith(f"/{media}/") else None
+            if not self._local():
+                self._send(403, b"forbidden host\n")
+            elif path == "/":
                 self._send(200, page.encode(), "text/html; charset=utf-8")
             elif path == "/api/state":
                 with lock:
                     state = {"frames": frames, "labels": read_labels(dataset, frame_set), "task": task}
                 self._send(200, json.dumps(state).encode(), "application/json")
-            elif path.startswith(f"/{media}/") and self._frame(path) is not None:
-                with open(os.path.join(dataset, media, self._frame(path)), "rb") as f:
+            elif is_plain_file_name(name) and name in frame_set:
+                with open(os.path.join(dataset, media, name), "rb") as f:
                     self._send(200, f.read(), media_type)
             else:
                 self._send(404, b"not found\n")
 
         def do_POST(self) -> None:
-            if not self._local():
-                return
+            self.close_connection = True  # the body of a refused request is never read: the connection is not reused
+            code, answer = self._save_label() if self._local() else (403, b"forbidden host\n")
+            if code is not None:  # None: the client left mid-request, nobody to answer
+                try:
+                    self._send(code, answer, "application/json" if code == 200 else "text/plain; charset=utf-8")
+                except OSError:  # a stalled client that has gone meanwhile
+                    pass
+
+        def _save_label(self) -> tuple[Optional[int], bytes]:
+            """(status, answer) of a label request; the label is on disk before the 200 answer."""
             if self.path != "/api/label":
-                self._send(404, b"not found\n")
-                return
+                return 404, b"not found\n"
             # JSON only: a cross-site form cannot send it without a CORS preflight, which we never answer
             if self.headers.get("Content-Type", "").split(";")[0].strip() != "application/json":
-                self._send(415, b"send application/json\n")
-                return
+                return 415, b"send application/json\n"
             length = self.headers.get("Content-Length", "")
             if not (length.isascii() and length.isdigit()):  # missing, negative or not a number: nothing to read safely
-                self.close_connection = True
-                self._send(400, b"send a Content-Length\n")
-                return
+                return 400, b"send a Content-Length\n"
             if int(length) > MAX_LABEL_BODY:
-                self.close_connection = True
-                self._send(413, f"a label request is at most {MAX_LABEL_BODY} bytes\n".encode())
-                return
+                return 413, f"a label request is at most {MAX_LABEL_BODY} bytes\n".encode()
             try:
                 data = self.rfile.read(int(length))
             except (TimeoutError, ConnectionError):  # a stalled or vanished client: nothing acknowledged, nothing saved
-                self.close_connection = True
-                try:
-                    self._send(408, b"the request body did not arrive in time; nothing was saved\n")
-                except OSError:
-                    pass
-                return
+                return 408, b"the request body did not arrive in time; nothing was saved\n"
             if len(data) != int(length):  # the client closed before sending the whole body: it never sees an answer
-                self.close_connection = True
-                return
+                return None, b""
             try:
                 body = json.loads(data)
                 frame, label = body["frame"], body["label"]
             except (ValueError, KeyError, TypeError, RecursionError):
-                self._send(400, b'expected {"frame": ..., "label": ...}\n')
-                return
+                return 400, b'expected {"frame": ..., "label": ...}\n'
             if not isinstance(frame, str) or frame not in frame_set or label not in ("1", "0", SKIP):
-                self._send(400, f"unknown frame or label (labels: 1, 0, {SKIP})\n".encode())
-                return
+                return 400, f"unknown frame or label (labels: 1, 0, {SKIP})\n".encode()
             with lock:
                 append_label(labels_path, frame, label)
-            self._send(200, b'{"saved": true}', "application/json")
+            return 200, b'{"saved": true}'
 
     try:
         return http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
@@ -775,7 +653,7 @@ def make_label_server(
 def label(args: Label) -> None:
     rows = load_states(args.dataset)
     env_id = rows[0]["env_id"]
-    task = args.task or DEFAULT_PROMPTS.get(env_id, (env_id,))[0]
+    task = args.task or PROMPTS.get(env_id, (env_id,))[0]
     server = make_label_server(args.dataset, args.port, task)
     done = len(read_labels(args.dataset, {r["frame"] for r in rows}))
     print(
@@ -880,71 +758,118 @@ def average_precision(scores: np.ndarray, labels: np.ndarray) -> float:
 
 
 # ----------------------------------------------------------------------------------------------
-# Score: every CLIP model x alpha against the labels
+# Reward models from flags (reward_shape.py uses these too): checks, CLIPReward, one curve per alpha or softmax
 # ----------------------------------------------------------------------------------------------
-SOFTMAX = "softmax"  # the thresholded-softmax family's entry among the alphas of a score run
+SOFTMAX = "softmax"  # the key of the thresholded-softmax curve; the projection curves are keyed by their alpha
 
 
-def check_score_args(args: Score) -> list[ClipArgs]:
-    """Reject bad flags before any model is loaded; returns one ClipArgs per model."""
+def check_reward_args(args: RewardFlags) -> None:
+    """The prompt and reward-family flags (shared by score and reward_shape.py), checked before any model is loaded."""
     if not args.reward_families:
         raise UserError("--reward-families needs at least one of: projection, softmax.")
-    projection = "projection" in args.reward_families
-    if projection and not args.alphas:
-        raise UserError("--alphas needs at least one value in [0, 1].")
-    for alpha in args.alphas if projection else ():
-        if not 0.0 <= alpha <= 1.0:
-            raise UserError(f"--alphas must be in [0, 1], got {alpha}.")
+    alphas = args.alphas if "projection" in args.reward_families else ()
+    if "projection" in args.reward_families and not alphas:
+        raise UserError("--alphas needs at least one value in [0, 1], e.g. --alphas 0 0.5 1.")
+    if not all(0.0 <= alpha <= 1.0 for alpha in alphas):  # also rejects nan
+        raise UserError(f"--alphas must all be in [0, 1], got {next(a for a in alphas if not 0.0 <= a <= 1.0)}.")
     if not args.goal or any(not g.strip() for g in args.goal):
         raise UserError(
             '--goal needs at least one non-empty prompt, e.g. --goal "pole vertically upright on top of the cart".'
         )
-    if projection and max(args.alphas) > 0 and (not args.baseline or any(not b.strip() for b in args.baseline)):
+    if alphas and max(alphas) > 0 and (not args.baseline or any(not b.strip() for b in args.baseline)):
         raise UserError("--baseline needs at least one non-empty prompt when an alpha is > 0.")
-    if projection and max(args.alphas) > 0 and same_prompts(args.goal, args.baseline):
+    if alphas and max(alphas) > 0 and same_prompts(args.goal, args.baseline):
         raise UserError(
-            f"--goal and --baseline are the same prompts (ignoring case and spaces), so the goal-baseline direction is zero; change one or use only --alphas 0 (got {max(args.alphas)})."
+            "--goal and --baseline are the same prompts (ignoring case and spaces), so the goal-baseline direction is "
+            f"zero; change one or use only --alphas 0 (got alpha {max(alphas)})."
         )
     if not 0 < args.temperature < float("inf"):  # also rejects nan
         raise UserError(f"--temperature must be a positive number, got {args.temperature}.")
     if not 0 < args.threshold < 1:
         raise UserError(f"--threshold must be in (0, 1), got {args.threshold}.")
-    if "softmax" in args.reward_families:
+    if SOFTMAX in args.reward_families:
         args.negatives = resolve_negatives(args.goal, args.negatives, "--reward-families softmax")
-    if args.bootstrap < 1 or args.reward_batch_size < 1:
-        raise UserError("--bootstrap and --reward-batch-size must be positive integers.")
-    if not 0.0 < args.confidence < 1.0:
-        raise UserError(f"--confidence must be in (0, 1), got {args.confidence}.")
-    if not args.clip_models:
-        raise UserError("--clip-models needs at least one model.")
-    n = len(args.clip_models)
-    if len(args.clip_pretrained) not in (1, n):
-        raise UserError(f"--clip-pretrained needs one tag, or one per model ({n}), got {len(args.clip_pretrained)}.")
-    if args.clip_checkpoints is not None and len(args.clip_checkpoints) != n:
-        raise UserError(
-            f"--clip-checkpoints needs one entry per model ({n}; 'none' for a model without one), got {len(args.clip_checkpoints)}."
-        )
-    clip_args = []
-    for i, model in enumerate(args.clip_models):
-        checkpoint = args.clip_checkpoints[i] if args.clip_checkpoints else None
-        clip_args.append(
-            ClipArgs(
-                model,
-                args.clip_pretrained[i % len(args.clip_pretrained)],
-                None if checkpoint in (None, "none") else checkpoint,
-                args.clip_cache_dir,
-            )
-        )
-        check_clip_args(clip_args[-1])
-    return clip_args
 
 
 def model_label(clip: ClipArgs) -> str:
+    """A readable name for a model in the tables and plots: "<architecture>/<weights>"."""
     name = Path(clip.clip_model).stem if clip.clip_model.endswith(".json") else clip.clip_model
     return f"{name}/{Path(clip.clip_checkpoint).name if clip.clip_checkpoint else clip.clip_pretrained}"
 
 
+def clip_args_list(models: tuple[str, ...], pretrained: tuple[str, ...], checkpoints, cache_dir) -> list[ClipArgs]:
+    """One ClipArgs per --clip-models entry (one --clip-pretrained tag for all, or one each), all checked up front."""
+    if not models:
+        raise UserError("--clip-models needs at least one model, e.g. --clip-models ViT-bigG-14.")
+    if len(pretrained) not in (1, len(models)):
+        raise UserError(
+            f"--clip-pretrained needs one tag, or one per --clip-models entry ({len(models)}), got {len(pretrained)}."
+        )
+    clips = [
+        ClipArgs(model, pretrained[i % len(pretrained)], None if checkpoint in (None, "none") else checkpoint, cache_dir)
+        for i, (model, checkpoint) in enumerate(zip(models, checkpoints))
+    ]
+    labels = [model_label(clip) for clip in clips]
+    if len(set(labels)) != len(labels):
+        raise UserError(f"--clip-models/--clip-pretrained name the same model twice ({', '.join(labels)}); list each once.")
+    for clip in clips:  # every model is checked before the first one is loaded
+        check_clip_args(clip)
+    return clips
+
+
+def flags_reward_model(args: RewardFlags, model, tokenizer, device: torch.device) -> CLIPReward:
+    """The training scripts' CLIPReward for these flags, embeddings only: score_curves applies every alpha to them."""
+    family = "softmax" if SOFTMAX in args.reward_families else "projection"  # the softmax family needs its negatives
+    flags = dict(
+        negatives=args.negatives or (), **{k: getattr(args, k) for k in ("temperature", "threshold", "soft", "antialias")}
+    )
+    reward_model = CLIPReward(model, tokenizer, args.goal, args.baseline, 0.0, args.reward_batch_size, device, family, **flags)
+    alphas = args.alphas if "projection" in args.reward_families else ()
+    if alphas:  # prompts that differ only where CLIP cannot see (e.g. past its 77 tokens) have d = 0
+        check_goal_direction(reward_model.goal_embeddings, reward_model.baseline_embeddings, max(alphas), "only --alphas")
+    return reward_model
+
+
+@torch.no_grad()
+def score_curves(
+    reward_model: CLIPReward, embeddings: torch.Tensor, alphas: tuple[float, ...], softmax: bool
+) -> dict[Union[float, str], np.ndarray]:
+    """Rewards of embedded frames: one curve per alpha and, with softmax, the reward model's thresholded softmax
+    (its negatives, temperature, threshold and soft setting) under SOFTMAX. Embedding is the costly part: done once."""
+    m = reward_model
+    g, b, n = (e.to(embeddings.device) for e in (m.goal_embeddings, m.baseline_embeddings, m.negative_embeddings))
+    curves = {alpha: vlm_reward(embeddings, g, b, alpha).cpu().numpy() for alpha in alphas}
+    if softmax:
+        curves[SOFTMAX] = softmax_reward(embeddings, g, n, m.temperature, m.threshold, m.soft).cpu().numpy()
+    return curves
+
+
+def curve_name(key: Union[float, str], soft: bool) -> str:
+    """A curve's name in the tables: alpha=<alpha>, softmax (0/1) or softmax-p (--soft)."""
+    return f"alpha={key:g}" if key != SOFTMAX else ("softmax-p" if soft else "softmax")
+
+
+# ----------------------------------------------------------------------------------------------
+# Score: every CLIP model x curve against the labels
+# ----------------------------------------------------------------------------------------------
+def check_score_args(args: Score) -> list[ClipArgs]:
+    """Reject bad flags before any model is loaded; returns one ClipArgs per model."""
+    check_reward_args(args)
+    if args.bootstrap < 1 or args.reward_batch_size < 1:
+        raise UserError("--bootstrap and --reward-batch-size must be positive integers.")
+    if not 0.0 < args.confidence < 1.0:
+        raise UserError(f"--confidence must be in (0, 1), got {args.confidence}.")
+    n = len(args.clip_models)
+    if args.clip_checkpoints is not None and len(args.clip_checkpoints) != n:
+        raise UserError(
+            f"--clip-checkpoints needs one entry per model ({n}; 'none' for a model without one), "
+            f"got {len(args.clip_checkpoints)}."
+        )
+    return clip_args_list(args.clip_models, args.clip_pretrained, args.clip_checkpoints or (None,) * n, args.clip_cache_dir)
+
+
 def plot_epic(table: list[dict], path: str, title: str) -> None:
+    """EPIC against alpha per model (projection, with its interval); the softmax family is a dashed level."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -955,27 +880,20 @@ def plot_epic(table: list[dict], path: str, title: str) -> None:
     for i, model in enumerate(dict.fromkeys(row["model"] for row in table)):  # one colour per model, in flag order
         colour = colours[i % len(colours)]
         rows = [row for row in table if row["model"] == model and row["family"] == "projection"]
-        if rows:  # projection family: EPIC against alpha
+        if rows:
             alphas = [row["alpha"] for row in rows]
             ax.plot(alphas, [row["epic"] for row in rows], marker="o", color=colour, label=f"{model}, projection")
-            ax.fill_between(
-                alphas,
-                [row["epic_low"] for row in rows],
-                [row["epic_high"] for row in rows],
-                color=colour,
-                alpha=0.2,
-                linewidth=0,
-            )
-        for row in (row for row in table if row["model"] == model and row["family"] == "softmax"):
-            if math.isfinite(row["epic"]):  # softmax family: no alpha, a dashed level across the plot
+            low, high = [row["epic_low"] for row in rows], [row["epic_high"] for row in rows]
+            ax.fill_between(alphas, low, high, color=colour, alpha=0.2, linewidth=0)
+        for row in (row for row in table if row["model"] == model and row["family"] == SOFTMAX):
+            if math.isfinite(row["epic"]):
                 ax.axhline(row["epic"], color=colour, linestyle="--", label=f"{model}, {row['curve']}")
             if math.isfinite(row["epic_low"]) and math.isfinite(row["epic_high"]):
                 ax.axhspan(row["epic_low"], row["epic_high"], color=colour, alpha=0.08, linewidth=0)
     if not any(row["family"] == "projection" for row in table):
         ax.set_xlim(0, 1)
-    ax.set_xlabel("alpha (goal-baseline regularisation; the softmax family is dashed)")
-    ax.set_ylabel("EPIC distance to labels (lower is better)")
-    ax.set_ylim(0, 1)
+    ax.set(xlabel="alpha (goal-baseline regularisation; the softmax family is dashed)", ylim=(0, 1))
+    ax.set(ylabel="EPIC distance to labels (lower is better)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:  # nothing to list when every EPIC is undefined
@@ -985,128 +903,65 @@ def plot_epic(table: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
+def metrics_row(rewards: np.ndarray, labels: np.ndarray, binary: bool, args: Score) -> dict:
+    """EPIC with its bootstrap interval, Pearson, ROC AUC and PR AUC (the last two for 0/1 labels); nan when undefined."""
+    if is_constant(rewards):
+        return dict.fromkeys(["epic", "epic_low", "epic_high", "pearson", "roc_auc", "pr_auc"], float("nan"))
+    epic = epic_distance(rewards, labels)
+    rng = np.random.default_rng(args.seed)  # same resamples for every model and curve: comparable intervals
+    low, high = bootstrap_epic(rewards, labels, args.bootstrap, args.confidence, rng)
+    nan = float("nan")
+    auc, ap = (roc_auc(rewards, labels), average_precision(rewards, labels)) if binary else (nan, nan)
+    return dict(epic=epic, epic_low=low, epic_high=high, pearson=1.0 - 2.0 * epic**2, roc_auc=auc, pr_auc=ap)
+
+
 def score(args: Score) -> str:
     """Writes runs/<run_name>/{epic.csv, epic.png, rewards.csv, args.json}; returns the run folder."""
     frames, labels = label_values(args.dataset, args.labels)  # dataset problems first: they are cheapest
     env_id = load_states(args.dataset)[0]["env_id"]
-    default_goal, default_baseline = DEFAULT_PROMPTS.get(env_id, (None, None))
+    default_goal, default_baseline = PROMPTS.get(env_id, (None, None))  # a dataset of another env: give --goal/--baseline
     args.goal = args.goal if args.goal is not None else ((default_goal,) if default_goal else None)
     args.baseline = args.baseline if args.baseline is not None else ((default_baseline,) if default_baseline else None)
     clip_args = check_score_args(args)
     if is_constant(labels):
         raise UserError(
-            f"all {len(labels)} labels ({args.labels}) of {args.dataset} are {labels[0]:g}, so the correlation (and EPIC) is undefined; label both successes and failures."
+            f"all {len(labels)} labels ({args.labels}) of {args.dataset} are {labels[0]:g}, so the correlation (and EPIC) "
+            "is undefined; label both successes and failures."
         )
     check_images(args.dataset, frames)
     check_output_folder("runs", "the output folder", "move it away or run from another folder")
     binary = bool(np.isin(labels, (0.0, 1.0)).all())
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-    run_name = f"{env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = os.path.join("runs", run_name)  # made once there are results: a failed run leaves no folder behind
+    run_dir = os.path.join("runs", f"{env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")  # made at the end
     if len(labels) == 2:
         print(
             "warning: only 2 labelled frames: the correlation of two points is always +1 or -1, so EPIC is 0 or 1 "
             "and its bootstrap interval is undefined (reported as nan); label more frames for a meaningful distance"
         )
+    negatives = f", negatives={args.negatives}" if SOFTMAX in args.reward_families else ""
     print(
-        f"run: {run_dir}; {len(frames)} frames of {env_id} with {args.labels} labels "
-        f"({int((labels == 1).sum())} successes), goal={args.goal}, baseline={args.baseline}"
-        + (f", negatives={args.negatives}" if "softmax" in args.reward_families else "")
-        + f", on {device}"
+        f"run: {run_dir}; {len(frames)} frames of {env_id} with {args.labels} labels ({int((labels == 1).sum())} "
+        f"successes), goal={args.goal}, baseline={args.baseline}{negatives}, on {device}"
     )
-    curves: list = list(args.alphas) if "projection" in args.reward_families else []  # an alpha, or SOFTMAX
-    if "softmax" in args.reward_families:
-        curves.append(SOFTMAX)
-    softmax_curve = "softmax-p" if args.soft else "softmax"  # its name in the tables and the plot
-
     table, undefined, reward_columns = [], [], {}
     for clip in clip_args:
         name = model_label(clip)
         torch.manual_seed(args.seed)  # a random-weight (test) model is then the same in every run
         model, tokenizer = load_clip(clip, device)
-        reward_model = CLIPReward(
-            model,
-            tokenizer,
-            args.goal,
-            args.baseline,
-            0.0,
-            args.reward_batch_size,
-            device,
-            "softmax" if SOFTMAX in curves else "projection",
-            args.negatives or (),
-            args.temperature,
-            args.threshold,
-            args.soft,
-            args.antialias,
-        )
-        projection_alphas = [alpha for alpha in curves if alpha != SOFTMAX]
-        if projection_alphas:  # prompts that differ only where CLIP cannot see (e.g. past its 77 tokens) have d = 0
-            check_goal_direction(
-                reward_model.goal_embeddings, reward_model.baseline_embeddings, max(projection_alphas), "only --alphas"
-            )
-        # image embeddings once per model, from disk in batches; every alpha (and the softmax family) reuses them
-        start = time.perf_counter()
-        embeddings = torch.cat(
-            [
-                reward_model.embed_images(torch.from_numpy(read_frames(args.dataset, frames[i : i + args.reward_batch_size])))
-                .float()
-                .cpu()
-                for i in range(0, len(frames), args.reward_batch_size)
-            ]
-        )
+        reward_model = flags_reward_model(args, model, tokenizer, device)
+        # image embeddings once per model, from disk in batches; every curve reuses them
+        start, batch = time.perf_counter(), args.reward_batch_size
+        chunks = [torch.from_numpy(read_frames(args.dataset, frames[i : i + batch])) for i in range(0, len(frames), batch)]
+        embeddings = torch.cat([reward_model.embed_images(chunk).float().cpu() for chunk in chunks])
         print(f"{name}: embedded {len(frames)} frames in {time.perf_counter() - start:.1f} s")
-        for alpha in curves:
-            if alpha == SOFTMAX:
-                curve, family, alpha = softmax_curve, "softmax", ""
-                rewards = softmax_reward(
-                    embeddings,
-                    reward_model.goal_embeddings.cpu(),
-                    reward_model.negative_embeddings.cpu(),
-                    args.temperature,
-                    args.threshold,
-                    args.soft,
-                ).numpy()
-            else:
-                curve, family = f"alpha={alpha:g}", "projection"
-                try:
-                    rewards = vlm_reward(
-                        embeddings, reward_model.goal_embeddings.cpu(), reward_model.baseline_embeddings.cpu(), alpha
-                    ).numpy()
-                except ValueError:
-                    raise UserError(
-                        f"{name} embeds --goal and --baseline identically, so the goal-baseline direction is zero; use different prompts or only --alphas 0."
-                    ) from None
+        alphas = args.alphas if "projection" in args.reward_families else ()
+        for key, rewards in score_curves(reward_model, embeddings, alphas, SOFTMAX in args.reward_families).items():
+            curve = curve_name(key, args.soft)
             reward_columns[f"{name}@{curve}"] = rewards
-            rng = np.random.default_rng(args.seed)  # same resamples for every model and curve: comparable intervals
-            row = {
-                "model": name,
-                "family": family,
-                "alpha": alpha,
-                "curve": curve,
-                "n": len(labels),
-                "n_success": int((labels == 1).sum()) if binary else "",
-            }
-            if is_constant(rewards):
-                undefined.append(f"{name} {curve}")
-                row.update(
-                    epic=float("nan"),
-                    epic_low=float("nan"),
-                    epic_high=float("nan"),
-                    pearson=float("nan"),
-                    roc_auc=float("nan"),
-                    pr_auc=float("nan"),
-                )
-            else:
-                epic = epic_distance(rewards, labels)
-                low, high = bootstrap_epic(rewards, labels, args.bootstrap, args.confidence, rng)
-                row.update(
-                    epic=epic,
-                    epic_low=low,
-                    epic_high=high,
-                    pearson=1.0 - 2.0 * epic**2,
-                    roc_auc=roc_auc(rewards, labels) if binary else float("nan"),
-                    pr_auc=average_precision(rewards, labels) if binary else float("nan"),
-                )
+            family, alpha = (SOFTMAX, "") if key == SOFTMAX else ("projection", key)
+            row = dict(model=name, family=family, alpha=alpha, curve=curve, n=len(labels))
+            row.update(n_success=int((labels == 1).sum()) if binary else "", **metrics_row(rewards, labels, binary, args))
+            undefined += [f"{name} {curve}"] if is_constant(rewards) else []
             table.append(row)
             print(
                 f"  {curve:<11} EPIC={row['epic']:.4f} [{row['epic_low']:.4f}, {row['epic_high']:.4f}]  "
@@ -1121,31 +976,24 @@ def score(args: Score) -> str:
         json.dump(asdict(args), f, indent=2)
     columns = ["model", "family", "alpha", "epic", "epic_low", "epic_high", "pearson", "roc_auc", "pr_auc", "n", "n_success"]
     with open(os.path.join(run_dir, "epic.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(
-            {k: (f"{v:.6f}" if isinstance(v, float) and k != "alpha" else v) for k, v in row.items() if k in columns}
-            for row in table
-        )
+        writer.writerows({k: f"{v:.6f}" if isinstance(v, float) and k != "alpha" else v for k, v in r.items()} for r in table)
     with open(os.path.join(run_dir, "rewards.csv"), "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["frame", "label", *reward_columns])
         for i, frame in enumerate(frames):
             writer.writerow([frame, f"{labels[i]:g}", *(f"{v[i]:.9g}" for v in reward_columns.values())])
-    plot_epic(
-        table,
-        os.path.join(run_dir, "epic.png"),
-        f"{env_id}, {len(labels)} frames, {args.labels} labels; {int(args.confidence * 100)}% bootstrap interval",
-    )
+    title = f"{env_id}, {len(labels)} frames, {args.labels} labels; {int(args.confidence * 100)}% bootstrap interval"
+    plot_epic(table, os.path.join(run_dir, "epic.png"), title)
     print(f"wrote {run_dir}/epic.csv, epic.png, rewards.csv")
     if undefined:
-        hint = (
-            " (a binary softmax reward that never or always crosses --threshold: try another --threshold or --soft)"
-            if any(softmax_curve in u for u in undefined) and not args.soft
-            else ""
-        )
+        binary_softmax = any(u.endswith(" softmax") for u in undefined)
+        hint = " (a binary softmax reward that never or always crosses --threshold: try another --threshold or --soft)"
         raise UserError(
-            f"the rewards of {', '.join(undefined)} are the same for every frame{hint}, so their correlation with the labels (and EPIC) is undefined; the other results are in {run_dir}/epic.csv."
+            f"the rewards of {', '.join(undefined)} are the same for every frame{hint if binary_softmax else ''}, so their "
+            "correlation with the "
+            f"labels (and EPIC) is undefined; the other results are in {run_dir}/epic.csv."
         )
     return run_dir
 
@@ -1158,12 +1006,7 @@ Commands = Union[
 
 
 def main(args: Union[Collect, Label, Score]) -> None:
-    if isinstance(args, Collect):
-        collect(args)
-    elif isinstance(args, Label):
-        label(args)
-    else:
-        score(args)
+    {Collect: collect, Label: label, Score: score}[type(args)](args)
 
 
 if __name__ == "__main__":

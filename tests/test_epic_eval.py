@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -33,8 +34,11 @@ TINY = os.path.join(ROOT, "tests", "vlmrm-tiny-test.json")
 CHROMIUM = "/usr/bin/chromium"
 
 
-def run_cli(*argv: str, cwd: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, SCRIPT, *argv], cwd=cwd, capture_output=True, text=True, timeout=120)
+def run_cli(command: str, cwd: str) -> subprocess.CompletedProcess:
+    """`python epic_eval.py <command>` as a user types it (split like a shell), from `cwd`."""
+    return subprocess.run(
+        [sys.executable, SCRIPT, *shlex.split(command)], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
 
 
 def file_hash(path: str) -> str:
@@ -43,9 +47,28 @@ def file_hash(path: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- metric
-def test_epic_is_zero_for_identical_rewards():
-    rewards = np.random.default_rng(0).normal(size=50)
-    assert epic_distance(rewards, rewards) == pytest.approx(0.0, abs=1e-7)
+R = np.random.default_rng(2).normal(size=30)
+
+
+@pytest.mark.parametrize(
+    "rewards, labels, expected",
+    [
+        (R, R, 0.0),
+        (-R, R, 1.0),  # negated
+        (5 - 2 * R, R, 1.0),
+        ([1, 2, 3], [1, 3, 2], 0.5),  # deviations (-1 0 1), (-1 1 0): cov 1, variances 2 and 2 -> rho 1/2 -> sqrt(1/4)
+        ([1, 2, 3, 4], [1, 0, 0, 1], math.sqrt(0.5)),  # deviations (-1.5 -0.5 0.5 1.5), (0.5 -0.5 -0.5 0.5): rho 0
+        ([1, 2, 3], [1, 1, 1], "labels are all the same"),
+        ([0.7, 0.7, 0.7], [0, 1, 0], "rewards are all the same"),
+    ],
+)
+def test_epic_distance(rewards, labels, expected):
+    rewards, labels = np.array(rewards, dtype=float), np.array(labels, dtype=float)
+    if isinstance(expected, str):  # undefined: a constant side has no correlation
+        with pytest.raises(ValueError, match=expected):
+            epic_distance(rewards, labels)
+    else:
+        assert epic_distance(rewards, labels) == pytest.approx(expected, abs=1e-7)
 
 
 @pytest.mark.parametrize("scale, shift", [(3.0, 7.0), (0.01, -2.0), (250.0, 1e3)])
@@ -61,38 +84,21 @@ def test_epic_is_invariant_to_positive_affine_maps_of_either_side(scale, shift):
     assert epic_distance(-scale * rewards + shift, labels) == pytest.approx(math.sqrt(1 - reference**2), abs=1e-9)
 
 
-def test_epic_is_one_for_a_negated_reward():
-    rewards = np.random.default_rng(2).normal(size=30)
-    assert epic_distance(-rewards, rewards) == pytest.approx(1.0, abs=1e-9)
-    assert epic_distance(5 - 2 * rewards, rewards) == pytest.approx(1.0, abs=1e-9)
-
-
-def test_epic_matches_hand_computed_examples():
-    # rewards 1 2 3, labels 1 3 2: deviations (-1 0 1), (-1 1 0); cov 1, variances 2 and 2 -> rho 1/2 -> sqrt(1/4)
-    assert epic_distance(np.array([1.0, 2.0, 3.0]), np.array([1.0, 3.0, 2.0])) == pytest.approx(0.5, abs=1e-12)
-    # deviations (-1.5 -0.5 0.5 1.5) and (0.5 -0.5 -0.5 0.5): dot 0 -> rho 0 -> sqrt(1/2)
-    assert epic_distance(np.array([1.0, 2.0, 3.0, 4.0]), np.array([1.0, 0.0, 0.0, 1.0])) == pytest.approx(
-        math.sqrt(0.5), abs=1e-12
-    )
-
-
-def test_epic_is_undefined_for_constant_sides():
-    with pytest.raises(ValueError, match="labels are all the same"):
-        epic_distance(np.array([1.0, 2.0, 3.0]), np.ones(3))
-    with pytest.raises(ValueError, match="rewards are all the same"):
-        epic_distance(np.full(3, 0.7), np.array([0.0, 1.0, 0.0]))
-
-
-def test_roc_auc_and_average_precision_match_hand_computed_example():
-    scores, labels = np.array([0.1, 0.4, 0.35, 0.8]), np.array([0, 0, 1, 1])
-    # pairs (positive, negative): 0.35>0.1, 0.35<0.4, 0.8>0.1, 0.8>0.4 -> 3/4
-    assert roc_auc(scores, labels) == pytest.approx(0.75)
-    # ranked 0.8(+) 0.4(-) 0.35(+) 0.1(-): recall 1/2 at precision 1, recall 1 at precision 2/3
-    assert average_precision(scores, labels) == pytest.approx(0.5 * 1 + 0.5 * 2 / 3)
-    # ties: one threshold for all tied scores; a tied positive/negative pair counts 1/2
-    assert roc_auc(np.array([1.0, 1.0, 2.0]), np.array([0, 1, 1])) == pytest.approx(0.75)
-    assert average_precision(np.array([1.0, 1.0, 2.0]), np.array([0, 1, 1])) == pytest.approx(0.5 * 1 + 0.5 * 2 / 3)
-    assert roc_auc(-scores, labels) == pytest.approx(0.25)
+@pytest.mark.parametrize(
+    "scores, labels, auc, ap",
+    [
+        # pairs (positive, negative): 0.35>0.1, 0.35<0.4, 0.8>0.1, 0.8>0.4 -> 3/4;
+        # ranked 0.8(+) 0.4(-) 0.35(+) 0.1(-): recall 1/2 at precision 1, recall 1 at precision 2/3
+        ([0.1, 0.4, 0.35, 0.8], [0, 0, 1, 1], 0.75, 0.5 * 1 + 0.5 * 2 / 3),
+        # ranked -0.1(-) -0.35(+) -0.4(-) -0.8(+): recall 1/2 at precision 1/2, recall 1 at precision 2/4
+        ([-0.1, -0.4, -0.35, -0.8], [0, 0, 1, 1], 0.25, 0.5 * 0.5 + 0.5 * 0.5),
+        # ties: one threshold for all tied scores; a tied positive/negative pair counts 1/2
+        ([1.0, 1.0, 2.0], [0, 1, 1], 0.75, 0.5 * 1 + 0.5 * 2 / 3),
+    ],
+)
+def test_roc_auc_and_average_precision_match_hand_computed_examples(scores, labels, auc, ap):
+    assert roc_auc(np.array(scores), np.array(labels)) == pytest.approx(auc)
+    assert average_precision(np.array(scores), np.array(labels)) == pytest.approx(ap)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -113,7 +119,7 @@ def test_bootstrap_interval_contains_the_point_estimate(seed):
 @pytest.fixture(scope="module")
 def cartpole_dataset(tmp_path_factory) -> str:
     out = str(tmp_path_factory.mktemp("data") / "cartpole")
-    result = run_cli("collect", "--env-id", "CartPole-v1", "--num-frames", "60", "--seed", "3", "--out", out, cwd=ROOT)
+    result = run_cli(f"collect --env-id CartPole-v1 --num-frames 60 --seed 3 --out {out}", cwd=ROOT)
     assert result.returncode == 0, result.stderr
     return out
 
@@ -136,13 +142,6 @@ def test_collect_writes_the_documented_layout(cartpole_dataset):
     assert len({row["gt"] for row in rows}) == 2  # random actions: upright first, then fallen
 
 
-def test_collect_never_writes_into_an_existing_dataset(cartpole_dataset):
-    before = file_hash(os.path.join(cartpole_dataset, "states.csv"))
-    with pytest.raises(UserError, match="already exists and is not empty"):
-        epic_eval.collect(epic_eval.Collect(out=cartpole_dataset, num_frames=2))
-    assert file_hash(os.path.join(cartpole_dataset, "states.csv")) == before
-
-
 @pytest.mark.parametrize("env_id", ["MountainCar-v0", "MountainCarContinuous-v0"])
 def test_mountaincar_gt_is_the_papers_flag_at_0_45(env_id):
     """Success is x >= 0.45 (the paper's flag, where the training script draws it), not Gymnasium's 0.5."""
@@ -158,12 +157,6 @@ def test_mountaincar_gt_is_the_papers_flag_at_0_45(env_id):
     assert labels == {0.44: 0, 0.45: 1, 0.47: 1, 0.5: 1}
 
 
-def test_unknown_env_id_is_one_sentence_error(tmp_path):
-    with pytest.raises(UserError, match="--env-id Pendulum-v1 is not supported; choose one of: CartPole-v1"):
-        epic_eval.collect(epic_eval.Collect(out=str(tmp_path / "ds"), env_id="Pendulum-v1"))
-    assert not (tmp_path / "ds").exists()
-
-
 @pytest.fixture(scope="module")
 def saved_policies(tmp_path_factory) -> dict[str, str]:
     """DQN (CartPole) and SAC checkpoint.pt files (Humanoid, MountainCarContinuous), from short --save-model runs."""
@@ -174,37 +167,11 @@ def saved_policies(tmp_path_factory) -> dict[str, str]:
     cwd = os.getcwd()
     os.chdir(folder)  # runs/ lands here
     try:
-        vlmrm_dqn_classic.main(
-            vlmrm_dqn_classic.Args(
-                reward="gt", total_timesteps=400, learning_starts=100, episode_length=100, save_model=True, cuda=False
-            )
-        )
-        vlmrm_sac_humanoid.main(
-            vlmrm_sac_humanoid.Args(
-                env_id="Humanoid-v5",
-                reward="gt",
-                num_envs=1,
-                total_timesteps=100,
-                learning_starts=50,
-                batch_size=16,
-                episode_length=50,
-                save_model=True,
-                cuda=False,
-            )
-        )
-        vlmrm_sac_humanoid.main(
-            vlmrm_sac_humanoid.Args(
-                env_id="MountainCarContinuous-v0",
-                reward="gt",
-                num_envs=1,
-                total_timesteps=100,
-                learning_starts=50,
-                batch_size=16,
-                episode_length=50,
-                save_model=True,
-                cuda=False,
-            )
-        )
+        dqn = dict(reward="gt", total_timesteps=400, learning_starts=100, episode_length=100, save_model=True, cuda=False)
+        vlmrm_dqn_classic.main(vlmrm_dqn_classic.Args(**dqn))
+        sac = dict(dqn, total_timesteps=100, learning_starts=50, episode_length=50, num_envs=1, batch_size=16)
+        for env_id in ["Humanoid-v5", "MountainCarContinuous-v0"]:
+            vlmrm_sac_humanoid.main(vlmrm_sac_humanoid.Args(env_id=env_id, **sac))
     finally:
         os.chdir(cwd)
     runs = sorted((folder / "runs").iterdir())
@@ -302,24 +269,8 @@ def test_collect_policy_problems_are_one_sentence_errors(saved_policies, tmp_pat
 
 
 def test_end_to_end_collect_then_score_with_ground_truth_labels(cartpole_dataset, tmp_path):
-    result = run_cli(
-        "score",
-        "--dataset",
-        cartpole_dataset,
-        "--labels",
-        "gt",
-        "--clip-models",
-        TINY,
-        "--clip-pretrained",
-        "none",
-        "--alphas",
-        "0",
-        "0.5",
-        "1",
-        "--bootstrap",
-        "300",
-        cwd=str(tmp_path),
-    )
+    command = f"score --dataset {cartpole_dataset} --labels gt --clip-models {TINY} --clip-pretrained none"
+    result = run_cli(command + " --alphas 0 0.5 1 --bootstrap 300", cwd=str(tmp_path))
     assert result.returncode == 0, result.stderr
     (run_dir,) = [os.path.join(tmp_path, "runs", d) for d in os.listdir(tmp_path / "runs")]
     assert os.path.getsize(os.path.join(run_dir, "epic.png")) > 10_000
@@ -343,9 +294,8 @@ def test_end_to_end_collect_then_score_with_ground_truth_labels(cartpole_dataset
 
 
 def score_args(dataset: str, **kwargs) -> "epic_eval.Score":
-    return epic_eval.Score(
-        dataset=dataset, clip_models=(TINY,), clip_pretrained=("none",), alphas=(0.0, 1.0), bootstrap=50, **kwargs
-    )
+    defaults = dict(clip_models=(TINY,), clip_pretrained=("none",), alphas=(0.0, 1.0), bootstrap=50)
+    return epic_eval.Score(dataset=dataset, **{**defaults, **kwargs})
 
 
 def test_score_defaults_to_the_papers_fig_4a_alphas():
@@ -419,9 +369,17 @@ def test_both_reward_families_side_by_side(cartpole_dataset, tmp_path, monkeypat
         (dict(temperature=float("nan")), "--temperature must be a positive number"),
         (dict(threshold=1.0), r"--threshold must be in \(0, 1\)"),
         (dict(threshold=0.0), r"--threshold must be in \(0, 1\)"),
+        (dict(alphas=()), "--alphas needs at least one value"),
+        (dict(alphas=(0.0, 1.5)), r"--alphas must all be in \[0, 1\], got 1.5"),
+        (dict(goal=("A Pole",), baseline=("a  pole ",)), "same prompts"),
+        (dict(bootstrap=0), "--bootstrap and --reward-batch-size must be positive integers"),
+        (dict(confidence=1.0), r"--confidence must be in \(0, 1\), got 1.0"),
+        (dict(clip_pretrained=("none",) * 2), r"one per --clip-models entry \(1\), got 2"),
+        (dict(clip_checkpoints=("none", "none")), "--clip-checkpoints needs one entry per model"),
+        (dict(clip_models=(TINY, TINY)), "name the same model twice"),
     ],
 )
-def test_softmax_family_bad_input(cartpole_dataset, tmp_path, monkeypatch, kwargs, message):
+def test_score_refuses_bad_flags_before_loading_a_model(cartpole_dataset, tmp_path, monkeypatch, kwargs, message):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(epic_eval, "load_clip", lambda *a: pytest.fail("bad input must be refused before a model is loaded"))
     with pytest.raises(UserError, match=message):
@@ -430,23 +388,8 @@ def test_softmax_family_bad_input(cartpole_dataset, tmp_path, monkeypatch, kwarg
 
 
 def test_softmax_without_negatives_on_the_command_line(cartpole_dataset, tmp_path):
-    result = run_cli(
-        "score",
-        "--dataset",
-        cartpole_dataset,
-        "--labels",
-        "gt",
-        "--clip-models",
-        TINY,
-        "--clip-pretrained",
-        "none",
-        "--reward-families",
-        "projection",
-        "softmax",
-        "--goal",
-        "a pole",
-        cwd=str(tmp_path),
-    )
+    command = f"score --dataset {cartpole_dataset} --labels gt --clip-models {TINY} --clip-pretrained none"
+    result = run_cli(command + " --reward-families projection softmax --goal 'a pole'", cwd=str(tmp_path))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.startswith("error: --reward-families softmax needs at least one non-empty --negatives prompt")
     assert result.stderr.count("\n") == 1 and not (tmp_path / "runs").exists()
@@ -493,9 +436,7 @@ def test_dataset_problems_are_one_sentence_errors(cartpole_dataset, tmp_path, mo
     with pytest.raises(UserError, match="are the same for every frame, so their correlation .* is undefined"):
         epic_eval.score(score_args(ds, labels="gt"))
     # the command line turns each of them into "error: <sentence>" and exit code 2, no traceback
-    result = run_cli(
-        "score", "--dataset", str(tmp_path / "words"), "--clip-models", TINY, "--clip-pretrained", "none", cwd=str(tmp_path)
-    )
+    result = run_cli(f"score --dataset {tmp_path / 'words'} --clip-models {TINY} --clip-pretrained none", cwd=str(tmp_path))
     assert result.returncode == 2
     assert result.stderr.startswith("error: label 'yes'") and "Traceback" not in result.stderr
     # score reads datasets, never writes them
@@ -529,9 +470,7 @@ def test_unreadable_frames_are_one_sentence_and_leave_no_run_folder(cartpole_dat
     data = open(frame, "rb").read()
     open(frame, "wb").write(data[: len(data) // 2])
     # a real process: one sentence, exit code 2, no traceback, no runs/ (no args.json left behind)
-    result = run_cli(
-        "score", "--dataset", ds, "--labels", "gt", "--clip-models", TINY, "--clip-pretrained", "none", cwd=str(tmp_path)
-    )
+    result = run_cli(f"score --dataset {ds} --labels gt --clip-models {TINY} --clip-pretrained none", cwd=str(tmp_path))
     assert_clean_error(result, "000007.png", "not a readable image")
     assert result.returncode == 2 and not (tmp_path / "runs").exists()
     # found before any model is loaded: a text file, an empty file, a frame of another size
@@ -587,20 +526,34 @@ def test_epic_on_two_labels_warns_that_the_interval_is_undefined(cartpole_datase
         assert math.isnan(float(row["epic_low"])) and math.isnan(float(row["epic_high"]))
 
 
-def test_collect_refuses_bad_sizes_and_paths_up_front(tmp_path):
-    (tmp_path / "a_file").write_text("x")
-    for kwargs, message in [
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(env_id="Pendulum-v1"), "--env-id Pendulum-v1 is not supported; choose one of: CartPole-v1"),
         (dict(render_size=100000), "--render-size must be between 16 and 2048 pixels, got 100000"),
         (dict(render_size=8, env_id="Humanoid-v5"), "--render-size must be between 16 and 2048"),
-        (dict(out=str(tmp_path / "a_file" / "ds")), "--out .*a_file/ds cannot be a folder: .*a_file is a file"),
-        (dict(out=str(tmp_path / "a_file" / "sub" / "ds")), "a_file is a file"),
-    ]:
-        with pytest.raises(UserError, match=message):
-            epic_eval.collect(epic_eval.Collect(**{"out": str(tmp_path / "ds"), "num_frames": 2, **kwargs}))
-    assert sorted(os.listdir(tmp_path)) == ["a_file"]
-    result = run_cli("collect", "--env-id", "Humanoid-v5", "--render-size", "100000", "--out", "ds", cwd=str(tmp_path))
+        (dict(num_frames=0), "--num-frames must be a positive integer, got 0"),
+        (dict(epsilon=1.5), r"--epsilon must be in \[0, 1\], got 1.5"),
+        (dict(out="a_file/ds"), "--out .*a_file/ds cannot be a folder: .*a_file is a file"),
+        (dict(out="a_file/sub/ds"), "a_file is a file"),
+        (dict(out="dataset"), "--out .*dataset already exists and is not empty"),  # a dataset is never overwritten
+    ],
+)
+def test_collect_refuses_bad_flags_and_paths_up_front(tmp_path, kwargs, message):
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "dataset").mkdir()
+    (tmp_path / "dataset" / "states.csv").write_text("frame,env_id\n")
+    kwargs = {"num_frames": 2, **kwargs, "out": str(tmp_path / kwargs.get("out", "ds"))}
+    with pytest.raises(UserError, match=message):
+        epic_eval.collect(epic_eval.Collect(**kwargs))
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "dataset"]  # nothing new, nothing hidden
+    assert (tmp_path / "dataset" / "states.csv").read_text() == "frame,env_id\n"
+
+
+def test_collect_refusal_in_a_real_process(tmp_path):
+    result = run_cli("collect --env-id Humanoid-v5 --render-size 100000 --out ds", cwd=str(tmp_path))
     assert_clean_error(result, "--render-size", "100000")
-    assert result.returncode == 2 and sorted(os.listdir(tmp_path)) == ["a_file"]
+    assert result.returncode == 2 and os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("error", [RuntimeError("renderer failed"), KeyboardInterrupt()])
@@ -898,18 +851,9 @@ def test_label_page_in_headless_chromium(cartpole_dataset, tmp_path):
     session = None
     try:
         wait_for(lambda: _ready(base), what="chromedriver")
-        flags = [
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-quic",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--disable-dev-shm-usage",
-            f"--user-data-dir={tmp_path / 'profile'}",
-        ]
+        flags = "--headless --no-sandbox --disable-gpu --disable-quic --no-first-run --disable-background-networking"
+        flags = [*flags.split(), "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
+        flags.append(f"--user-data-dir={tmp_path / 'profile'}")
         session = webdriver(
             "POST",
             f"{base}/session",
@@ -973,15 +917,10 @@ def _ready(base: str) -> bool:
         return False
 
 
-@pytest.mark.parametrize(
-    "goal, baseline, message",
-    [
-        ("A Pole", "a  pole ", "same prompts"),  # refused before any model is loaded
-        ("pole " * 80 + "left", "pole " * 80 + "right", "same CLIP embedding"),  # past CLIP's 77 tokens: one embedding
-    ],
-)
-def test_goal_and_baseline_that_clip_cannot_tell_apart(cartpole_dataset, tmp_path, monkeypatch, goal, baseline, message):
+def test_goal_and_baseline_that_clip_cannot_tell_apart(cartpole_dataset, tmp_path, monkeypatch):
+    """Past CLIP's 77 tokens two prompts have one embedding: found once the model has embedded them, before any output."""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(UserError, match=message) as error:
-        epic_eval.score(score_args(cartpole_dataset, labels="gt", goal=(goal,), baseline=(baseline,)))
-    assert "\n" not in str(error.value)
+    goal, baseline = ("pole " * 80 + "left",), ("pole " * 80 + "right",)
+    with pytest.raises(UserError, match="same CLIP embedding") as error:
+        epic_eval.score(score_args(cartpole_dataset, labels="gt", goal=goal, baseline=baseline))
+    assert "\n" not in str(error.value) and not (tmp_path / "runs").exists()

@@ -100,29 +100,26 @@ def cartpole_args(**kwargs) -> "reward_shape.Args":
 # ------------------------------------------------------------------------------------------------
 # The reward peak is found where it is
 # ------------------------------------------------------------------------------------------------
-def test_argmax_is_the_upright_pole(monkeypatch, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "sign, num_points, peak, score",
+    [
+        (1.0, 101, 0.0, 1.0),  # 101 points: several batches of 16
+        (-1.0, 21, math.pi / 2, -1.0),  # negative control: g = -e1, R rises with the tilt, peaks at +-pi/2 for every alpha
+    ],
+)
+def test_argmax_follows_the_encoder(monkeypatch, tmp_path, capsys, sign, num_points, peak, score):
     monkeypatch.chdir(tmp_path)
-    encoders = fake_clip(monkeypatch)
-    run_dir = reward_shape.main(cartpole_args(reward_batch_size=16))  # 101 points: several batches
-    assert encoders[0].images_encoded == 101, "frames must be embedded once, not once per alpha"
+    encoders = fake_clip(monkeypatch, lambda: PoleTiltEncoder(sign))
+    run_dir = reward_shape.main(cartpole_args(reward_batch_size=16, num_points=num_points))
+    assert encoders[0].images_encoded == num_points, "frames must be embedded once, not once per alpha"
     summary = read_csv(run_dir / "summary.csv")
     assert [float(r["alpha"]) for r in summary] == [0.0, 0.25, 0.5, 0.75, 1.0]
     for row in summary:
-        assert abs(float(row["argmax_state"])) < 1e-9, row
-        assert float(row["distance_to_goal"]) < 1e-9, row
-        assert float(row["shape_score"]) > 0.99, row
+        assert math.isclose(abs(float(row["argmax_state"])), peak, abs_tol=1e-9), row
+        assert math.isclose(float(row["distance_to_goal"]), peak, abs_tol=1e-9), row
+        assert float(row["shape_score"]) * score > 0.99, row
     table = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["RN50/none"]]
-    assert len(table) == 5 and all(float(cols[2]) == 0.0 and float(cols[3]) == 0.0 for cols in table)
-
-
-def test_argmax_follows_the_encoder(monkeypatch, tmp_path):
-    """Negative control: an encoder whose reward peaks at the horizontal pole is reported as peaking at +-pi/2."""
-    monkeypatch.chdir(tmp_path)
-    fake_clip(monkeypatch, lambda: PoleTiltEncoder(sign=-1.0))  # g = -e1: R rises with the tilt, for every alpha
-    args = cartpole_args(num_points=21)
-    for row in read_csv(reward_shape.main(args) / "summary.csv"):
-        assert math.isclose(abs(float(row["argmax_state"])), math.pi / 2, rel_tol=1e-6), row
-        assert float(row["shape_score"]) < -0.99, row
+    assert len(table) == 5 and all(math.isclose(abs(float(cols[2])), peak, abs_tol=1e-4) for cols in table)
 
 
 def test_both_reward_families_side_by_side(monkeypatch, tmp_path, capsys):
@@ -173,13 +170,21 @@ def test_min_max_normalise():
     np.testing.assert_array_equal(reward_shape.min_max_normalise(np.full(4, 0.7)), np.zeros(4))  # flat: no nan
 
 
-def test_shape_score():
-    states = np.linspace(-math.pi / 2, math.pi / 2, 11)
-    assert reward_shape.shape_score(states, np.cos(states), 0.0) == pytest.approx(1.0)  # ties at +-theta handled
-    assert reward_shape.shape_score(states, -(np.abs(states) ** 3), 0.0) == pytest.approx(1.0)  # only the order counts
-    assert reward_shape.shape_score(states, np.abs(states), 0.0) == pytest.approx(-1.0)
-    assert -0.5 < reward_shape.shape_score(states, states, 0.0) < 0.5  # a ramp through the goal is not a peak
-    assert math.isnan(reward_shape.shape_score(states, np.ones(11), 0.0))
+STATES = np.linspace(-math.pi / 2, math.pi / 2, 11)
+
+
+@pytest.mark.parametrize(
+    "rewards, expected",
+    [
+        (np.cos(STATES), 1.0),  # ties at +-theta handled
+        (-(np.abs(STATES) ** 3), 1.0),  # only the order counts
+        (np.abs(STATES), -1.0),
+        (STATES, 0.0),  # a ramp through the goal is not a peak
+        (np.ones(11), float("nan")),  # flat
+    ],
+)
+def test_shape_score(rewards, expected):
+    assert reward_shape.shape_score(STATES, rewards, 0.0) == pytest.approx(expected, abs=1e-9, nan_ok=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -263,7 +268,7 @@ def test_frames_equal_the_training_script(env_id, realistic):
 
 def test_sweep_scores_equal_clip_reward_per_alpha():
     """Embedding once and projecting per alpha gives exactly CLIPReward(alpha)'s rewards (tiny random CLIP)."""
-    spec = reward_shape.ClipModelArgs(TINY, "none", None, None)
+    spec = reward_shape.ClipArgs(TINY, "none")
     torch.manual_seed(0)
     model, tokenizer = reward_shape.load_clip(spec, torch.device("cpu"))
     frames, _ = reward_shape.render_states("CartPole-v1", False, np.linspace(-1.5, 1.5, 5), seed=1)
@@ -308,23 +313,8 @@ def run_cli(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
 @pytest.mark.parametrize("env_id", ["MountainCar-v0", "MountainCarContinuous-v0"])
 def test_cli_tiny_model(monkeypatch, tmp_path, capsys, env_id):
     monkeypatch.chdir(tmp_path)
-    code, out, err = run_cli(
-        monkeypatch,
-        capsys,
-        "--env-id",
-        env_id,
-        "--realistic",
-        "--clip-models",
-        TINY,
-        "--clip-pretrained",
-        "none",
-        "--alphas",
-        "0",
-        "0.5",
-        "--num-points",
-        "5",
-        "--no-cuda",
-    )
+    argv = f"--env-id {env_id} --realistic --clip-models {TINY} --clip-pretrained none --alphas 0 0.5 --num-points 5 --no-cuda"
+    code, out, err = run_cli(monkeypatch, capsys, *argv.split())
     assert code == 0, err
     run_dir = next(Path("runs").iterdir())
     assert len(read_csv(run_dir / "reward_shape.csv")) == 2 * 5
@@ -332,45 +322,8 @@ def test_cli_tiny_model(monkeypatch, tmp_path, capsys, env_id):
     assert "goal state 0.45" in out
 
 
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["--alphas"], "--alphas needs at least one value"),
-        (["--alphas", "0", "1.5"], "--alphas must all be in [0, 1], got 1.5"),
-        (["--alphas", "nan"], "--alphas must all be in [0, 1]"),
-        (["--num-points", "0"], "--num-points must be at least 2"),
-        (["--env-id", "CartPole-v1", "--realistic"], "--realistic only changes MountainCar-v0"),
-        (["--goal", "a pole", "--baseline", "a pole"], "same prompts"),
-        (["--goal", "A Pole", "--baseline", "a  pole "], "same prompts"),
-        (
-            ["--clip-models", "RN50", "ViT-B-32", "--clip-pretrained", "openai", "openai", "openai"],
-            "one per --clip-models entry (2), got 3",
-        ),
-        (["--clip-models", "RN50", "RN50", "--clip-pretrained", "openai"], "the same model twice"),
-        (["--clip-models", "NoSuchNet"], "not an open_clip architecture"),
-        (["--reward-families"], "--reward-families needs at least one of: projection, softmax"),
-        (["--reward-families", "softmax", "--goal", "a pole"], "needs at least one non-empty --negatives prompt"),
-        (["--reward-families", "projection", "softmax", "--negatives"], "needs at least one non-empty --negatives prompt"),
-        (["--reward-families", "softmax", "--negatives", " "], "needs at least one non-empty --negatives prompt"),
-        (["--reward-families", "softmax", "--negatives", "pole vertically upright on top of the cart"], "share the prompt"),
-        (["--temperature", "0"], "--temperature must be a positive number, got 0.0"),
-        (["--temperature", "-1"], "--temperature must be a positive number"),
-        (["--threshold", "1"], "--threshold must be in (0, 1), got 1.0"),
-        (["--threshold", "0"], "--threshold must be in (0, 1)"),
-        (["--threshold", "-0.5"], "--threshold must be in (0, 1)"),
-        (["--clip-models", "RN50", "--clip-pretrained", "nosuchtag"], "not a pretrained tag of RN50"),
-    ],
-)
-def test_bad_input_is_one_sentence(monkeypatch, tmp_path, capsys, argv, message):
-    monkeypatch.chdir(tmp_path)
-    code, out, err = run_cli(monkeypatch, capsys, *argv)
-    assert code == 2
-    assert err.startswith("error: ") and err.count("\n") == 1, err
-    assert message in err
-    assert not Path("runs").exists(), "bad input must be rejected before any output is written"
-
-
 def test_bad_env_in_a_real_process(tmp_path):
+    """The path from a refusal to `error: <sentence>` and exit code 2, once through a real process."""
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--env-id", "Pendulum-v1"],
         cwd=tmp_path,
@@ -393,9 +346,40 @@ def nothing_expensive(monkeypatch, tmp_path):
     return tmp_path
 
 
-@pytest.mark.parametrize("num_points", ["100001", "100000000"])
-def test_num_points_is_bounded(nothing_expensive, num_points):
-    assert_refused(reward_shape, ["--num-points", num_points], "--num-points must be at most 100,000", num_points[:3])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--alphas"], ["--alphas needs at least one value"]),
+        (["--alphas", "0", "1.5"], ["--alphas must all be in [0, 1], got 1.5"]),
+        (["--alphas", "nan"], ["--alphas must all be in [0, 1]"]),
+        (["--num-points", "0"], ["--num-points must be at least 2"]),
+        (["--num-points", "100001"], ["--num-points must be at most 100,000", "100,001"]),
+        (["--num-points", "100000000"], ["--num-points must be at most 100,000", "100,000,000"]),
+        (["--env-id", "CartPole-v1", "--realistic"], ["--realistic only changes MountainCar-v0"]),
+        (["--goal", "a pole", "--baseline", "a pole"], ["same prompts"]),
+        (["--goal", "A Pole", "--baseline", "a  pole "], ["same prompts"]),
+        (
+            ["--clip-models", "RN50", "ViT-B-32", "--clip-pretrained", "openai", "openai", "openai"],
+            ["one per --clip-models entry (2), got 3"],
+        ),
+        (["--clip-models", "RN50", "RN50", "--clip-pretrained", "openai"], ["the same model twice"]),
+        (["--clip-models", "NoSuchNet"], ["not an open_clip architecture"]),
+        (["--clip-models", "RN50", "--clip-pretrained", "nosuchtag"], ["not a pretrained tag of RN50"]),
+        (["--clip-models", "RN50", "ViT-B-32", "--clip-checkpoint", "w.pt"], ["--clip-checkpoint is a weights file for one"]),
+        (["--reward-families"], ["--reward-families needs at least one of: projection, softmax"]),
+        (["--reward-families", "softmax", "--goal", "a pole"], ["needs at least one non-empty --negatives prompt"]),
+        (["--reward-families", "projection", "softmax", "--negatives"], ["needs at least one non-empty --negatives prompt"]),
+        (["--reward-families", "softmax", "--negatives", " "], ["needs at least one non-empty --negatives prompt"]),
+        (["--reward-families", "softmax", "--negatives", "pole vertically upright on top of the cart"], ["share the prompt"]),
+        (["--temperature", "0"], ["--temperature must be a positive number, got 0.0"]),
+        (["--temperature", "-1"], ["--temperature must be a positive number"]),
+        (["--threshold", "1"], ["--threshold must be in (0, 1), got 1.0"]),
+        (["--threshold", "0"], ["--threshold must be in (0, 1)"]),
+        (["--threshold", "-0.5"], ["--threshold must be in (0, 1)"]),
+    ],
+)
+def test_bad_input_is_one_sentence_before_any_work(nothing_expensive, argv, words):
+    assert_refused(reward_shape, argv, *words)
 
 
 def test_num_points_must_fit_in_memory(nothing_expensive, monkeypatch):
@@ -407,31 +391,20 @@ def test_num_points_must_fit_in_memory(nothing_expensive, monkeypatch):
         )
 
 
-def test_runs_is_a_file(monkeypatch, tmp_path, capsys):
-    monkeypatch.chdir(tmp_path)
+def test_runs_is_a_file(nothing_expensive):
     Path("runs").write_text("not a folder")
-    code, out, err = run_cli(monkeypatch, capsys, "--clip-models", TINY, "--clip-pretrained", "none", "--num-points", "3")
-    assert code == 2 and err.startswith("error: runs is a file") and err.count("\n") == 1, err
+    with pytest.raises(reward_shape.UserError, match="^runs is a file"):
+        reward_shape.main(cartpole_args(clip_models=(TINY,), num_points=3))
     assert Path("runs").read_text() == "not a folder"
 
 
-def test_prompts_with_the_same_embedding_are_one_sentence(monkeypatch, tmp_path, capsys):
-    """CLIP reads at most 77 tokens: prompts that differ only after them have one embedding, so d = g - b = 0."""
-    monkeypatch.chdir(tmp_path)
-    code, out, err = run_cli(
-        monkeypatch,
-        capsys,
-        "--clip-models",
-        TINY,
-        "--clip-pretrained",
-        "none",
-        "--num-points",
-        "3",
-        "--goal",
-        "pole " * 80 + "left",
-        "--baseline",
-        "pole " * 80 + "right",
-        "--no-cuda",
+def test_prompts_with_the_same_embedding_are_one_sentence(in_tmp):
+    """CLIP reads at most 77 tokens: prompts that differ only after them have one embedding, so d = g - b = 0.
+    Found once the model has embedded them, and still before any output."""
+    argv = ["--clip-models", TINY, "--clip-pretrained", "none", "--num-points", "3", "--no-cuda"]
+    assert_refused(
+        reward_shape,
+        [*argv, "--goal", "pole " * 80 + "left", "--baseline", "pole " * 80 + "right"],
+        "same CLIP embedding",
+        "--alphas 0",
     )
-    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
-    assert "same CLIP embedding" in err and "--alphas 0" in err
