@@ -3,7 +3,6 @@
 import csv
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +11,8 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, TINY_CLIP_FLAGS, assert_clean_error, read_scalars
+
+from sweep import slurm_answers
 
 SWEEP = [sys.executable, str(ROOT / "sweep.py"), "--script", str(ROOT / "vlmrm_dqn_classic.py"), "--gpus-per-job", "0"]
 SHORT_GT = ["--", "--reward", "gt", "--total-timesteps", "1000", "--learning-starts", "500", "--eval-episodes", "1"]
@@ -30,20 +31,21 @@ SHORT_CLIP = [
 ]  # the tests signal a job after its first episodes
 
 
-def slurm_is_up() -> bool:
-    if shutil.which("sinfo") is None:
-        return False
-    try:
-        return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=10).returncode == 0
-    except subprocess.TimeoutExpired:
-        return False
+needs_slurm = pytest.mark.skipif(not slurm_answers(), reason="no SLURM cluster here (.ci/slurm-single-node.sh starts one)")
 
 
-needs_slurm = pytest.mark.skipif(not slurm_is_up(), reason="no SLURM cluster here (.ci/slurm-single-node.sh starts one)")
+def dead_slurm(tmp_path: Path) -> dict:
+    """An environment where SLURM's commands are installed but no controller answers (a laptop with slurm-client)."""
+    bin_dir = tmp_path / "dead-slurm-bin"
+    bin_dir.mkdir()
+    for command in ["sbatch", "scontrol", "sinfo", "squeue"]:  # what they print when slurmctld is down, and exit 1
+        (bin_dir / command).write_text("#!/bin/sh\necho 'Unable to contact slurm controller (connect failure)' >&2\nexit 1\n")
+        (bin_dir / command).chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
 
 
-def sweep(*args: str, cwd: Path, **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+def sweep(*args: str, cwd: Path, env: dict | None = None, **kwargs) -> subprocess.Popen:
+    env = {**(env or os.environ), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
         [*SWEEP, *args], cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs
     )
@@ -55,9 +57,9 @@ def table(cwd: Path, name: str) -> list[dict]:
 
 
 def test_local_grid_end_to_end_then_rerun_skips_finished(tmp_path):
-    proc = sweep(
+    proc = sweep(  # --cluster auto where sbatch is installed but no controller answers: local, at once
         "--cluster",
-        "local",
+        "auto",
         "--name",
         "g",
         "--max-parallel",
@@ -67,9 +69,11 @@ def test_local_grid_end_to_end_then_rerun_skips_finished(tmp_path):
         "seed=1,2",
         *SHORT_GT,
         cwd=tmp_path,
+        env=dead_slurm(tmp_path),
     )
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
+    assert "no SLURM controller answers (`scontrol ping`): running locally" in out and ") on local;" in out, out
     assert out.count(": done (") == 4, out  # one progress line per finished job
     rows = table(tmp_path, "g")
     assert [(r["alpha"], r["seed"], r["status"], r["steps"]) for r in rows] == [
@@ -157,6 +161,10 @@ def test_bad_grid_is_one_sentence(tmp_path):
     assert_clean_error(result, "alpha=x", "float")
     result = subprocess.run([*SWEEP, "--", "--resume", "x.pt"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert_clean_error(result, "--resume")
+    result = subprocess.run(
+        [*SWEEP, "--cluster", "slurm"], cwd=tmp_path, env=dead_slurm(tmp_path), capture_output=True, text=True, timeout=120
+    )
+    assert_clean_error(result, "--cluster slurm", "no SLURM controller answers")
     assert not (tmp_path / "sweeps").exists()
 
 
