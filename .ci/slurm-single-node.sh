@@ -59,14 +59,17 @@ CONF
 [ -f /etc/munge/munge.key ] || dd if=/dev/urandom bs=1 count=1024 of=/etc/munge/munge.key 2>/dev/null
 chown -R munge:munge /etc/munge /run/munge /var/lib/munge /var/log/munge
 chmod 400 /etc/munge/munge.key
-pgrep -x munged >/dev/null || runuser -u munge -- munged
+fail() {
+  echo "error: $1; the end of the logs:" >&2
+  tail -n 20 /var/log/munge/munged.log /var/log/slurm/slurmctld.log /var/log/slurm/slurmd.log >&2 || true
+  exit 1
+}
+pgrep -x munged >/dev/null || runuser -u munge -- munged || fail "munged did not start"
 stop_slurm # a running cluster keeps its old slurm.conf: restart it with this one
-slurmctld -c # -c: no jobs or node states left over from an earlier cluster
-slurmd
+slurmctld -c || fail "slurmctld did not start" # -c: no jobs or node states left over from an earlier cluster
+slurmd || fail "slurmd did not start"
 for _ in $(seq 60); do
   sinfo -h -o %T 2>/dev/null | grep -qx idle && { sinfo; exit 0; }
   sleep 0.5
 done
-echo "error: the SLURM node did not become idle in 30 s; the end of its logs:" >&2
-tail -n 20 /var/log/slurm/slurmctld.log /var/log/slurm/slurmd.log >&2 || true
-exit 1
+fail "the SLURM node did not become idle in 30 s"
