@@ -18,17 +18,8 @@ SWEEP = [sys.executable, str(ROOT / "sweep.py"), "--script", str(ROOT / "vlmrm_d
 SHORT_GT = ["--", "--reward", "gt", "--total-timesteps", "1000", "--learning-starts", "500", "--eval-episodes", "1"]
 # fixed-length CLIP episodes (tiny random model): the resume is bit-exact with --save-buffer; 8 episodes, so a stop
 # sent after the first one lands mid-run even at a few hundred steps per second
-SHORT_CLIP = [
-    "--",
-    *TINY_CLIP_FLAGS,
-    "--total-timesteps",
-    "1600",
-    "--learning-starts",
-    "300",
-    "--eval-episodes",
-    "1",
-    "--log-episodes",
-]  # the tests signal a job after its first episodes
+CLIP = ["--", *TINY_CLIP_FLAGS, "--learning-starts", "300", "--eval-episodes", "1", "--log-episodes"]
+SHORT_CLIP = [*CLIP, "--total-timesteps", "1600"]  # the tests signal a job after its first episodes
 
 
 needs_slurm = pytest.mark.skipif(not slurm_answers(), reason="no SLURM cluster here (.ci/slurm-single-node.sh starts one)")
@@ -93,13 +84,13 @@ def test_local_grid_end_to_end_then_rerun_skips_finished(tmp_path):
     assert table(tmp_path, "g") == rows
 
 
-def check_preemption_resumes_exactly(tmp_path: Path, cluster: str, preempt, plain_seeds: str = "3") -> None:
+def check_preemption_resumes_exactly(tmp_path: Path, cluster: str, preempt, plain_steps: str = "1600") -> None:
     """Preempt the job of one point mid-run: the script checkpoints, the job is requeued and resumes; every logged
     episode equals an uninterrupted run's (the first point of the plain sweep, whose other points must finish too)."""
     flags = ["--cluster", cluster, "--cpus-per-job", "1", "--mem-gb", "2", "--grid"]
-    plain = sweep("--name", "plain", *flags, f"seed={plain_seeds}", *SHORT_CLIP, cwd=tmp_path)
-    preempted = sweep("--name", "preempted", *flags, "seed=3", *SHORT_CLIP, cwd=tmp_path)
-    point = tmp_path / "sweeps" / "preempted" / "seed=3"
+    plain = sweep("--name", "plain", *flags, f"total-timesteps={plain_steps}", *CLIP, "--seed", "3", cwd=tmp_path)
+    preempted = sweep("--name", "preempted", *flags, "total-timesteps=1600", *CLIP, "--seed", "3", cwd=tmp_path)
+    point = tmp_path / "sweeps" / "preempted" / "total-timesteps=1600"
     wait_for_episodes(point, preempted, 1)
     preempt(point)
     out_plain, _ = plain.communicate(timeout=600)
@@ -176,5 +167,5 @@ def test_slurm_preempted_job_is_requeued_and_resumes_exactly(tmp_path):
         for sig in ["TERM", "USR2"]:
             subprocess.run(["scancel", "--signal", sig, job_id], check=True)
 
-    # the plain sweep is also the SLURM grid test: a grid of two points, submitted together
-    check_preemption_resumes_exactly(tmp_path, "slurm", preempt, plain_seeds="3,4")
+    # the plain sweep is also the SLURM grid test: a grid of two points (the second one short), submitted together
+    check_preemption_resumes_exactly(tmp_path, "slurm", preempt, plain_steps="1600,400")
