@@ -39,7 +39,7 @@ class Args:
     name: Optional[str] = None
     """the sweep's folder is sweeps/<name>; default: the script's name and a hash of the fixed flags"""
     cluster: Literal["auto", "slurm", "local"] = "auto"
-    """slurm: one SLURM job per point; local: submitit's local executor; auto: slurm if `sbatch` is on PATH"""
+    """slurm: one SLURM job per point; local: submitit's local executor; auto: slurm if a SLURM controller answers"""
     max_parallel: int = 0
     """most jobs running at once; 0: all on SLURM, one per `--cpus-per-job` cores locally"""
     partition: Optional[str] = None
@@ -161,6 +161,16 @@ def ignore_user_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)  # ignored signals stay ignored across exec
 
 
+def slurm_answers() -> bool:
+    """A SLURM controller answers here: `scontrol ping` (instant when none listens; sbatch would retry for seconds)."""
+    if shutil.which("sbatch") is None or shutil.which("scontrol") is None:
+        return False
+    try:
+        return subprocess.run(["scontrol", "ping"], capture_output=True, timeout=20).returncode == 0
+    except subprocess.TimeoutExpired:  # a controller that accepts no connection (firewalled, hung)
+        return False
+
+
 def slug(text: str) -> str:
     clean = re.sub(r"[^A-Za-z0-9.=+-]+", "_", text).strip("_")[:60]
     return clean if clean == text else f"{clean}-{hashlib.sha1(text.encode()).hexdigest()[:6]}"
@@ -237,7 +247,12 @@ def main(args: Args, fixed: list[str]) -> None:
     name = args.name or f"{script.stem}-{hashlib.sha1(json.dumps([script.name, fixed]).encode()).hexdigest()[:6]}"
     if slug(name) != name:
         raise UserError(f"--name {name!r} may hold only letters, digits and . = + -.")
-    cluster = args.cluster if args.cluster != "auto" else "slurm" if shutil.which("sbatch") else "local"
+    slurm = args.cluster != "local" and slurm_answers()
+    if args.cluster == "slurm" and not slurm:
+        raise UserError("--cluster slurm: no SLURM controller answers here (`scontrol ping`); use --cluster local.")
+    if args.cluster == "auto" and not slurm and shutil.which("sbatch"):
+        print("sbatch is installed but no SLURM controller answers (`scontrol ping`): running locally", flush=True)
+    cluster = "slurm" if slurm else "local"
     root, points = Path("sweeps", name).resolve(), []
     for values, flags, parsed in grid_points(args.grid, fixed, script):
         point_id = slug("_".join(f"{k}={v}" for k, v in values) or "point")

@@ -3,7 +3,6 @@
 import csv
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -13,37 +12,31 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TINY_CLIP_FLAGS, assert_clean_error, read_scalars
 
+from sweep import slurm_answers
+
 SWEEP = [sys.executable, str(ROOT / "sweep.py"), "--script", str(ROOT / "vlmrm_dqn_classic.py"), "--gpus-per-job", "0"]
 SHORT_GT = ["--", "--reward", "gt", "--total-timesteps", "1000", "--learning-starts", "500", "--eval-episodes", "1"]
 # fixed-length CLIP episodes (tiny random model): the resume is bit-exact with --save-buffer; 8 episodes, so a stop
 # sent after the first one lands mid-run even at a few hundred steps per second
-SHORT_CLIP = [
-    "--",
-    *TINY_CLIP_FLAGS,
-    "--total-timesteps",
-    "1600",
-    "--learning-starts",
-    "300",
-    "--eval-episodes",
-    "1",
-    "--log-episodes",
-]  # the tests signal a job after its first episodes
+CLIP = ["--", *TINY_CLIP_FLAGS, "--learning-starts", "300", "--eval-episodes", "1", "--log-episodes"]
+SHORT_CLIP = [*CLIP, "--total-timesteps", "1600"]  # the tests signal a job after its first episodes
 
 
-def slurm_is_up() -> bool:
-    if shutil.which("sinfo") is None:
-        return False
-    try:
-        return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=10).returncode == 0
-    except subprocess.TimeoutExpired:
-        return False
+needs_slurm = pytest.mark.skipif(not slurm_answers(), reason="no SLURM cluster here (.ci/slurm-single-node.sh starts one)")
 
 
-needs_slurm = pytest.mark.skipif(not slurm_is_up(), reason="no SLURM cluster here (.ci/slurm-single-node.sh starts one)")
+def dead_slurm(tmp_path: Path) -> dict:
+    """An environment where SLURM's commands are installed but no controller answers (a laptop with slurm-client)."""
+    bin_dir = tmp_path / "dead-slurm-bin"
+    bin_dir.mkdir()
+    for command in ["sbatch", "scontrol", "sinfo", "squeue"]:  # what they print when slurmctld is down, and exit 1
+        (bin_dir / command).write_text("#!/bin/sh\necho 'Unable to contact slurm controller (connect failure)' >&2\nexit 1\n")
+        (bin_dir / command).chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
 
 
-def sweep(*args: str, cwd: Path, **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+def sweep(*args: str, cwd: Path, env: dict | None = None, **kwargs) -> subprocess.Popen:
+    env = {**(env or os.environ), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
         [*SWEEP, *args], cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs
     )
@@ -55,9 +48,9 @@ def table(cwd: Path, name: str) -> list[dict]:
 
 
 def test_local_grid_end_to_end_then_rerun_skips_finished(tmp_path):
-    proc = sweep(
+    proc = sweep(  # --cluster auto where sbatch is installed but no controller answers: local, at once
         "--cluster",
-        "local",
+        "auto",
         "--name",
         "g",
         "--max-parallel",
@@ -67,9 +60,11 @@ def test_local_grid_end_to_end_then_rerun_skips_finished(tmp_path):
         "seed=1,2",
         *SHORT_GT,
         cwd=tmp_path,
+        env=dead_slurm(tmp_path),
     )
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
+    assert "no SLURM controller answers (`scontrol ping`): running locally" in out and ") on local;" in out, out
     assert out.count(": done (") == 4, out  # one progress line per finished job
     rows = table(tmp_path, "g")
     assert [(r["alpha"], r["seed"], r["status"], r["steps"]) for r in rows] == [
@@ -89,13 +84,13 @@ def test_local_grid_end_to_end_then_rerun_skips_finished(tmp_path):
     assert table(tmp_path, "g") == rows
 
 
-def check_preemption_resumes_exactly(tmp_path: Path, cluster: str, preempt) -> None:
+def check_preemption_resumes_exactly(tmp_path: Path, cluster: str, preempt, plain_steps: str = "1600") -> None:
     """Preempt the job of one point mid-run: the script checkpoints, the job is requeued and resumes; every logged
-    episode equals an uninterrupted run's."""
-    grid = ["--cluster", cluster, "--max-parallel", "1", "--cpus-per-job", "1", "--mem-gb", "2", "--grid", "seed=3"]
-    plain = sweep("--name", "plain", *grid, *SHORT_CLIP, cwd=tmp_path)
-    preempted = sweep("--name", "preempted", *grid, *SHORT_CLIP, cwd=tmp_path)
-    point = tmp_path / "sweeps" / "preempted" / "seed=3"
+    episode equals an uninterrupted run's (the first point of the plain sweep, whose other points must finish too)."""
+    flags = ["--cluster", cluster, "--cpus-per-job", "1", "--mem-gb", "2", "--grid"]
+    plain = sweep("--name", "plain", *flags, f"total-timesteps={plain_steps}", *CLIP, "--seed", "3", cwd=tmp_path)
+    preempted = sweep("--name", "preempted", *flags, "total-timesteps=1600", *CLIP, "--seed", "3", cwd=tmp_path)
+    point = tmp_path / "sweeps" / "preempted" / "total-timesteps=1600"
     wait_for_episodes(point, preempted, 1)
     preempt(point)
     out_plain, _ = plain.communicate(timeout=600)
@@ -105,8 +100,8 @@ def check_preemption_resumes_exactly(tmp_path: Path, cluster: str, preempt) -> N
     assert log.count("SIGTERM received") == 1 and log.count("\n$ ") == 2 and " --resume " in log, log  # stopped, resumed
     saved = re.search(r"checkpoint saved at step (\d+)", log)
     assert saved and f"resumed at step {saved.group(1)}" in log and int(saved.group(1)) < 1600, log  # mid-run
-    (a,), (b,) = table(tmp_path, "plain"), table(tmp_path, "preempted")
-    assert a["status"] == b["status"] == "done"
+    (a, *others), (b,) = table(tmp_path, "plain"), table(tmp_path, "preempted")
+    assert [r["status"] for r in [a, *others, b]] == ["done"] * (2 + len(others)), out_plain
     for column in ["steps", "gt_return", "gt_success", "clip_return", "eval_gt_return"]:
         assert a[column] == b[column], (column, a, b)
     scalars_a, scalars_b = read_scalars(tmp_path / a["run_dir"]), read_scalars(tmp_path / b["run_dir"])
@@ -157,30 +152,11 @@ def test_bad_grid_is_one_sentence(tmp_path):
     assert_clean_error(result, "alpha=x", "float")
     result = subprocess.run([*SWEEP, "--", "--resume", "x.pt"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert_clean_error(result, "--resume")
-    assert not (tmp_path / "sweeps").exists()
-
-
-@needs_slurm
-def test_slurm_grid(tmp_path):
-    proc = sweep(
-        "--cluster",
-        "slurm",
-        "--name",
-        "s",
-        "--cpus-per-job",
-        "1",
-        "--mem-gb",
-        "1",
-        "--timeout-min",
-        "10",
-        "--grid",
-        "seed=1,2",
-        *SHORT_GT,
-        cwd=tmp_path,
+    result = subprocess.run(
+        [*SWEEP, "--cluster", "slurm"], cwd=tmp_path, env=dead_slurm(tmp_path), capture_output=True, text=True, timeout=120
     )
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out
-    assert [r["status"] for r in table(tmp_path, "s")] == ["done", "done"], out
+    assert_clean_error(result, "--cluster slurm", "no SLURM controller answers")
+    assert not (tmp_path / "sweeps").exists()
 
 
 @needs_slurm
@@ -191,4 +167,5 @@ def test_slurm_preempted_job_is_requeued_and_resumes_exactly(tmp_path):
         for sig in ["TERM", "USR2"]:
             subprocess.run(["scancel", "--signal", sig, job_id], check=True)
 
-    check_preemption_resumes_exactly(tmp_path, "slurm", preempt)
+    # the plain sweep is also the SLURM grid test: a grid of two points (the second one short), submitted together
+    check_preemption_resumes_exactly(tmp_path, "slurm", preempt, plain_steps="1600,400")
