@@ -39,107 +39,60 @@ from torch.utils.tensorboard import SummaryWriter
 
 
 @dataclass
-class Args:
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment"""
-    seed: int = 1
-    """seed of the experiment"""
-    torch_deterministic: bool = True
-    """if toggled, `torch.backends.cudnn.deterministic=True`"""
-    cuda: bool = True
-    """if toggled, CUDA (when available) runs the Q-network and the reward model"""
-    torch_threads: Optional[int] = None
-    """torch CPU threads; default: 1 on CPU (small networks gain nothing from more), untouched on GPU; 0 = torch's default"""
-    log_episodes: bool = False
-    """if toggled, print one line per finished episode (always in TensorBoard) instead of only the progress line"""
-    capture_video: bool = False
-    """if toggled, save an MP4 of a greedy episode every `--video-frequency` steps to `videos/<run_name>/`"""
-    video_frequency: int = 25_000
-    """environment steps between two evaluation videos"""
-    save_model: bool = False
-    """if toggled, save checkpoints every `--checkpoint-frequency` steps and at the end, then evaluate the final Q-network"""
-    checkpoint_frequency: int = 100_000
-    """environment steps between two checkpoints (fixed-length episodes: taken at the next episode boundary)"""
-    save_buffer: bool = False
-    """if toggled, checkpoints include the replay buffer, so `--resume` continues exactly as if never stopped"""
-    resume: Optional[str] = None
-    """path to a `checkpoint.pt`: continue that run (its flags, step, TensorBoard folder) until its `--total-timesteps`"""
-    evaluate: Optional[str] = None
-    """path to a saved checkpoint: roll out its greedy policy (video + frames) instead of training"""
-    eval_episodes: int = 10
-    """number of episodes of an evaluation"""
+class Args:  # the help of each flag is the comment after it
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # the name of this experiment
+    seed: int = 1  # seed of the experiment
+    torch_deterministic: bool = True  # if toggled, `torch.backends.cudnn.deterministic=True`
+    cuda: bool = True  # if toggled, CUDA (when available) runs the Q-network and the reward model
+    torch_threads: Optional[int] = None  # torch CPU threads; default 1 on CPU (more fight the env workers); 0 = torch's own
+    log_episodes: bool = False  # if toggled, print a line per finished episode, not only the progress line
+    capture_video: bool = False  # if toggled, save an MP4 of a greedy episode every --video-frequency steps
+    video_frequency: int = 25_000  # environment steps between two evaluation videos
+    save_model: bool = False  # if toggled, save a checkpoint.pt every --checkpoint-frequency steps and at the end
+    checkpoint_frequency: int = 100_000  # env steps between two checkpoints (fixed-length episodes: at the next episode end)
+    save_buffer: bool = False  # if toggled, checkpoints include the replay buffer, so --resume continues exactly
+    resume: Optional[str] = None  # a checkpoint.pt to continue until its --total-timesteps (stock episodes restart)
+    evaluate: Optional[str] = None  # a checkpoint.pt: roll out its greedy policy (video + frames) instead of training
+    eval_episodes: int = 10  # number of episodes of an evaluation
 
     # Environment
-    env_id: Literal["CartPole-v1", "MountainCar-v0"] = "CartPole-v1"
-    """the environment"""
-    episodes: Literal["auto", "fixed", "stock"] = "auto"
-    """fixed: `--episode-length` steps, no early termination; stock: Gymnasium's own task; auto: fixed for clip, else stock"""
-    episode_length: int = 200
-    """fixed episode length (`--episodes fixed` only)"""
-    realistic: bool = False
-    """MountainCar only: draw a landscape (sky, hills, flag, car) instead of Gymnasium's line art"""
+    env_id: Literal["CartPole-v1", "MountainCar-v0"] = "CartPole-v1"  # the environment
+    episodes: Literal["auto", "fixed", "stock"] = "auto"  # auto: fixed with --reward clip, else stock (Gymnasium's task)
+    episode_length: int = 200  # fixed episode length (`--episodes fixed` only)
+    realistic: bool = False  # MountainCar only: draw a landscape (sky, hills, flag, car) instead of Gymnasium's line art
 
     # Reward
-    reward: Literal["clip", "gt"] = "clip"
-    """learn from the CLIP reward, or from the ground truth (CartPole: upright; MountainCar: at the flag)"""
-    goal: Optional[tuple[str, ...]] = None
-    """goal prompt(s); default: a description of the task's goal state"""
-    baseline: Optional[tuple[str, ...]] = None
-    """baseline prompt(s) for the goal-baseline projection; default: a description of the scene"""
-    alpha: float = 0.0
-    """regularisation strength in [0, 1]: 0 = plain cosine similarity, 1 = only the goal-baseline direction"""
-    clip_model: str = "ViT-bigG-14"
-    """open_clip architecture name, or the path of an open_clip model config (.json)"""
-    clip_pretrained: str = "laion2b_s39b_b160k"
-    """open_clip pretrained tag ("none" = random weights, for tests only)"""
-    clip_checkpoint: Optional[str] = None
-    """local weights file for `--clip-model` (overrides `--clip-pretrained`)"""
-    clip_cache_dir: Optional[str] = None
-    """where downloaded CLIP weights are cached (default: the Hugging Face cache)"""
-    reward_batch_size: int = 64
-    """frames scored per CLIP forward pass"""
-    reward_devices: tuple[str, ...] = ()
-    """devices of the reward model, e.g. `cuda:0 cuda:1`: one CLIP replica each, in parallel; default: that of `--cuda`"""
-    reward_family: Literal["projection", "softmax"] = "projection"
-    """projection: the goal-baseline projection (--alpha); softmax: 1 if the goal beats --negatives in a softmax"""
-    negatives: Optional[tuple[str, ...]] = None
-    """softmax family: prompts the goal is contrasted with; default: our negatives for the default --goal (none for others)"""
-    temperature: float = 0.01
-    """softmax family: temperature tau of the softmax over cosine similarities (0.01 = CLIP's own logit scale 100)"""
-    threshold: float = 0.5
-    """softmax family: the reward is 1 when the goal's probability is above this, else 0; in (0, 1)"""
-    soft: bool = False
-    """softmax family: if toggled, the reward is the goal's probability itself instead of 0/1"""
-    antialias: bool = False
-    """if toggled, antialias the bicubic squash of frames to CLIP's input (default off, as in the paper's code)"""
+    reward: Literal["clip", "gt"] = "clip"  # learn from the CLIP reward, or the ground truth (upright; at the flag)
+    goal: Optional[tuple[str, ...]] = None  # goal prompt(s); default: a description of the task's goal state
+    baseline: Optional[tuple[str, ...]] = None  # baseline prompt(s) of the projection; default: a scene description
+    alpha: float = 0.0  # regularisation strength in [0, 1]: 0 = plain cosine similarity, 1 = only the goal-baseline direction
+    clip_model: str = "ViT-bigG-14"  # open_clip architecture name, or the path of an open_clip model config (.json)
+    clip_pretrained: str = "laion2b_s39b_b160k"  # open_clip pretrained tag ("none" = random weights, for tests only)
+    clip_checkpoint: Optional[str] = None  # local weights file for `--clip-model` (overrides `--clip-pretrained`)
+    clip_cache_dir: Optional[str] = None  # where downloaded CLIP weights are cached (default: the Hugging Face cache)
+    reward_batch_size: int = 64  # frames scored per CLIP forward pass
+    reward_devices: tuple[str, ...] = ()  # e.g. `cuda:0 cuda:1`: one CLIP replica each, in parallel; default: --cuda's device
+    reward_family: Literal["projection", "softmax"] = "projection"  # softmax: 1 if the goal beats --negatives, else 0
+    negatives: Optional[tuple[str, ...]] = None  # softmax: prompts the goal is contrasted with (defaults for the default goal)
+    temperature: float = 0.01  # softmax: temperature of the softmax over cosine similarities (0.01 = CLIP's logit scale)
+    threshold: float = 0.5  # softmax family: the reward is 1 when the goal's probability is above this, else 0; in (0, 1)
+    soft: bool = False  # softmax family: if toggled, the reward is the goal's probability itself instead of 0/1
+    antialias: bool = False  # if toggled, antialias the bicubic squash of frames to CLIP's input (off in the paper's code)
 
     # DQN (CleanRL's dqn.py defaults, except where the comment says otherwise)
-    total_timesteps: int = 500000
-    """total environment steps (summed over envs); rounded up to a multiple of `--num-envs` (with a note)"""
-    learning_rate: float = 2.5e-4
-    """the learning rate of the optimizer"""
-    num_envs: int = 1
-    """the number of parallel environments"""
-    buffer_size: int = 10000
-    """the replay memory buffer size"""
-    gamma: float = 0.99
-    """the discount factor gamma"""
-    tau: float = 1.0
-    """the target network update rate"""
-    target_network_frequency: int = 500
-    """the timesteps it takes to update the target network"""
-    batch_size: int = 128
-    """the batch size of sample from the replay memory"""
-    start_e: float = 1.0
-    """the starting epsilon for exploration"""
-    end_e: float = 0.05
-    """the ending epsilon for exploration"""
-    exploration_fraction: float = 0.5
-    """the fraction of `total_timesteps` it takes from start_e to end_e"""
-    learning_starts: int = 10000
-    """timestep to start learning; below `--total-timesteps` (else refused, naming a value that works)"""
-    train_frequency: int = 10
-    """the frequency of training"""
+    total_timesteps: int = 500000  # total environment steps (summed over envs), rounded up to a multiple of --num-envs
+    learning_rate: float = 2.5e-4  # the learning rate of the optimizer
+    num_envs: int = 1  # the number of parallel environments
+    buffer_size: int = 10000  # the replay memory buffer size
+    gamma: float = 0.99  # the discount factor gamma
+    tau: float = 1.0  # the target network update rate
+    target_network_frequency: int = 500  # the timesteps it takes to update the target network
+    batch_size: int = 128  # the batch size of sample from the replay memory
+    start_e: float = 1.0  # the starting epsilon for exploration
+    end_e: float = 0.05  # the ending epsilon for exploration
+    exploration_fraction: float = 0.5  # the fraction of `total_timesteps` it takes from start_e to end_e
+    learning_starts: int = 10000  # timestep to start learning (below --total-timesteps)
+    train_frequency: int = 10  # the frequency of training
 
 
 DEFAULT_PROMPTS = {  # (goal, baseline) from the paper
@@ -260,34 +213,6 @@ def softmax_reward(
     prompts = torch.cat([g[None], F.normalize(negative_embeddings.float(), dim=-1)])  # (1 + K, D), the goal first
     p = (s @ prompts.T / temperature).softmax(dim=-1)[:, 0]
     return p if soft else (p > threshold).float()
-
-
-def load_clip(args: Args, device: torch.device) -> tuple[nn.Module, object]:
-    """The open_clip model and tokenizer of --clip-model/--clip-pretrained/--clip-checkpoint, or one sentence why not."""
-    import huggingface_hub.constants as hub
-    import open_clip
-
-    name = Path(args.clip_model).stem  # an architecture, or a config file such as the tiny test model in tests/
-    if args.clip_model.endswith(".json"):
-        open_clip.add_model_config(args.clip_model)
-    pretrained = args.clip_checkpoint or (None if args.clip_pretrained == "none" else args.clip_pretrained)
-    cached = fetch_clip_weights(args)  # says what it fetches; a download that cannot happen fails here, in seconds
-    offline, hub.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE or cached  # cached weights: no hub requests
-    logging.disable(logging.ERROR)  # open_clip logs multi-line errors: we say it in one sentence
-    try:
-        model = open_clip.create_model(name, pretrained=pretrained, device=device, cache_dir=args.clip_cache_dir)
-    except Exception as e:  # noqa: BLE001 - whatever open_clip raised, the fixes are these
-        detail = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
-        raise UserError(
-            f"could not build {name} with {pretrained or 'random'} weights ({detail}); check --clip-model (a name or a config "
-            "file), --clip-pretrained and --clip-checkpoint."
-        ) from None
-    finally:
-        logging.disable(logging.NOTSET)
-        hub.HF_HUB_OFFLINE = offline
-    if pretrained is None:
-        print(f"note: {name} has random weights (--clip-pretrained none): its rewards are meaningless outside tests")
-    return model.eval(), open_clip.get_tokenizer(name)
 
 
 class CLIPReward(nn.Module):
@@ -997,6 +922,34 @@ def check_goal_direction(
     b = F.normalize(baseline_embeddings.float(), dim=-1).mean(0)
     if alpha > 0 and (g - b).norm() < 1e-4:  # real prompt pairs are > 0.1 apart; float32 round-off is ~1e-6
         raise UserError(f"--goal and --baseline have the same CLIP embedding, so d = g - b is 0; change one or use {flag} 0.")
+
+
+def load_clip(args: Args, device: torch.device) -> tuple[nn.Module, object]:
+    """The open_clip model and tokenizer of --clip-model/--clip-pretrained/--clip-checkpoint, or one sentence why not."""
+    import huggingface_hub.constants as hub
+    import open_clip
+
+    name = Path(args.clip_model).stem  # an architecture, or a config file such as the tiny test model in tests/
+    if args.clip_model.endswith(".json"):
+        open_clip.add_model_config(args.clip_model)
+    pretrained = args.clip_checkpoint or (None if args.clip_pretrained == "none" else args.clip_pretrained)
+    cached = fetch_clip_weights(args)  # says what it fetches; a download that cannot happen fails here, in seconds
+    offline, hub.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE or cached  # cached weights: no hub requests
+    logging.disable(logging.ERROR)  # open_clip logs multi-line errors: we say it in one sentence
+    try:
+        model = open_clip.create_model(name, pretrained=pretrained, device=device, cache_dir=args.clip_cache_dir)
+    except Exception as e:  # noqa: BLE001 - whatever open_clip raised, the fixes are these
+        detail = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+        raise UserError(
+            f"could not build {name} with {pretrained or 'random'} weights ({detail}); check --clip-model (a name or a config "
+            "file), --clip-pretrained and --clip-checkpoint."
+        ) from None
+    finally:
+        logging.disable(logging.NOTSET)
+        hub.HF_HUB_OFFLINE = offline
+    if pretrained is None:
+        print(f"note: {name} has random weights (--clip-pretrained none): its rewards are meaningless outside tests")
+    return model.eval(), open_clip.get_tokenizer(name)
 
 
 def fetch_clip_weights(args: Args) -> bool:

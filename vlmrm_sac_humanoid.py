@@ -230,34 +230,6 @@ def softmax_reward(
     return p if soft else (p > threshold).float()
 
 
-def load_clip(args: Args, device: torch.device) -> tuple[nn.Module, object]:
-    """The open_clip model and tokenizer of --clip-model/--clip-pretrained/--clip-checkpoint, or one sentence why not."""
-    import huggingface_hub.constants as hub
-    import open_clip
-
-    name = Path(args.clip_model).stem  # an architecture, or a config file such as the tiny test model in tests/
-    if args.clip_model.endswith(".json"):
-        open_clip.add_model_config(args.clip_model)
-    pretrained = args.clip_checkpoint or (None if args.clip_pretrained == "none" else args.clip_pretrained)
-    cached = fetch_clip_weights(args)  # says what it fetches; a download that cannot happen fails here, in seconds
-    offline, hub.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE or cached  # cached weights: no hub requests
-    logging.disable(logging.ERROR)  # open_clip logs multi-line errors: we say it in one sentence
-    try:
-        model = open_clip.create_model(name, pretrained=pretrained, device=device, cache_dir=args.clip_cache_dir)
-    except Exception as e:  # noqa: BLE001 - whatever open_clip raised, the fixes are these
-        detail = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
-        raise UserError(
-            f"could not build {name} with {pretrained or 'random'} weights ({detail}); check --clip-model (a name or a config "
-            "file), --clip-pretrained and --clip-checkpoint."
-        ) from None
-    finally:
-        logging.disable(logging.NOTSET)
-        hub.HF_HUB_OFFLINE = offline
-    if pretrained is None:
-        print(f"note: {name} has random weights (--clip-pretrained none): its rewards are meaningless outside tests")
-    return model.eval(), open_clip.get_tokenizer(name)
-
-
 class CLIPReward(nn.Module):
     """Scores uint8 frames (N, H, W, 3) with `vlm_reward` (family "projection") or `softmax_reward` ("softmax").
 
@@ -1102,6 +1074,34 @@ def check_goal_direction(
     b = F.normalize(baseline_embeddings.float(), dim=-1).mean(0)
     if alpha > 0 and (g - b).norm() < 1e-4:  # real prompt pairs are > 0.1 apart; float32 round-off is ~1e-6
         raise UserError(f"--goal and --baseline have the same CLIP embedding, so d = g - b is 0; change one or use {flag} 0.")
+
+
+def load_clip(args: Args, device: torch.device) -> tuple[nn.Module, object]:
+    """The open_clip model and tokenizer of --clip-model/--clip-pretrained/--clip-checkpoint, or one sentence why not."""
+    import huggingface_hub.constants as hub
+    import open_clip
+
+    name = Path(args.clip_model).stem  # an architecture, or a config file such as the tiny test model in tests/
+    if args.clip_model.endswith(".json"):
+        open_clip.add_model_config(args.clip_model)
+    pretrained = args.clip_checkpoint or (None if args.clip_pretrained == "none" else args.clip_pretrained)
+    cached = fetch_clip_weights(args)  # says what it fetches; a download that cannot happen fails here, in seconds
+    offline, hub.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE or cached  # cached weights: no hub requests
+    logging.disable(logging.ERROR)  # open_clip logs multi-line errors: we say it in one sentence
+    try:
+        model = open_clip.create_model(name, pretrained=pretrained, device=device, cache_dir=args.clip_cache_dir)
+    except Exception as e:  # noqa: BLE001 - whatever open_clip raised, the fixes are these
+        detail = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+        raise UserError(
+            f"could not build {name} with {pretrained or 'random'} weights ({detail}); check --clip-model (a name or a config "
+            "file), --clip-pretrained and --clip-checkpoint."
+        ) from None
+    finally:
+        logging.disable(logging.NOTSET)
+        hub.HF_HUB_OFFLINE = offline
+    if pretrained is None:
+        print(f"note: {name} has random weights (--clip-pretrained none): its rewards are meaningless outside tests")
+    return model.eval(), open_clip.get_tokenizer(name)
 
 
 def fetch_clip_weights(args: Args) -> bool:
