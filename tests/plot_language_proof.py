@@ -1,7 +1,9 @@
-"""Docs figures of tests/test_language_proof.py (not a test): the learning curves and the reward shape of the trained CLIP.
+"""Docs of tests/test_language_proof.py (not a test): the learning curves and the reward shape of the trained CLIP, and
+the learning margin on several seeds (offline: CI runs one seed).
 
     python tests/plot_language_proof.py --runs <upright run dir> <swapped run dir> --shape <reward_shape.csv> --out docs/
-Run dirs: the TensorBoard folders of the learning test (pytest -s prints where they are).
+    python tests/plot_language_proof.py --seeds 1 2 3 --work /tmp/language-proof   # the test's runs, per seed
+Run dirs: the TensorBoard folders of the learning test (pytest -s prints where they are) or of --seeds.
 """
 
 import argparse
@@ -65,13 +67,36 @@ def shape(csv_path: str, path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def margins(seeds: list[int], work: Path) -> None:
+    """The learning test's two runs (and the random policy) on each seed: a markdown table of upright fractions."""
+    import clip_trainer
+    import test_language_proof as proof
+
+    checkpoint = clip_trainer.cached_checkpoint()
+    print("| seed | random policy | goal | swapped control | goal - random | swapped - random |\n|---|---|---|---|---|---|")
+    for seed in seeds:
+        (work / f"seed-{seed}").mkdir(parents=True)
+        u = proof.learning_runs(checkpoint, work / f"seed-{seed}", seed)
+        print(
+            f"| {seed} | {u['random']:.3f} | {u['upright']:.3f} | {u['swapped']:.3f} | {u['upright'] - u['random']:+.3f} "
+            f"| {u['swapped'] - u['random']:+.3f} |",
+            flush=True,
+        )
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--runs", nargs="+", required=True)
+    parser.add_argument("--runs", nargs="+")
     parser.add_argument("--labels", nargs="+", default=["goal: upright pole", "control: goal and baseline swapped"])
-    parser.add_argument("--shape", required=True)
+    parser.add_argument("--shape")
     parser.add_argument("--title", default="CLIP trained on captioned CartPole frames")
     parser.add_argument("--out", default="docs")
+    parser.add_argument("--seeds", nargs="+", type=int)
+    parser.add_argument("--work", default="language-proof-seeds", help="where --seeds writes its runs (a new folder)")
     a = parser.parse_args()
-    curves(a.runs, a.labels, Path(a.out) / "language_proof_curve.png")
-    shape(a.shape, Path(a.out) / "language_proof_reward_shape.png", a.title)
+    if a.runs:
+        curves(a.runs, a.labels, Path(a.out) / "language_proof_curve.png")
+    if a.shape:
+        shape(a.shape, Path(a.out) / "language_proof_reward_shape.png", a.title)
+    if a.seeds:
+        margins(a.seeds, Path(a.work))
