@@ -233,8 +233,8 @@ def test_softmax_rejects_no_negatives(softmax_reward):
 # all_finite differ), so `diff vlmrm_dqn_classic.py vlmrm_sac_humanoid.py` shows the algorithms
 SHARED = """UserError NonFiniteError vlm_reward DEFAULT_NEGATIVES softmax_reward CLIPReward make_reward_model
 check_writable check_resources available_memory read_checkpoint resumed_args check_clip_args same_prompts resolve_negatives
-check_goal_direction load_clip fetch_clip_weights can_reach warn_if_slow_on_cpu save_checkpoint make_run_folder rng_state save_nonfinite
-install_stop_handlers set_torch_threads format_duration Progress""".split()
+check_goal_direction load_clip fetch_clip_weights can_reach warn_if_slow_on_cpu save_checkpoint make_run_folder rng_state
+save_nonfinite install_stop_handlers set_torch_threads format_duration Progress""".split()
 
 
 @pytest.mark.parametrize("name", SHARED)
