@@ -205,7 +205,7 @@ def test_stock_cartpole_env_terminates_and_truncates_at_500():
 # ---------------------------------------------------------------------------- CLI
 def test_clip_rewarded_smoke_run_trains_saves_evaluates_and_records(tmp_path):
     car = ["--env-id", "MountainCar-v0", "--realistic"]
-    flags = "--alpha 0.5 --total-timesteps 1200 --learning-starts 400 --train-frequency 4 --save-model --eval-episodes 1"
+    flags = "--alpha 0.5 --total-timesteps 800 --learning-starts 400 --train-frequency 4 --save-model --eval-episodes 1"
     video = ["--capture-video", "--video-frequency", "400"]
     result = run_script(SCRIPT, *TINY_CLIP_FLAGS, *car, *flags.split(), *video, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -215,13 +215,13 @@ def test_clip_rewarded_smoke_run_trains_saves_evaluates_and_records(tmp_path):
     for tag in [*(f"charts/{t}" for t in tags), "losses/td_loss", "losses/q_values", "time/render_s", "eval/clip_return"]:
         values = [v for _, v in scalars[tag]]
         assert values and np.all(np.isfinite(values)), tag
-    assert len(scalars["charts/episodic_return"]) == 1200 // 200
+    assert len(scalars["charts/episodic_return"]) == 800 // 200
     # logged at the step each episode ended, though its rewards were scored in a later batch
-    assert [s for s, _ in scalars["charts/episodic_return"]] == [199, 399, 599, 799, 999, 1199]
+    assert [s for s, _ in scalars["charts/episodic_return"]] == [199, 399, 599, 799]
     # a greedy episode every --video-frequency steps, then the final Q-network's --eval-episodes at the last step
-    assert [s for s, _ in scalars["eval/gt_return"]] == [400, 800, 1200, 1200]
+    assert [s for s, _ in scalars["eval/gt_return"]] == [400, 800, 800]
     videos = sorted(p.name for p in (tmp_path / "videos" / run_dir.name).iterdir())
-    assert videos == ["step-1200.mp4", "step-400.mp4", "step-800.mp4"]
+    assert videos == ["step-400.mp4", "step-800.mp4"]
     assert all((tmp_path / "videos" / run_dir.name / v).stat().st_size > 1000 for v in videos)
     checkpoint = run_dir / "checkpoint.pt"
     saved = torch.load(checkpoint, weights_only=False)
