@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import open_clip  # noqa: F401  (imported before any EGL context: importing it after one can crash)
 import pytest
 import torch
 

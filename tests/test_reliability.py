@@ -351,6 +351,9 @@ def test_resume_purges_the_episodes_logged_after_the_checkpoint(in_tmp, monkeypa
     classic.main(args)  # plays the crashed run: it went on logging after the checkpoint at step 400
     (run_dir,) = (in_tmp / "runs").iterdir()
     assert len(torch.load(run_dir / "first.pt", weights_only=False)["pending"]["obs"]) > 0  # the episode ending at 399
+    # TensorBoard reads event files in name order: time in whole seconds, then pid and a per-process counter (".10" sorts
+    # before ".9"); a real resume is a new process seconds later, here the same process within the second
+    time.sleep(1.1)
     classic.main(classic.Args(resume=str(run_dir / "first.pt")))
     steps = [s for s, _ in read_scalars(run_dir)["charts/episodic_return"]]
     assert steps == [199, 399, 599, 799]
