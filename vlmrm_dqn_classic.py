@@ -338,7 +338,8 @@ MOUNTAINCAR_GOAL = 0.45  # the paper's flag (Gymnasium's MountainCar-v0 has 0.5)
 
 
 class FixedLengthMountainCar(gym.Wrapper):
-    """MountainCar that never terminates: reward 1 while at the flag, else 0; `info["success"]`: reached this episode."""
+    """MountainCar that never terminates: reward 1 while at the flag, else 0; `info["success"]`: reached this episode.
+    After success x is clipped to the flag, as in the paper's env, so CLIP never scores the car past it."""
 
     def reset(self, **kwargs):
         self.reached_goal = False
@@ -346,6 +347,9 @@ class FixedLengthMountainCar(gym.Wrapper):
 
     def step(self, action):
         obs, _, _, truncated, info = self.env.step(action)
+        if obs[0] > MOUNTAINCAR_GOAL:  # as the paper's env: a car that reached the flag stays there, never past it
+            car = self.env.unwrapped  # MountainCar-v0 keeps its state as a tuple, the continuous one as an array
+            car.state, obs[0] = np.array([MOUNTAINCAR_GOAL, car.state[1]], np.asarray(car.state).dtype), MOUNTAINCAR_GOAL
         at_goal = bool(obs[0] >= MOUNTAINCAR_GOAL)
         self.reached_goal = info["success"] = self.reached_goal or at_goal
         return obs, float(at_goal), False, truncated, info

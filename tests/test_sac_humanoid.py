@@ -170,6 +170,27 @@ def test_mountain_car_success_latches_within_an_episode_and_clears_at_reset():
         env.close()
 
 
+@pytest.mark.parametrize("env_id", ["MountainCarContinuous-v0", "MountainCar-v0"])
+def test_mountain_car_clips_x_at_the_flag_after_success(env_id):
+    """As the paper's env: driving on past the flag leaves the car at the flag (never past it) until the episode ends."""
+    import vlmrm_dqn_classic as classic
+
+    env = (
+        sac.make_env(env_id, 0, 0, 200, 224, "fast", True)()
+        if "Continuous" in env_id
+        else classic.make_env(env_id, 0, 0, 200, True)()
+    )
+    push = np.ones(1, np.float32) if "Continuous" in env_id else 2
+    env.reset(seed=0)
+    car = env.unwrapped
+    car.state = np.array([0.40, 0.06], np.asarray(car.state).dtype)  # fast enough to pass 0.45 in the first step
+    xs = [(env.step(push)[0][0], car.state[0]) for _ in range(10)]
+    assert all(obs == pytest.approx(sac.MOUNTAINCAR_GOAL) == state for obs, state in xs), xs
+    env.reset(seed=1)
+    assert car.state[0] < 0  # the reset starts the car in the valley again
+    env.close()
+
+
 def test_mountain_car_trains_with_the_clip_reward_and_logs_success(tmp_path):
     flags = "--env-id MountainCarContinuous-v0 --num-envs 2 --total-timesteps 800 --learning-starts 400 --train-frequency 20"
     result = run_script(SCRIPT, *TINY_CLIP_FLAGS, *flags.split(), *"--gradient-steps 5 --batch-size 64".split(), cwd=tmp_path)
