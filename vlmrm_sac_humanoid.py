@@ -449,7 +449,8 @@ MOUNTAINCAR_GOAL = 0.45  # the paper's flag (Gymnasium's MountainCar-v0 has 0.5)
 
 
 class FixedLengthMountainCar(gym.Wrapper):
-    """MountainCar that never terminates: reward 1 while at the flag, else 0; `info["success"]`: reached this episode."""
+    """MountainCar that never terminates: reward 1 while at the flag, else 0; `info["success"]`: reached this episode.
+    After success x is clipped to the flag, as in the paper's env, so CLIP never scores the car past it."""
 
     def reset(self, **kwargs):
         self.reached_goal = False
@@ -457,6 +458,9 @@ class FixedLengthMountainCar(gym.Wrapper):
 
     def step(self, action):
         obs, _, _, truncated, info = self.env.step(action)
+        if obs[0] > MOUNTAINCAR_GOAL:  # as the paper's env: a car that reached the flag stays there, never past it
+            car = self.env.unwrapped  # MountainCar-v0 keeps its state as a tuple, the continuous one as an array
+            car.state, obs[0] = np.array([MOUNTAINCAR_GOAL, car.state[1]], np.asarray(car.state).dtype), MOUNTAINCAR_GOAL
         at_goal = bool(obs[0] >= MOUNTAINCAR_GOAL)
         self.reached_goal = info["success"] = self.reached_goal or at_goal
         return obs, float(at_goal), False, truncated, info
@@ -556,8 +560,8 @@ class SoftQNetwork(nn.Module):
         return self.network(torch.cat([x, a], 1))
 
 
-LOG_STD_MAX = 2
-LOG_STD_MIN = -5
+LOG_STD_MAX = 2  # SB3's hard clamp of the actor's log-std (CleanRL soft-clips to [-5, 2] with a tanh)
+LOG_STD_MIN = -20
 
 
 class Actor(nn.Module):
@@ -574,9 +578,7 @@ class Actor(nn.Module):
 
     def forward(self, x):
         h = self.trunk(x)
-        log_std = torch.tanh(self.fc_logstd(h))
-        log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (log_std + 1)  # soft clip to [min, max]
-        return self.fc_mean(h), log_std
+        return self.fc_mean(h), torch.clamp(self.fc_logstd(h), LOG_STD_MIN, LOG_STD_MAX)
 
     def to_env(self, y):
         """Unit-box action -> the env's bounds."""
@@ -862,7 +864,7 @@ def main(args: Args) -> None:
                         next_q_value = b_rewards + (1 - b_terminations) * args.gamma * min_qf_next_target.view(-1)
                     qf1_a_values, qf2_a_values = qf1(b_obs, b_actions).view(-1), qf2(b_obs, b_actions).view(-1)
                     qf1_loss, qf2_loss = F.mse_loss(qf1_a_values, next_q_value), F.mse_loss(qf2_a_values, next_q_value)
-                    qf_loss = qf1_loss + qf2_loss
+                    qf_loss = 0.5 * (qf1_loss + qf2_loss)  # SB3's scale (CleanRL sums them: twice the critic step)
                     q_optimizer.zero_grad()
                     qf_loss.backward()
                     q_optimizer.step()
@@ -880,7 +882,8 @@ def main(args: Args) -> None:
                     finite &= torch.isfinite(qf_loss) & torch.isfinite(actor_loss)
 
                     if args.autotune:
-                        ent_coef_loss = (-log_ent_coef.exp() * (log_pi.detach() + target_entropy)).mean()
+                        # SB3's loss: the gradient flows through log alpha itself (CleanRL's exp() halves the decay rate)
+                        ent_coef_loss = -(log_ent_coef * (log_pi.detach() + target_entropy)).mean()
                         ent_coef_optimizer.zero_grad()
                         ent_coef_loss.backward()
                         ent_coef_optimizer.step()
@@ -901,7 +904,7 @@ def main(args: Args) -> None:
 
                 if iteration % (10 * args.train_frequency) == 0:
                     scalars = {"losses/qf1_values": qf1_a_values.mean(), "losses/qf2_values": qf2_a_values.mean()}
-                    scalars.update({"losses/qf1_loss": qf1_loss, "losses/qf2_loss": qf2_loss, "losses/qf_loss": qf_loss / 2.0})
+                    scalars.update({"losses/qf1_loss": qf1_loss, "losses/qf2_loss": qf2_loss, "losses/qf_loss": qf_loss})
                     scalars.update({"losses/actor_loss": actor_loss, "losses/ent_coef": ent_coef})
                     scalars.update({"losses/ent_coef_loss": ent_coef_loss} if args.autotune else {})
                     scalars["charts/SPS"] = int((global_step - start_iteration * args.num_envs) / (time.time() - start_time))
