@@ -51,23 +51,10 @@ import torch
 import tyro
 
 # One source of truth: rewards, environments and policies are the training scripts' own, as the agent sees them.
-from vlmrm_dqn_classic import (
-    DEFAULT_PROMPTS,
-    MOUNTAINCAR_GOAL,
-    CLIPReward,
-    QNetwork,
-    UserError,
-    check_clip_args,
-    check_goal_direction,
-    load_clip,
-    make_env,
-    resolve_negatives,
-    same_prompts,
-    softmax_reward,
-    vlm_reward,
-)
+from vlmrm_dqn_classic import DEFAULT_PROMPTS, MOUNTAINCAR_GOAL, CLIPReward, QNetwork, make_env, softmax_reward, vlm_reward
 from vlmrm_sac_humanoid import Actor
 from vlmrm_sac_humanoid import make_env as make_humanoid_env
+from vlmrm_utils import UserError, check_clip_args, check_goal_direction, load_clip, resolve_negatives, same_prompts
 
 ENV_IDS = ("CartPole-v1", "MountainCar-v0", "MountainCarContinuous-v0", "Humanoid-v5")
 PROMPTS = {  # (goal, baseline) from the paper, per env (reward_shape.py uses them too)

@@ -59,8 +59,9 @@ from epic_eval import (
     model_label,
     score_curves,
 )
-from vlmrm_dqn_classic import MOUNTAINCAR_GOAL, CLIPReward, UserError, available_memory, load_clip, make_env
+from vlmrm_dqn_classic import MOUNTAINCAR_GOAL, CLIPReward, make_env
 from vlmrm_sac_humanoid import make_env as make_sac_env  # MountainCarContinuous-v0: the paper's, trained with SAC
+from vlmrm_utils import UserError, available_memory, load_clip
 
 
 @dataclass(kw_only=True)

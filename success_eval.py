@@ -47,7 +47,8 @@ from epic_eval import (
     model_label,
     read_labels,
 )
-from vlmrm_dqn_classic import MOUNTAINCAR_GOAL, UserError
+from vlmrm_dqn_classic import MOUNTAINCAR_GOAL
+from vlmrm_utils import UserError
 
 CARTPOLE_THETA, CARTPOLE_X = 12 * 2 * math.pi / 360, 2.4  # Gymnasium's CartPole limits: "upright"
 Z95 = 1.959963984540054  # the 97.5% quantile of the standard normal

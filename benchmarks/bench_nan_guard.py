@@ -19,23 +19,24 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import SCRIPTS, Clock, emit, load, machine, median, run_main, run_worker, spread, table, worker_payload  # noqa: E402
 
-SAC_FILE = "vlmrm_sac_humanoid.py"
+SAC_FILE, UTILS_FILE = "vlmrm_sac_humanoid.py", "vlmrm_utils.py"
 
 
 def make_variant(patches: list[tuple[str, str]]) -> str | None:
-    """A temp folder holding the SAC script with `patches` applied; None when a patch no longer applies."""
-    text = (SCRIPTS / SAC_FILE).read_text()
+    """A temp folder holding the SAC script and vlmrm_utils.py (home of the guard) with `patches` applied to the latter;
+    None when a patch no longer applies."""
+    text = (SCRIPTS / UTILS_FILE).read_text()
     for old, new in patches:
         if text.count(old) != 1:
             return None
         text = text.replace(old, new)
     folder = tempfile.mkdtemp(prefix="bench_variant_")
-    open(os.path.join(folder, SAC_FILE), "w").write(text)
-    shutil.copy(SCRIPTS / "vlmrm_dqn_classic.py", folder)
+    open(os.path.join(folder, UTILS_FILE), "w").write(text)
+    shutil.copy(SCRIPTS / SAC_FILE, folder)
     return folder
 
 
-GUARD = "if steps_since_snapshot >= 100:"
+GUARD = "if self.steps >= 100:"
 VARIANTS = {
     "no guard": [(GUARD, "if False:")],
     "ours (copy every ~100 gradient steps)": [],
@@ -47,8 +48,9 @@ def worker(c: dict) -> dict:
     sys.path.insert(0, c["folder"])
     os.chdir(tempfile.mkdtemp(prefix="bench_nan_guard_"))
     import vlmrm_sac_humanoid as ours
+    import vlmrm_utils
 
-    assert os.path.dirname(ours.__file__) == c["folder"], ours.__file__
+    assert os.path.dirname(vlmrm_utils.__file__) == c["folder"], vlmrm_utils.__file__
     args = ours.Args(
         env_id="Hopper-v5",
         reward="gt",

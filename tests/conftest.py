@@ -90,7 +90,9 @@ def assert_refused(module, flags: list[str], *words: str) -> None:
     """
     import tyro
 
-    with pytest.raises(module.UserError) as error:
+    import vlmrm_utils
+
+    with pytest.raises(vlmrm_utils.UserError) as error:
         module.main(tyro.cli(module.Args, args=flags))
     message = str(error.value)
     assert "\n" not in message and message.endswith("."), message

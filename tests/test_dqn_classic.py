@@ -10,6 +10,7 @@ from conftest import TINY_CLIP, TINY_CLIP_FLAGS, assert_clean_error, assert_refu
 from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 
 import vlmrm_dqn_classic as classic
+import vlmrm_utils
 
 SCRIPT = "vlmrm_dqn_classic.py"
 
@@ -103,7 +104,7 @@ def decoding_forward(self, frames: np.ndarray) -> np.ndarray:
 def test_reward_belongs_to_the_frame_after_the_step_across_autoresets(in_tmp, monkeypatch):
     monkeypatch.setattr(CartPoleEnv, "render", stamped_render)
     monkeypatch.setattr(classic.CLIPReward, "forward", decoding_forward)
-    monkeypatch.setattr(classic, "warn_if_slow_on_cpu", lambda *a: None)
+    monkeypatch.setattr(vlmrm_utils, "warn_if_slow_on_cpu", lambda *a: None)
     added = []
     original_add = classic.ReplayBuffer.add
 
@@ -241,7 +242,7 @@ def test_a_run_that_ends_mid_episode_saves_its_final_networks_to_evaluate_not_to
     classic.main(classic.Args(reward="gt", save_model=True, checkpoint_frequency=1000, **flags))
     (checkpoint,) = (in_tmp / "runs").glob("*/checkpoint.pt")
     saved = torch.load(checkpoint, weights_only=False)
-    assert {"q_network", "args", "run_name"} == saved.keys() and saved["args"]["total_timesteps"] == 250
+    assert {"q_network", "args", "run_name", "clip_return"} == saved.keys() and saved["args"]["total_timesteps"] == 250
     checkpoint = checkpoint.rename(in_tmp / "final.pt")
     shutil.rmtree(in_tmp / "runs")  # assert_refused checks that nothing is written
     assert_refused(classic, ["--resume", "final.pt"], "no resumable training state")
@@ -299,7 +300,7 @@ def test_weights_that_cannot_be_downloaded(tmp_path):
 
 def test_corrupt_checkpoint(in_tmp):
     (in_tmp / "weights.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(classic.UserError, match="weights.pt"):
+    with pytest.raises(vlmrm_utils.UserError, match="weights.pt"):
         classic.main(classic.Args(clip_model=TINY_CLIP, clip_checkpoint="weights.pt"))
 
 
@@ -321,7 +322,7 @@ def test_prompts_with_the_same_embedding_are_refused_after_encoding(in_tmp):
 )
 def test_a_bad_model_config_file_is_named_as_such(in_tmp, content, words):
     (in_tmp / "model.json").write_text(content)
-    with pytest.raises(classic.UserError) as error:
+    with pytest.raises(vlmrm_utils.UserError) as error:
         classic.main(classic.Args(clip_model="model.json", clip_pretrained="none", total_timesteps=20, learning_starts=10))
     message = str(error.value)
     assert "\n" not in message and "network" not in message, message
@@ -349,7 +350,7 @@ def test_cached_weights_load_without_touching_the_network(in_tmp, monkeypatch, c
     import open_clip
 
     torch.manual_seed(0)
-    model, _ = classic.load_clip(classic.Args(clip_model=TINY_CLIP, clip_pretrained="none"), torch.device("cpu"))
+    model, _ = vlmrm_utils.load_clip(classic.Args(clip_model=TINY_CLIP, clip_pretrained="none"), torch.device("cpu"))
     commit = "0123456789abcdef0123456789abcdef01234567"
     snapshot = in_tmp / "cache" / "models--nobody--vlmrm-tiny" / "snapshots" / commit
     snapshot.mkdir(parents=True)
@@ -365,7 +366,7 @@ def test_cached_weights_load_without_touching_the_network(in_tmp, monkeypatch, c
     monkeypatch.setattr(socket.socket, "connect", no_network)
     capsys.readouterr()
     args = classic.Args(clip_model=TINY_CLIP, clip_pretrained="cached", clip_cache_dir=str(in_tmp / "cache"))
-    loaded, _ = classic.load_clip(args, torch.device("cpu"))
+    loaded, _ = vlmrm_utils.load_clip(args, torch.device("cpu"))
     assert "fetching" not in capsys.readouterr().out
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], tensor)

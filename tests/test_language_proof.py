@@ -163,9 +163,10 @@ def test_scripts_tensor_preprocessing_agrees_with_open_clips_pil_transform(cartp
 
     import reward_shape
     import vlmrm_dqn_classic as classic
+    import vlmrm_utils
 
     args = classic.Args(clip_model=CONFIG, clip_checkpoint=cartpole_clip)
-    model, tokenizer = classic.load_clip(args, torch.device("cpu"))
+    model, tokenizer = vlmrm_utils.load_clip(args, torch.device("cpu"))
     reward_model = classic.CLIPReward(model, tokenizer, (GOAL,), (BASELINE,), float(ALPHA), 64, torch.device("cpu"))
     _, transform, _ = clip_trainer.model_and_transform()
     states = np.linspace(-math.pi, math.pi, 73)

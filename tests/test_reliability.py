@@ -26,6 +26,7 @@ from conftest import (
 
 import vlmrm_dqn_classic as classic
 import vlmrm_sac_humanoid as sac
+import vlmrm_utils
 
 DQN = "vlmrm_dqn_classic.py"
 SAC = "vlmrm_sac_humanoid.py"
@@ -177,7 +178,7 @@ def test_total_timesteps_round_up_to_the_vector_size_with_a_note(in_tmp, module,
 @pytest.mark.parametrize("module", [classic, sac], ids=["dqn", "sac"])
 def test_unwritable_output_folder_is_refused(in_tmp, module):
     (in_tmp / "runs").write_text("a file where the output folder should be")
-    with pytest.raises(module.UserError, match="runs"):
+    with pytest.raises(vlmrm_utils.UserError, match="runs"):
         module.main(module.Args(reward="gt"))
 
 
@@ -192,16 +193,23 @@ def test_corrupt_or_foreign_checkpoints_are_refused(in_tmp):
 
 def test_checkpoint_write_is_atomic_and_a_full_disk_is_one_sentence(tmp_path, monkeypatch):
     path = str(tmp_path / "checkpoint.pt")
-    classic.save_checkpoint(path, {"good": torch.ones(3)})
+    vlmrm_utils.save_checkpoint(path, {"good": torch.ones(3)})
 
     def disk_full_mid_write(obj, f):
         f.write(b"half a checkpoint")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(torch, "save", disk_full_mid_write)
-    for module in (classic, sac):
-        with pytest.raises(module.UserError, match="No space left on device.*intact"):
-            module.save_checkpoint(path, {"good": torch.zeros(3)})
+    def disk_full_in_torch(obj, f):  # torch's zip writer wraps the OSError in a RuntimeError
+        try:
+            disk_full_mid_write(obj, f)
+        except OSError as e:
+            raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0") from e
+
+    for save in (disk_full_mid_write, disk_full_in_torch):
+        monkeypatch.setattr(torch, "save", save)
+        with pytest.raises(vlmrm_utils.UserError, match="No space left on device.*intact") as error:
+            vlmrm_utils.save_checkpoint(path, {"good": torch.zeros(3)})
+        assert error.value.__cause__ is None and error.value.__suppress_context__  # one sentence: no chained traceback
     monkeypatch.undo()
     assert torch.equal(torch.load(path)["good"], torch.ones(3))  # the good checkpoint is still in place
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # the partial temp file is gone
@@ -215,10 +223,10 @@ def test_nan_reward_stops_training_and_saves_the_networks(in_tmp, monkeypatch):
         return np.full(len(frames), np.nan if calls["n"] == 3 else 0.5, dtype=np.float32)
 
     monkeypatch.setattr(classic.CLIPReward, "forward", nan_on_third_batch)
-    monkeypatch.setattr(classic, "warn_if_slow_on_cpu", lambda *a: None)
+    monkeypatch.setattr(vlmrm_utils, "warn_if_slow_on_cpu", lambda *a: None)
     added = []
     monkeypatch.setattr(classic.ReplayBuffer, "add", lambda self, *a: added.append(a[3]))
-    with pytest.raises(classic.NonFiniteError, match="not finite .* at step") as error:
+    with pytest.raises(vlmrm_utils.NonFiniteError, match="not finite .* at step") as error:
         classic.main(
             classic.Args(
                 clip_model=TINY_CLIP,
@@ -249,7 +257,7 @@ def test_nan_loss_stops_sac_and_saves_the_last_finite_networks(in_tmp, monkeypat
         return batch
 
     monkeypatch.setattr(sac.ReplayBuffer, "sample", poisoned_sample)
-    with pytest.raises(sac.NonFiniteError, match="loss") as error:
+    with pytest.raises(vlmrm_utils.NonFiniteError, match="loss") as error:
         sac.main(
             sac.Args(
                 env_id="InvertedPendulum-v5",
@@ -269,7 +277,7 @@ def test_nan_loss_stops_sac_and_saves_the_last_finite_networks(in_tmp, monkeypat
     for name in ("actor", "qf1", "qf2"):
         assert all(torch.isfinite(t).all() for t in saved[name].values()), name
     # the checkpoint taken at step 200, before the NaN, is still resumable, and the message names both files
-    assert sac.read_checkpoint(str(run_dir / "checkpoint.pt"))["global_step"] == 200
+    assert vlmrm_utils.read_checkpoint(str(run_dir / "checkpoint.pt"), sac.Args)["global_step"] == 200
     assert "nonfinite_networks.pt" in str(error.value) and "checkpoint.pt" in str(error.value)
 
 
@@ -283,6 +291,7 @@ def run_with_failing_writer(tmp_path, failure: str, timeout: int = 120) -> subpr
             {failure}
         tb.SummaryWriter.__init__ = fail
         sys.argv = sys.argv[1:]
+        sys.path.insert(0, os.path.dirname(sys.argv[0]))  # as `python <script>` does: vlmrm_utils.py beside it
         runpy.run_path(sys.argv[0], run_name="__main__")
     """)
     )
@@ -329,7 +338,7 @@ def test_runs_started_in_the_same_second_get_their_own_folders(in_tmp, monkeypat
 
 def test_resume_purges_the_episodes_logged_after_the_checkpoint(in_tmp, monkeypatch):
     """A run that crashed after its checkpoint had logged episodes still pending in it: the resumed run logs them once."""
-    saved, original = [], classic.save_checkpoint
+    saved, original = [], vlmrm_utils.save_checkpoint
 
     def keep_first_checkpoint(path, state):
         original(path, state)
@@ -337,7 +346,7 @@ def test_resume_purges_the_episodes_logged_after_the_checkpoint(in_tmp, monkeypa
             original(path.replace("checkpoint.pt", "first.pt"), state)
             saved.append(path)
 
-    monkeypatch.setattr(classic, "save_checkpoint", keep_first_checkpoint)
+    monkeypatch.setattr(vlmrm_utils, "save_checkpoint", keep_first_checkpoint)
     args = classic.Args(
         reward="gt",
         episodes="fixed",
@@ -366,7 +375,7 @@ def test_flags_next_to_resume_that_would_change_the_run_are_refused(in_tmp):
         )
     )
     (checkpoint,) = (in_tmp / "runs").glob("*/checkpoint.pt")
-    with pytest.raises(classic.UserError, match="drop --learning-rate"):
+    with pytest.raises(vlmrm_utils.UserError, match="drop --learning-rate"):
         classic.main(tyro.cli(classic.Args, args=["--resume", str(checkpoint), "--learning-rate", "0.1", "--reward", "gt"]))
 
 
@@ -384,7 +393,7 @@ def test_evaluate_has_the_checks_of_resume_and_needs_no_clip_weights_for_gt(in_t
     assert_refused(classic, ["--evaluate", "truncated.pt"], "truncated.pt", "readable")
     assert_refused(classic, ["--evaluate", "sac.pt"], "another script")
     assert_refused(classic, ["--evaluate", str(checkpoint), "--env-id", "MountainCar-v0"], "CartPole-v1", "--env-id")
-    assert_refused(sac, ["--evaluate", "sac.pt", "--reward", "gt"], "Hopper-v5", "--env-id")
+    assert_refused(sac, ["--evaluate", "sac.pt", "--reward", "gt", "--env-id", "Walker2d-v5"], "Hopper-v5", "--env-id")
     assert_refused(sac, ["--evaluate", str(checkpoint), "--reward", "gt"], "another script")
     # an interrupted run's checkpoint.pt, ground truth only: no CLIP model is looked at (this one does not even exist)
     classic.main(
@@ -409,33 +418,35 @@ def test_exploration_fraction_zero_is_greedy_from_the_start(in_tmp):
 
 
 def test_memory_check_counts_the_batch_and_the_resume_copy_and_names_the_flag(in_tmp, monkeypatch):
-    monkeypatch.setattr(sac, "available_memory", lambda: 2**30)
+    monkeypatch.setattr(vlmrm_utils, "available_memory", lambda: 2**30)
     probe = sac.gym.make("Hopper-v5")
 
     def check(**kw):
-        sac.check_resources(
+        vlmrm_utils.check_resources(
             sac.Args(env_id="Hopper-v5", reward="gt", **kw), probe.observation_space, probe.action_space, (224, 224, 3)
         )
 
     per_transition = 2 * 4 * 11 + 4 * 3 + 8
     check(buffer_size=int(0.6 * 2**30 / per_transition))  # fits
-    with pytest.raises(sac.UserError, match="^--buffer-size"):
+    with pytest.raises(vlmrm_utils.UserError, match="^--buffer-size"):
         check(buffer_size=int(0.6 * 2**30 / per_transition), save_buffer=True)  # a resume would need the buffer twice
-    with pytest.raises(sac.UserError, match="^--batch-size"):
+    with pytest.raises(vlmrm_utils.UserError, match="^--batch-size"):
         check(buffer_size=1_000_000, batch_size=1_000_000)
-    with pytest.raises(sac.UserError, match="^--reward-batch-size"):
-        sac.check_resources(sac.Args(reward_batch_size=100_000), probe.observation_space, probe.action_space, (224, 224, 3))
+    with pytest.raises(vlmrm_utils.UserError, match="^--reward-batch-size"):
+        vlmrm_utils.check_resources(
+            sac.Args(reward_batch_size=100_000), probe.observation_space, probe.action_space, (224, 224, 3)
+        )
 
 
 def test_saving_the_replay_buffer_makes_no_copy_of_it(tmp_path):
     code = textwrap.dedent(f"""
         import resource, sys, numpy as np
         sys.path.insert(0, {str(ROOT)!r})
-        import vlmrm_sac_humanoid as sac
-        rb = sac.ReplayBuffer(400_000, (60,), (4,), "cpu")
+        import vlmrm_sac_humanoid as sac, vlmrm_utils
+        rb = sac.ReplayBuffer(400_000, (60,), (4,), np.float32, "cpu")
         rb.add(*(np.ones((400_000, *s), np.float32) for s in [(60,), (60,), (4,), (), ()]))  # ~200 MB, all touched
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        sac.save_checkpoint({str(tmp_path / "c.pt")!r}, {{"replay_buffer": rb.state_dict()}})
+        vlmrm_utils.save_checkpoint({str(tmp_path / "c.pt")!r}, {{"replay_buffer": rb.state_dict()}})
         print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -8,6 +8,8 @@ import pytest
 import torch
 from conftest import TINY_CLIP, TINY_CLIP_FLAGS, assert_clean_error, read_scalars, run_script
 
+import vlmrm_utils
+
 SCRIPTS = ["vlmrm_dqn_classic", "vlmrm_sac_humanoid"]
 
 
@@ -58,7 +60,7 @@ def test_unknown_reward_device_is_refused_in_one_sentence(name, device, in_tmp):
     script = importlib.import_module(name)
     args = script.Args(clip_model=TINY_CLIP, clip_pretrained="none", reward_devices=("cpu", device))
     args.goal, args.baseline = ("a goal",), ("a baseline",)
-    with pytest.raises(script.UserError, match=f"--reward-devices {device} is not a device of this machine"):
+    with pytest.raises(vlmrm_utils.UserError, match=f"--reward-devices {device} is not a device of this machine"):
         script.check_args(args)
 
 

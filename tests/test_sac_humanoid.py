@@ -9,6 +9,7 @@ import torch
 from conftest import TINY_CLIP, TINY_CLIP_FLAGS, assert_clean_error, assert_refused, read_scalars, run_script, run_timed
 
 import vlmrm_sac_humanoid as sac
+import vlmrm_utils
 
 SCRIPT = "vlmrm_sac_humanoid.py"
 
@@ -42,7 +43,7 @@ def test_reward_belongs_to_the_frame_after_the_step_across_subprocess_autoresets
     # the env subprocesses are forked after this patch, so they render stamped frames
     monkeypatch.setattr(sac.Renderer, "render", stamped_render)
     monkeypatch.setattr(sac.CLIPReward, "forward", decoding_forward)
-    monkeypatch.setattr(sac, "warn_if_slow_on_cpu", lambda *a: None)
+    monkeypatch.setattr(vlmrm_utils, "warn_if_slow_on_cpu", lambda *a: None)
     small = dict(num_envs=3, episode_length=20, render_size=32, total_timesteps=300, learning_starts=60, train_frequency=10)
     small.update(gradient_steps=2, batch_size=32, reward_batch_size=16, buffer_size=1000)
     sac.main(sac.Args(clip_model=TINY_CLIP, clip_pretrained="none", **small))
@@ -266,7 +267,7 @@ def test_prompts_with_the_same_embedding_are_one_sentence_not_a_hang(tmp_path):
 )
 def test_a_bad_model_config_file_is_named_as_such(in_tmp, content, words):
     (in_tmp / "model.json").write_text(content)
-    with pytest.raises(sac.UserError) as error:
+    with pytest.raises(vlmrm_utils.UserError) as error:
         sac.main(sac.Args(clip_model="model.json", clip_pretrained="none", num_envs=1, total_timesteps=20, learning_starts=10))
     message = str(error.value)
     assert "\n" not in message and "network" not in message, message

@@ -1,0 +1,769 @@
+"""Plumbing shared by the training scripts and the evaluation tools, as CleanRL's scripts share `cleanrl_utils`.
+
+The method (flags, CLIP reward, environment, networks, replay buffer, loop) lives in each training script; what is here
+is written once so a fix lands once: input and resource checks, CLIP weights download, checkpoints and exact resume,
+run folders, the NaN snapshot, signal handling, threads, the progress line, videos and experiment tracking. Nothing here
+imports a training script: each passes its `Args` class or values in.
+"""
+
+import copy
+import logging
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Callable, Optional
+
+import gymnasium as gym
+import imageio.v2 as imageio
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.tensorboard import SummaryWriter
+
+
+class UserError(Exception):
+    """Bad input or a missing resource: reported as one sentence and exit code 2, never a traceback."""
+
+
+class NonFiniteError(Exception):
+    """A NaN or infinite reward or loss: training stops (exit code 1) instead of poisoning the buffer."""
+
+
+def cli(main: Callable, args_class: type) -> None:
+    """The scripts' entry point: parse the flags with tyro, run `main`, turn errors into one sentence and an exit code."""
+    import warnings
+
+    import tyro
+
+    warnings.filterwarnings("ignore", message=".*No pretrained weights.*")
+    try:
+        main(tyro.cli(args_class))
+    except (UserError, NonFiniteError, OSError) as e:  # OSError: the machine, not the input (a full disk, a folder removed)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2 if isinstance(e, UserError) else 1)
+    except KeyboardInterrupt:
+        print("interrupted without saving a checkpoint", file=sys.stderr)
+        sys.exit(130)
+
+
+# ----------------------------------------------------------------------------------------------
+# Input and resource checks
+# ----------------------------------------------------------------------------------------------
+def check_common_args(args, positive: str, unit_interval: str, network: str, default_negatives: dict) -> None:
+    """The checks both training scripts share, each one sentence, before anything expensive starts."""
+    for name in positive.split():
+        if not getattr(args, name) > 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
+    for name in unit_interval.split():
+        if not 0 <= getattr(args, name) <= 1:
+            raise UserError(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}.")
+    if args.total_timesteps % args.num_envs:  # every vector step takes one step in each env
+        rounded = -(-args.total_timesteps // args.num_envs) * args.num_envs
+        print(f"note: --total-timesteps {args.total_timesteps} rounded up to {rounded}, a multiple of --num-envs")
+        args.total_timesteps = rounded
+    unknown = [name for name in args.reward_devices if not is_device(name)]
+    known = ["cpu", *(["cuda"] if torch.cuda.is_available() else []), *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
+    for failed, message in [
+        (not args.goal or not all(p.strip() for p in args.goal), "--goal needs at least one non-empty prompt."),
+        (args.alpha > 0 and not all(p.strip() for p in args.baseline or [""]), "--baseline needs a prompt when --alpha > 0."),
+        (
+            args.alpha > 0 and same_prompts(args.goal, args.baseline or ()),
+            "--goal and --baseline are the same prompts (up to case and spaces); change one or use --alpha 0.",
+        ),
+        (not 0 < args.temperature < math.inf, f"--temperature must be a positive number, got {args.temperature}."),
+        (not 0 < args.threshold < 1, f"--threshold must be in (0, 1), got {args.threshold}."),
+        (
+            args.learning_starts >= args.total_timesteps,
+            f"--learning-starts {args.learning_starts} is not below --total-timesteps {args.total_timesteps}; "
+            f"lower it, e.g. to a quarter of the run: --learning-starts {args.total_timesteps // 4}.",
+        ),
+        (args.batch_size > args.buffer_size, f"--batch-size {args.batch_size} exceeds --buffer-size {args.buffer_size}."),
+        (args.torch_threads is not None and args.torch_threads < 0, "--torch-threads must be 0 (torch's default) or more."),
+        (bool(unknown), f"--reward-devices {' '.join(unknown)} is not a device of this machine: {', '.join(known)}."),
+    ]:
+        if failed:
+            raise UserError(message)
+    if args.reward_family == "softmax":
+        args.negatives = resolve_negatives(args.goal, args.negatives, "--reward-family softmax", default_negatives)
+    if args.evaluate is not None:  # the checks of --resume, then networks of this env
+        saved = read_checkpoint(args.evaluate, type(args), "--evaluate")
+        if network not in saved or saved["args"].get("env_id", args.env_id) != args.env_id:
+            raise UserError(
+                f"--evaluate {args.evaluate} holds no networks trained on --env-id {args.env_id} "
+                f"(its --env-id: {saved['args'].get('env_id', args.env_id)})."
+            )
+    check_writable("runs")
+    if args.capture_video or args.evaluate is not None:
+        check_writable("videos")
+
+
+def is_device(name: str) -> bool:
+    """A device torch accepts that this machine has: cpu, cpu:0, cuda, cuda:N below the GPU count."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        return False
+    return device.type == "cpu" or (
+        device.type == "cuda" and torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
+    )
+
+
+def check_writable(folder: str) -> None:
+    """Outputs must be writable before hours of training produce them (the folder itself may not exist yet)."""
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+        raise UserError(f"cannot write to {os.path.abspath(folder)}/ ({existing} is not a writable folder); run from another.")
+
+
+def check_resources(args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple) -> None:
+    """Refuse a run whose replay buffer, pending frames and sampled batch do not fit in the available memory."""
+    action_bytes = 8 if isinstance(action_space, gym.spaces.Discrete) else 4 * int(np.prod(action_space.shape))
+    transition = 2 * 4 * int(np.prod(observation_space.shape)) + action_bytes + 4 + 4  # obs, next_obs, action, reward, done
+    frames = args.reward_batch_size * max(1, len(args.reward_devices)) + args.num_envs  # awaiting their reward
+    needs = {  # --resume loads the saved buffer before copying it in: a run saving it must fit it twice
+        "--buffer-size": args.buffer_size * transition * (2 if args.save_buffer and args.resume is None else 1),
+        "--reward-batch-size": frames * int(np.prod(frame_shape)) if args.reward == "clip" else 0,
+        "--batch-size": args.batch_size * (transition + 16 * 256 * 4),  # with the activations of ~16 layers of 256 floats
+    }
+    total, available, gib = sum(needs.values()), available_memory(), 2**30
+    if total > gib or (available and total > 0.25 * available):  # said only when it matters (not 0.00 GiB for CartPole)
+        print(f"memory: {total / gib:.2f} GiB (" + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in needs.items()) + ")", end="")
+        print(f", {available / gib:.1f} GiB available" if available else "")
+    if available and total > 0.9 * available:
+        flag = max(needs, key=needs.get)
+        raise UserError(
+            f"{flag} {getattr(args, flag[2:].replace('-', '_'))} makes the run need {total / gib:.1f} GiB of memory, "
+            f"but {available / gib:.1f} GiB is available; lower {flag}."
+        )
+
+
+def available_memory() -> int:
+    """Bytes of memory available to a new allocation (Linux MemAvailable), 0 when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict:
+    """A checkpoint of the script whose flags are `args_class` (resumable for --resume), or a one-sentence error."""
+    script = f"{args_class.__module__}.py"
+    if not os.path.isfile(path):  # a folder, a named pipe (torch.load would wait on it forever), nothing at all
+        what = "is a folder" if os.path.isdir(path) else "is not a regular file" if os.path.exists(path) else "does not exist"
+        raise UserError(f"{flag} {path} {what}; pass a checkpoint.pt of {script}.")
+    try:  # our own file with RNG states and arrays: weights_only=False, so only load checkpoints you trust
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise UserError(f"{flag} {path} is not a readable checkpoint ({type(e).__name__}); pass a checkpoint.pt.") from None
+    saved = checkpoint.get("args") if isinstance(checkpoint, dict) else None
+    if not isinstance(saved, dict) or not set(saved) <= {f.name for f in fields(args_class)}:
+        raise UserError(f"{flag} {path} was written by another script; pass a checkpoint.pt of {script}.")
+    if flag == "--resume" and not {"iteration", "rng"} <= set(checkpoint):
+        raise UserError(f"--resume {path} holds no resumable training state; pass a checkpoint.pt saved during training.")
+    if flag == "--resume" and os.path.abspath(os.path.dirname(path)) != os.path.abspath(f"runs/{checkpoint['run_name']}"):
+        raise UserError(  # the run continues in its own folder: a copy elsewhere would write into another run's logs
+            f"--resume {path} belongs to runs/{checkpoint['run_name']}/, not to {os.path.dirname(path) or '.'}/; "
+            "resume it from the folder that holds that run (or move the whole run folder there)."
+        )
+    return checkpoint
+
+
+def resumed_args(args, checkpoint: dict):
+    """The run's own flags; a flag given next to --resume that would change them is refused, never silently ignored,
+    except a larger --total-timesteps: it extends the run (same folder, TensorBoard and random streams)."""
+    args_class = type(args)
+    saved, default = checkpoint["args"], vars(args_class())
+    changed = [
+        k
+        for k, v in vars(args).items()
+        if k not in ("resume", "total_timesteps") and default[k] != v != saved.get(k, default[k])
+    ]
+    if changed:
+        flags = ", ".join("--" + k.replace("_", "-") for k in changed)
+        raise UserError(f"--resume continues a run with its own flags; drop {flags} (or start a new run).")
+    total = saved["total_timesteps"]
+    if args.total_timesteps != default["total_timesteps"] and args.total_timesteps != total:
+        if args.total_timesteps < checkpoint["global_step"]:
+            raise UserError(
+                f"--total-timesteps {args.total_timesteps} is below the step the run reached, {checkpoint['global_step']}; "
+                "pass a larger value to extend it."
+            )
+        total = args.total_timesteps
+        print(f"note: the run is extended from {saved['total_timesteps']} to {total} steps")
+    return args_class(**{"episodes": "fixed", **saved, "resume": args.resume, "total_timesteps": total})  # older: fixed
+
+
+def check_clip_args(args) -> None:
+    """Refuse an unknown CLIP architecture, pretrained tag, config file or weights file before anything is loaded."""
+    import json
+
+    import open_clip
+
+    if args.clip_model.endswith(".json"):
+        if not os.path.isfile(args.clip_model):
+            raise UserError(f"--clip-model {args.clip_model}: no such model config file.")
+        try:
+            with open(args.clip_model, encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
+            raise UserError(f"--clip-model {args.clip_model} is not a readable JSON file ({type(e).__name__}).") from None
+        required = {"embed_dim": int, "vision_cfg": dict, "text_cfg": dict}  # open_clip skips a config without them, silently
+        if not isinstance(config, dict) or not all(isinstance(config.get(k), t) for k, t in required.items()):
+            raise UserError(
+                f"--clip-model {args.clip_model} is not an open_clip model config (it needs an integer embed_dim, "
+                "vision_cfg and text_cfg, as in tests/vlmrm-tiny-test.json)."
+            )
+    elif args.clip_model not in open_clip.list_models():
+        raise UserError(f"--clip-model {args.clip_model} is not an open_clip architecture (see open_clip.list_models()).")
+    elif args.clip_checkpoint is None:
+        tags = ["none", *open_clip.list_pretrained_tags_by_model(args.clip_model)]
+        if args.clip_pretrained not in tags:  # the default tag is ViT-bigG-14's: name the model's own, not what was not typed
+            given = "" if args.clip_pretrained == "laion2b_s39b_b160k" else f" ({args.clip_pretrained} is not one of them)"
+            raise UserError(f"--clip-model {args.clip_model} needs --clip-pretrained, one of: {', '.join(tags)}{given}.")
+    if args.clip_checkpoint is not None and not os.path.isfile(args.clip_checkpoint):
+        raise UserError(f"--clip-checkpoint {args.clip_checkpoint}: no such file.")
+
+
+def same_prompts(goal: tuple[str, ...], baseline: tuple[str, ...]) -> bool:
+    """Prompts that CLIP cannot tell apart: its tokenizer ignores case and extra spaces."""
+    return {" ".join(p.lower().split()) for p in goal} == {" ".join(p.lower().split()) for p in baseline}
+
+
+def resolve_negatives(
+    goal: tuple[str, ...], negatives: Optional[tuple[str, ...]], flag: str, defaults: dict
+) -> tuple[str, ...]:
+    """The softmax family's negative prompts: --negatives, else the defaults of the default goal; one-sentence errors."""
+    negatives = defaults.get(tuple(goal), ()) if negatives is None else tuple(negatives)
+    if not negatives or not all(n.strip() for n in negatives):
+        raise UserError(f"{flag} needs at least one non-empty --negatives prompt (only the default --goal has defaults).")
+    shared = sorted(set(negatives) & set(goal))
+    if shared:
+        raise UserError(f"--negatives and --goal share the prompt {shared[0]!r}; a negative is what the goal is not.")
+    return negatives
+
+
+def check_goal_direction(
+    goal_embeddings: torch.Tensor, baseline_embeddings: torch.Tensor, alpha: float, flag: str = "--alpha"
+) -> None:
+    """d = g - b must not vanish when alpha > 0: different strings can have one embedding (e.g. past CLIP's 77 tokens)."""
+    g = F.normalize(goal_embeddings.float(), dim=-1).mean(0)
+    b = F.normalize(baseline_embeddings.float(), dim=-1).mean(0)
+    if alpha > 0 and (g - b).norm() < 1e-4:  # real prompt pairs are > 0.1 apart; float32 round-off is ~1e-6
+        raise UserError(f"--goal and --baseline have the same CLIP embedding, so d = g - b is 0; change one or use {flag} 0.")
+
+
+def load_clip(args, device: torch.device) -> tuple[nn.Module, object]:
+    """The open_clip model and tokenizer of --clip-model/--clip-pretrained/--clip-checkpoint, or one sentence why not."""
+    import huggingface_hub.constants as hub
+    import open_clip
+
+    name = Path(args.clip_model).stem  # an architecture, or a config file such as the tiny test model in tests/
+    if args.clip_model.endswith(".json"):
+        open_clip.add_model_config(args.clip_model)
+    pretrained = args.clip_checkpoint or (None if args.clip_pretrained == "none" else args.clip_pretrained)
+    cached = fetch_clip_weights(args)  # says what it fetches; a download that cannot happen fails here, in seconds
+    offline, hub.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE or cached  # cached weights: no hub requests
+    logging.disable(logging.ERROR)  # open_clip logs multi-line errors: we say it in one sentence
+    try:
+        model = open_clip.create_model(name, pretrained=pretrained, device=device, cache_dir=args.clip_cache_dir)
+    except Exception as e:  # noqa: BLE001 - whatever open_clip raised, the fixes are these
+        detail = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+        raise UserError(
+            f"could not build {name} with {pretrained or 'random'} weights ({detail}); check --clip-model (a name or a config "
+            "file), --clip-pretrained and --clip-checkpoint."
+        ) from None
+    finally:
+        logging.disable(logging.NOTSET)
+        hub.HF_HUB_OFFLINE = offline
+    if pretrained is None:
+        print(f"note: {name} has random weights (--clip-pretrained none): its rewards are meaningless outside tests")
+    return model.eval(), open_clip.get_tokenizer(name)
+
+
+def fetch_clip_weights(args) -> bool:
+    """Download the --clip-pretrained weights into the cache unless there, saying so first; True when cached."""
+    import huggingface_hub.constants as hub
+    import open_clip
+
+    name, cache = Path(args.clip_model).stem, args.clip_cache_dir
+    cfg = open_clip.get_pretrained_cfg(name, args.clip_pretrained)
+    if args.clip_checkpoint is not None or not cfg:
+        return False  # a weights file, random weights, or a tag that create_model refuses
+    offline, hub.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE, True
+    try:
+        open_clip.download_pretrained(cfg, cache_dir=cache)  # offline: from the cache, or an error at once
+        return True
+    except Exception:  # noqa: BLE001 - not in the cache
+        pass
+    finally:
+        hub.HF_HUB_OFFLINE = offline
+    logging.disable(logging.WARNING)  # the model counted here has random weights, as open_clip would warn
+    try:  # counted on the meta device: no memory, well under a second even for ViT-bigG-14
+        with torch.device("meta"):
+            params = sum(p.numel() for p in open_clip.create_model(name, device="meta").parameters())
+        size = f" ({params / 1e6:,.0f}M parameters, about {params * 4 / 1e9:.1f} GB as float32)"
+    except Exception:  # noqa: BLE001 - the size is a courtesy
+        size = ""
+    finally:
+        logging.disable(logging.NOTSET)
+    where = cache or "the Hugging Face cache"
+    print(f"fetching the {name}/{args.clip_pretrained} CLIP weights{size} from {hub.ENDPOINT} into {where}", flush=True)
+    why = "HF_HUB_OFFLINE is set and they are not in the cache" if offline else can_reach(hub.ENDPOINT)
+    if why is None:
+        try:
+            open_clip.download_pretrained(cfg, cache_dir=cache)
+            return True
+        except Exception as e:  # noqa: BLE001 - every failure here has the same fixes
+            why = (str(e).splitlines() or [type(e).__name__])[0][:160]
+    raise UserError(
+        f"could not download the {name}/{args.clip_pretrained} CLIP weights ({why}); check the network connection, "
+        "point --clip-cache-dir at a folder that holds them, or pass a weights file with --clip-checkpoint."
+    )
+
+
+def can_reach(url: str, timeout: float = 5.0) -> Optional[str]:
+    """None when the URL's host (or the HTTPS proxy in use) accepts a connection within seconds, else why not."""
+    import socket
+    import urllib.request
+    from urllib.parse import urlparse
+
+    proxy = urllib.request.getproxies().get("https")
+    target = urlparse(proxy if proxy and not urllib.request.proxy_bypass(urlparse(url).hostname) else url)
+    try:
+        socket.create_connection((target.hostname, target.port or (443 if target.scheme == "https" else 80)), timeout).close()
+    except OSError as e:  # a minute of open_clip's retries, said in 5 s
+        return f"{target.hostname} cannot be reached: {e.strerror or type(e).__name__}"
+    return None
+
+
+def warn_if_slow_on_cpu(reward_model: nn.Module, args, frame_shape: tuple[int, int, int]) -> None:
+    """A real-size CLIP on CPU takes seconds per frame: time it once and say what to do instead."""
+    if reward_model.device.type != "cpu":
+        return
+    frames = np.zeros((8, *frame_shape), dtype=np.uint8)
+    reward_model(frames[:1])  # warm-up: the first call pays one-off allocation costs
+    start = time.perf_counter()
+    reward_model(frames)
+    seconds = (time.perf_counter() - start) / len(frames)
+    advice = (
+        "; use a GPU or --clip-model RN50 --clip-pretrained openai" if seconds > 0.05 and args.clip_model != "RN50" else ""
+    )
+    print(
+        f"note: scoring a frame with {Path(args.clip_model).stem} on CPU takes {seconds * 1000:.0f} ms, so this run will "
+        f"spend about {format_duration(seconds * args.total_timesteps)} in the reward model{advice}"
+    )
+
+
+def save_video(frames: list[np.ndarray], path: str, fps: int) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    imageio.mimwrite(path, frames, fps=fps, macro_block_size=8)
+    if "wandb" in sys.modules and sys.modules["wandb"].run is not None:  # --track: the videos go to W&B too
+        wandb = sys.modules["wandb"]
+        wandb.log({f"videos/{Path(path).stem}": wandb.Video(path, format="mp4")})
+
+
+def save_episodes(results: list[dict], run_name: str, fps: int) -> None:
+    """--evaluate: each episode as an MP4 and its frames as PNGs under videos/<run_name>/eval-episode-<i>."""
+    for i, result in enumerate(results):
+        folder = f"videos/{run_name}/eval-episode-{i}"
+        save_video(result["frames"], folder + ".mp4", fps)
+        os.makedirs(folder, exist_ok=True)
+        for t, frame in enumerate(result["frames"]):
+            imageio.imwrite(f"{folder}/frame-{t:04d}.png", frame)
+        print(f"eval episode {i}: clip_return={result['clip_return']:.2f} gt_return={result['gt_return']:.1f} -> {folder}.mp4")
+
+
+def save_checkpoint(path: str, state: dict) -> None:
+    """Atomic and durable: a crash, power cut or full disk mid-write never replaces a good checkpoint with half of one."""
+    folder = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")  # own temp file per write
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())  # the data is on disk before the rename makes it the checkpoint
+        os.replace(tmp, path)
+    except BaseException as e:
+        os.unlink(tmp)
+        cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__  # torch wraps a full disk in a RuntimeError
+        if isinstance(e, (OSError, RuntimeError)):
+            why = getattr(cause, "strerror", None) or str(e).splitlines()[0][:120]
+            raise UserError(f"could not write {path} ({why}); the previous file there is intact.") from None
+        raise
+    dir_fd = os.open(folder, os.O_RDONLY)
+    os.fsync(dir_fd)  # the rename itself survives a power cut
+    os.close(dir_fd)
+
+
+def make_run_folder(run_name: str) -> str:
+    """Create runs/<run_name>/ exclusively: two runs started in the same second get different folders."""
+    for name in [run_name, *(f"{run_name}-{i}" for i in range(1, 1000))]:
+        try:
+            os.makedirs(f"runs/{name}")
+            return name
+        except FileExistsError:
+            pass
+    raise UserError(f"runs/{run_name} and 999 variants of it exist already; remove old runs or change --exp-name.")
+
+
+def rng_state(envs: gym.vector.VectorEnv) -> dict:
+    """Every random number generator the run draws from, so a resumed run continues the same streams."""
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "envs": list(envs.get_attr("np_random")),
+    }
+
+
+def save_nonfinite(run_name: str, networks: dict) -> str:
+    """Saves the networks of a run stopped on a NaN beside (never over) its checkpoint; says where both are."""
+    path, checkpoint = f"runs/{run_name}/nonfinite_networks.pt", f"runs/{run_name}/checkpoint.pt"
+    save_checkpoint(path, networks)
+    kept = f" and the last resumable checkpoint {checkpoint} is kept" if os.path.exists(checkpoint) else ""
+    return f"finite networks from before it were saved to {path}{kept}"
+
+
+def all_finite(state) -> bool:
+    """True when every floating-point tensor of a (nested) state dict is finite."""
+    if isinstance(state, (dict, list, tuple)):
+        return all(map(all_finite, state.values() if isinstance(state, dict) else state))
+    return not (torch.is_tensor(state) and state.is_floating_point()) or bool(torch.isfinite(state).all())
+
+
+def install_stop_handlers() -> dict:
+    """First Ctrl-C or SIGTERM: finish the current episodes, save a checkpoint, exit cleanly. Second: quit at once."""
+    stop = {"requested": False}
+
+    def handler(signum: int, frame) -> None:
+        if stop["requested"]:
+            raise KeyboardInterrupt
+        stop["requested"] = True
+        print(f"\n{signal.Signals(signum).name} received: checkpoint after the current episodes (again: quit now)", flush=True)
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    return stop
+
+
+def set_torch_threads(args, device: torch.device) -> torch.device:
+    """One torch thread on CPU unless asked otherwise: measured 8-12x faster for these small networks on a shared CPU."""
+    if args.torch_threads is None and device.type == "cpu":
+        torch.set_num_threads(1)
+    elif args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    return device
+
+
+def format_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+class Progress:
+    """One progress line: redrawn in place on a terminal, else printed every `interval` seconds (logs stay small)."""
+
+    def __init__(self, total_steps: int, start_step: int, clip: bool, recent: int, interval: float = 10.0):
+        self.total, self.start_step, self.clip, self.tty = total_steps, start_step, clip, sys.stdout.isatty()
+        self.interval, self.start = 0.5 if self.tty else interval, time.time()
+        self.last, self.printed = self.start, None  # printed: the step of the last line in a log, not repeated at the end
+        self.returns = deque(maxlen=recent)  # (gt_return, clip_return) of the last episodes
+
+    def sps(self, step: int) -> int:
+        return int((step - self.start_step) / max(time.time() - self.start, 1e-9))
+
+    def episode(self, gt_return: float, clip_return: float) -> None:
+        self.returns.append((gt_return, clip_return))
+
+    def update(self, step: int, final: bool = False) -> None:
+        now = time.time()
+        if (not final and now - self.last < self.interval) or (final and not self.tty and self.printed == step):
+            return
+        elapsed, self.last = now - self.start, now
+        sps = (step - self.start_step) / max(elapsed, 1e-9)
+        left = format_duration((self.total - step) / sps if sps > 0 and elapsed >= 5 else math.inf)  # "?" until measured
+        line = f"step {step}/{self.total} ({100 * step / self.total:.0f}%) | {sps:.0f} steps/s"
+        line += f" | elapsed {format_duration(elapsed)} | left {left}"
+        if self.returns:
+            gt_return, clip_return = np.mean(self.returns, axis=0)
+            line += f" | last {len(self.returns)} episodes: gt_return {gt_return:.1f}"
+            line += f", clip_return {clip_return:.2f}" if self.clip else ""
+        if self.tty:  # back to the line start: the next update, or any other message, overwrites it
+            print("\r\x1b[K" + line, end="\n" if final else "\r", flush=True)
+        else:
+            print(line, flush=True)
+            self.printed = step
+
+
+# ----------------------------------------------------------------------------------------------
+# A run: its folder, TensorBoard (and W&B with --track), episode statistics, checkpoints and exact resume
+# ----------------------------------------------------------------------------------------------
+def start_run(args, run_name: str, checkpoint: Optional[dict], device: torch.device) -> tuple[str, SummaryWriter]:
+    """The run folder (new, or the resumed run's own), W&B when --track, and TensorBoard; prints what runs where."""
+    if checkpoint is None:
+        run_name = make_run_folder(run_name)
+    if args.track:  # as CleanRL: W&B mirrors the TensorBoard logs, with the flags as config and the script's code
+        import wandb
+
+        resumed = {"id": checkpoint["wandb_id"], "resume": "allow"} if checkpoint and checkpoint.get("wandb_id") else {}
+        wandb.init(
+            project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args),
+            name=run_name, dir=f"runs/{run_name}", save_code=True, **resumed,
+        )  # fmt: skip
+    # purge_step drops what a crashed run logged after its checkpoint: from the first step still pending in it
+    purge_step = (checkpoint["iteration"] - len(checkpoint["pending"]["obs"])) * args.num_envs if checkpoint else None
+    writer = SummaryWriter(f"runs/{run_name}", purge_step=purge_step)
+    if checkpoint is None:
+        table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    print(
+        f"run: runs/{run_name} on {device}, reward: {args.reward}"
+        + (f", goal={args.goal}, baseline={args.baseline}, alpha={args.alpha}" if args.reward == "clip" else "")
+        + (f", resumed at step {checkpoint['global_step']}" if checkpoint else "")
+    )
+    return run_name, writer
+
+
+class EpisodeLog:
+    """Per-env sums of the running episodes, vectorised over envs; an ended episode's sums are returned and its env reset.
+
+    `recent` keeps the CLIP return of the last 100 ended episodes: the paper's checkpoint criterion (SB3's window).
+    charts/gt_success: with success "flag", the env's latched flag (MountainCar: 1 if the flag was reached); with a time
+    limit (CartPole), the share of its steps the return counts."""
+
+    def __init__(self, num_envs: int, state: Optional[dict] = None, success=None):
+        self.num_envs, self.sums, self.success = num_envs, {"length": np.zeros(num_envs)}, success
+        self.recent: deque = deque(maxlen=100)
+        if state is not None:
+            self.sums.update(state["sums"])
+            self.recent.extend(state["recent"])
+
+    def add(self, values: dict[str, np.ndarray], latched: dict[str, np.ndarray], dones: np.ndarray) -> list[dict]:
+        """values: (T, num_envs) per-step terms to sum; latched: (T, num_envs) terms whose last value counts (e.g. success);
+        dones: (T, num_envs). Returns the ended episodes in step order, each with "t" (its row) and "env"."""
+        ended = []
+        for t in range(len(dones)):
+            self.sums["length"] += 1
+            for k, v in values.items():
+                self.sums.setdefault(k, np.zeros(self.num_envs))[:] += v[t]
+            for k, v in latched.items():
+                self.sums[k] = np.array(v[t], dtype=float)  # e.g. success: latched by the env, cleared at its reset
+            for i in np.flatnonzero(dones[t]):
+                ended.append({"t": t, "env": i, **{k: float(v[i]) for k, v in self.sums.items()}})
+                if "clip_return" in self.sums:
+                    self.recent.append(float(self.sums["clip_return"][i]))
+                for v in self.sums.values():
+                    v[i] = 0
+        return ended
+
+    def log(self, args, writer, progress: "Progress", batch: dict, rewards, clip_rewards, step: int, components=()) -> None:
+        """Adds a scored batch (rows are step-major: env i of step t is row t * num_envs + i) and logs each episode
+        that ended at the step it ended at."""
+        steps, gt = len(rewards) // args.num_envs, batch["gt"].reshape(len(rewards) // args.num_envs, args.num_envs, -1)
+        sums = {"return": rewards, "gt_return": gt[..., 0], "clip_return": clip_rewards}
+        sums.update({f"gt/{name}": gt[..., 2 + c] for c, name in enumerate(components)})
+        sums = {k: np.reshape(v, (steps, args.num_envs)) for k, v in sums.items()}
+        for ep in self.add(sums, {"success": gt[..., 1]}, batch["dones"].reshape(steps, args.num_envs)):
+            ended_at = step - (steps - 1 - ep["t"]) * args.num_envs
+            progress.episode(ep["gt_return"], ep["clip_return"])
+            if args.log_episodes:
+                print(f"global_step={ended_at}, episodic_return={ep['return']:.2f}, gt_return={ep['gt_return']:.1f}")
+            scalars = {"charts/episodic_return": ep["return"], "charts/episodic_length": ep["length"]}
+            scalars.update({"charts/gt_return": ep["gt_return"], **{n: ep[n] for n in ep if n.startswith("gt/")}})
+            if self.success is not None:
+                scalars["charts/gt_success"] = ep["success"] if self.success == "flag" else ep["gt_return"] / self.success
+            if args.reward == "clip":
+                scalars.update(
+                    {"charts/clip_return": ep["clip_return"], "charts/clip_reward_mean": ep["clip_return"] / ep["length"]}
+                )
+            for tag, value in scalars.items():
+                writer.add_scalar(tag, value, ended_at)
+
+    def clip_return(self) -> float:
+        """The mean CLIP return of the last 100 ended episodes (NaN before the first)."""
+        return float(np.mean(self.recent)) if self.recent else math.nan
+
+    def restart(self) -> None:  # stock episodes in flight restart on resume: their partial sums are dropped
+        for v in self.sums.values():
+            v[:] = 0
+
+    def state_dict(self) -> dict:
+        return {"sums": copy.deepcopy(self.sums), "recent": list(self.recent)}
+
+
+def run_state(learner: dict, **extra) -> dict:
+    """A checkpoint: every module and optimiser of the learner by name, the random streams and whatever `extra` holds."""
+    return {**{name: module.state_dict() for name, module in learner.items() if module is not None}, **extra}
+
+
+def restore_run(checkpoint: dict, learner: dict, envs: gym.vector.VectorEnv, rb) -> np.ndarray:
+    """Continue a run exactly: the learner, the replay buffer (when saved), every random stream; the envs reset again
+    with their saved generators (fixed-length checkpoints are taken at an episode boundary, just before the reset)."""
+    for name, module in learner.items():
+        if module is not None:  # e.g. no entropy-coefficient optimiser without --autotune
+            module.load_state_dict(checkpoint[name])
+    if checkpoint["replay_buffer"] is not None:
+        rb.load_state_dict(checkpoint["replay_buffer"])
+        checkpoint["replay_buffer"] = None  # frees the loaded copy (counted by the memory check)
+    envs.set_attr("np_random", checkpoint["rng"]["envs"])
+    obs, _ = envs.reset(options={"reset_mask": np.ones(envs.num_envs, dtype=bool)})
+    random.setstate(checkpoint["rng"]["python"])
+    np.random.set_state(checkpoint["rng"]["numpy"])
+    torch.set_rng_state(checkpoint["rng"]["torch"])
+    if checkpoint["rng"]["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
+    return obs
+
+
+def save_step_checkpoint(run_name: str, step: int, networks: dict, args, clip_return: float) -> None:
+    """runs/<run>/checkpoints/step-<N>.pt, all kept (the paper's): the networks only, with the run's training-time CLIP
+    return at that step, from which `success_eval.py best` picks across runs and across training time."""
+    os.makedirs(f"runs/{run_name}/checkpoints", exist_ok=True)
+    state = {**networks, "args": asdict(args), "run_name": run_name, "global_step": step, "clip_return": clip_return}
+    save_checkpoint(f"runs/{run_name}/checkpoints/step-{step}.pt", state)
+
+
+def check_checkpoint_disk(args, networks: dict[str, dict]) -> None:
+    """With --save-model every --checkpoint-frequency steps leaves a file of the networks: say the disk cost, and
+    refuse a run whose checkpoints would not fit on the disk."""
+    if not args.save_model:
+        return
+    size = sum(p.numel() * p.element_size() for m in networks.values() for p in m.values()) + 2**16
+    count = args.total_timesteps // args.checkpoint_frequency
+    free, total = shutil.disk_usage(os.path.abspath("runs") if os.path.isdir("runs") else ".").free, size * count
+    print(f"checkpoints: {count} of {size / 2**20:.1f} MiB (networks, no buffer) = {total / 2**30:.2f} GiB in runs/")
+    if total > 0.9 * free:
+        raise UserError(
+            f"--checkpoint-frequency {args.checkpoint_frequency} keeps {count} checkpoints of {size / 2**20:.1f} MiB, "
+            f"{total / 2**30:.1f} GiB, but {free / 2**30:.1f} GiB is free; raise --checkpoint-frequency."
+        )
+
+
+def evaluated_args(args, keys: str):
+    """--evaluate rolls out with the run's own CLIP model, render size and quality, look, camera and episodes (the
+    checkpoint stores them), unless the user set a flag to another value than its default."""
+    saved, default = read_checkpoint(args.evaluate, type(args), "--evaluate")["args"], vars(type(args)())
+    for key in keys.split():
+        if key in saved and getattr(args, key) == default[key]:
+            setattr(args, key, saved[key])
+    return args
+
+
+def make_vector_env(vector_env: type, env_fns: list) -> gym.vector.VectorEnv:
+    """The training envs, autoreset off (the loop resets finished envs itself). Env processes ignore Ctrl-C and
+    SIGTERM, so that the main process decides when to stop (and closes them on every exit)."""
+    handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        return vector_env(env_fns, autoreset_mode=gym.vector.AutoresetMode.DISABLED)
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+
+
+class LastFinite:
+    """The NaN guard: an on-device copy of the networks, checked finite, about every 100 gradient steps; on a NaN the
+    last finite copy is saved beside (never over) the resumable checkpoint and the run stops with exit code 1."""
+
+    def __init__(self, run_name: str, args):
+        self.run_name, self.args, self.networks, self.steps = run_name, args, None, math.inf
+
+    def snapshot(self, networks: Callable[[], dict], gradient_steps: int) -> None:
+        if self.steps >= 100:
+            copied = copy.deepcopy(networks())
+            if all_finite(copied):  # the last update of a phase has no loss that checks it: check the copy
+                self.networks, self.steps = copied, 0
+        self.steps += gradient_steps
+
+    def stop(self, what: str, networks: Optional[dict] = None, hint: str = "") -> None:
+        networks = networks if networks is not None else self.networks
+        saved = "the networks were not finite already when training started"
+        if networks is not None:
+            saved = save_nonfinite(self.run_name, {**networks, "args": asdict(self.args), "run_name": self.run_name})
+        raise NonFiniteError(f"{what}; {saved}{hint}.")
+
+
+def wandb_id() -> Optional[str]:
+    wandb = sys.modules.get("wandb")
+    return wandb.run.id if wandb is not None and wandb.run is not None else None
+
+
+def save_run(args, run_name: str, learner: dict, envs, rb, episodes: EpisodeLog, pending: dict, iteration: int,
+             networks: Optional[dict], extra: dict) -> None:  # fmt: skip
+    """checkpoint.pt: the whole run state, in one place (what --resume reads); with `networks`, also the paper's
+    checkpoints/step-<N>.pt, kept, with the training-time CLIP return at that step."""
+    step = iteration * args.num_envs
+    state = dict(run_name=run_name, iteration=iteration, global_step=step, args=asdict(args), rng=rng_state(envs))
+    state.update(pending=pending, episodes=episodes.state_dict(), clip_return=episodes.clip_return(), wandb_id=wandb_id())
+    state.update(replay_buffer=rb.state_dict() if args.save_buffer else None, **extra)
+    save_checkpoint(f"runs/{run_name}/checkpoint.pt", run_state(learner, **state))
+    if networks is not None:
+        save_step_checkpoint(run_name, step, networks, args, episodes.clip_return())
+    print(
+        f"checkpoint saved at step {step}: runs/{run_name}/checkpoint.pt"
+        + ("" if args.save_buffer else " (without the replay buffer: pass --save-buffer for an exact resume)")
+    )
+
+
+def finish_run(args, run_name: str, progress: "Progress", step: int, timing: dict, stopped: bool, script: str,
+               final: Optional[dict] = None) -> None:  # fmt: skip
+    """The last progress line, where the time went, the end of W&B tracking; with --save-model, the final networks
+    (`final`: a run that ended mid-episode has no resumable state, only networks to evaluate) and how to roll them out."""
+    progress.update(step, final=True)
+    elapsed, steps = time.time() - progress.start, step - progress.start_step
+    times = ", ".join(f"{k} {v:.2f} s" for k, v in timing.items())
+    print(f"done: {steps} steps in {elapsed:.0f} s ({int(steps / max(elapsed, 1e-9))} SPS); time in {times}")
+    if args.track and wandb_id() is not None:
+        sys.modules["wandb"].finish()
+    if args.save_model and not stopped:
+        if final is not None:
+            save_checkpoint(f"runs/{run_name}/checkpoint.pt", {**final, "args": asdict(args), "run_name": run_name})
+        print(f"roll the policy out with: python {os.path.basename(script)} --evaluate runs/{run_name}/checkpoint.pt")
+
+
+def record_video(writer: SummaryWriter, run_name: str, step: int, result: dict, fps: int) -> None:
+    """--capture-video: one evaluation episode as videos/<run_name>/step-<N>.mp4, its returns in TensorBoard."""
+    save_video(result["frames"], f"videos/{run_name}/step-{step}.mp4", fps)
+    writer.add_scalar("eval/gt_return", result["gt_return"], step)
+    if math.isfinite(result["clip_return"]):
+        writer.add_scalar("eval/clip_return", result["clip_return"], step)
+
+
+def close_run(writer: Optional[SummaryWriter], envs: gym.vector.VectorEnv) -> None:
+    """Every exit closes TensorBoard and the env processes (they ignore SIGTERM: a process exiting under them would hang)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if writer is not None:
+        writer.close()
+    envs.close()
+
+
+def reward_model_before_envs(args, device: torch.device, make_reward_model: Callable):
+    """The reward model before anything starts, so a bad download or prompt fails first; on CUDA only its weights (the
+    model is built after the env processes fork: CUDA does not survive a fork). None when it is built later."""
+    if args.reward == "clip" and (device.type == "cuda" or any(d.startswith("cuda") for d in args.reward_devices)):
+        fetch_clip_weights(args)
+    elif args.reward == "clip":
+        return make_reward_model(args, device)
+
+
+def log_losses(writer: SummaryWriter, step: int, losses: dict, progress: "Progress", timing: dict) -> None:
+    """losses/<name> (tensors read here, every 10th training phase: one host-device sync), charts/SPS, time/<part>_s."""
+    scalars = {f"losses/{k}": v.item() if torch.is_tensor(v) else v for k, v in losses.items()}
+    scalars.update({"charts/SPS": progress.sps(step), **{f"time/{k}_s": v for k, v in timing.items()}})
+    for tag, value in scalars.items():
+        writer.add_scalar(tag, value, step)
