@@ -560,9 +560,9 @@ def main(args: Args) -> None:
                     pending[k].append(value)
 
             train_now = global_step >= args.learning_starts and iteration % args.train_frequency == 0
-            # scored for training, when each reward device has a full chunk, at the end, before a stock-episode checkpoint
+            # scored for training, when each reward device has a full chunk, at the end, before a checkpoint (its CLIP return)
             full = len(pending["obs"]) * args.num_envs >= args.reward_batch_size * max(1, len(args.reward_devices))
-            if train_now or full or iteration == num_iterations - 1 or (save_now and args.episodes == "stock"):
+            if train_now or full or iteration == num_iterations - 1 or save_now:
                 t0 = time.perf_counter()
                 batch = {k: np.concatenate(v) for k, v in pending.items() if v}
                 clip_rewards = reward_model(batch["frames"]) if render else np.zeros(len(batch["gt"]))

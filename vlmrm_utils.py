@@ -496,7 +496,8 @@ class Progress:
             return
         elapsed, self.last = now - self.start, now
         sps = (step - self.start_step) / max(elapsed, 1e-9)
-        left = format_duration((self.total - step) / sps if sps > 0 and elapsed >= 5 else math.inf)  # "?" until measured
+        left = (self.total - step) / sps if sps > 0 and elapsed >= 5 else math.inf  # "?" until a few seconds measured
+        left = format_duration(0 if step >= self.total else left)
         line = f"step {step}/{self.total} ({100 * step / self.total:.0f}%) | {sps:.0f} steps/s"
         line += f" | elapsed {format_duration(elapsed)} | left {left}"
         if self.returns:

@@ -82,7 +82,7 @@ def interrupt_after(script: str, *args: str, cwd: Path, sig: int, after_lines: i
     return proc.returncode, "".join(lines) + out + err
 
 
-def assert_refused(module, flags: list[str], *words: str) -> None:
+def assert_refused(module, flags: list[str], *words: str) -> str:
     """In process (fast): the flags, parsed as from the command line, raise the script's UserError before any work.
 
     The path from UserError to `error: <sentence>` and exit code 2 is checked once per script through a real
@@ -92,13 +92,16 @@ def assert_refused(module, flags: list[str], *words: str) -> None:
 
     import vlmrm_utils
 
+    outputs = lambda: sorted(Path("runs").rglob("*")) if Path("runs").exists() else None  # noqa: E731
+    before = outputs()
     with pytest.raises(vlmrm_utils.UserError) as error:
         module.main(tyro.cli(module.Args, args=flags))
     message = str(error.value)
     assert "\n" not in message and message.endswith("."), message
     for word in words:
         assert word.lower() in message.lower(), (word, message)
-    assert not Path("runs").exists()  # refused before any output (tests run in a temporary folder)
+    assert outputs() == before  # refused before any output (tests run in a temporary folder)
+    return message
 
 
 def run_timed(

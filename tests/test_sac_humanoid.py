@@ -81,6 +81,44 @@ def test_log_prob_is_the_unit_box_tanh_gaussian_one_as_in_sb3():
     torch.testing.assert_close(deterministic, 0.4 * torch.tanh(mean))  # evaluation and checkpoints: env units
 
 
+def test_log_std_is_hard_clamped_to_sb3s_bounds():
+    envs = SimpleNamespace(
+        single_observation_space=gym.spaces.Box(-np.inf, np.inf, (5,)),
+        single_action_space=gym.spaces.Box(-1, 1, (3,), np.float32),
+    )
+    actor = sac.Actor(envs)
+    with torch.no_grad():
+        actor.fc_logstd.weight.zero_()
+        for bias, expected in [(-30.0, -20.0), (-10.0, -10.0), (1.0, 1.0), (10.0, 2.0)]:  # CleanRL's tanh: -5, -4.2, 1.1, 2
+            actor.fc_logstd.bias.fill_(bias)
+            torch.testing.assert_close(actor(torch.zeros(1, 5))[1], torch.full((1, 3), expected))
+
+
+def test_entropy_coefficient_and_critic_losses_are_sb3s(in_tmp, monkeypatch):
+    """SB3 differentiates its entropy-coefficient loss through log alpha itself: the gradient on log alpha is
+    -(log pi + target entropy), whatever alpha is (CleanRL's exp() form scales it by alpha). Its critic loss is
+    0.5 (mse1 + mse2)."""
+    grads = []
+
+    class Recording(torch.optim.Adam):
+        def step(self, closure=None):
+            params = [p for g in self.param_groups for p in g["params"]]
+            if len(params) == 1 and params[0].numel() == 1:  # the entropy coefficient's optimiser: log alpha alone
+                grads.append(params[0].grad.item())
+            return super().step(closure)
+
+    monkeypatch.setattr(sac.optim, "Adam", Recording)
+    flags = dict(env_id="MountainCarContinuous-v0", reward="gt", num_envs=1, total_timesteps=101, learning_starts=100)
+    flags.update(train_frequency=1, gradient_steps=1, batch_size=64, buffer_size=1000)
+    for ent_coef in (1.0, 0.01):  # the same seed: the same log pi at the first gradient step
+        sac.main(sac.Args(**flags, ent_coef=ent_coef))
+    assert len(grads) == 2 and grads[0] != 0
+    assert grads[1] == pytest.approx(grads[0], rel=1e-4)  # CleanRL's form: 100x smaller at alpha 0.01
+    for run in (in_tmp / "runs").iterdir():
+        losses = {k: v[0][1] for k, v in read_scalars(run).items() if k.startswith("losses/q")}
+        assert losses["losses/qf_loss"] == pytest.approx(0.5 * (losses["losses/qf1_loss"] + losses["losses/qf2_loss"]))
+
+
 def test_defaults_are_the_papers():
     args = sac.Args()
     assert (args.ent_coef, args.autotune) == (1.0, True)  # SB3's automatic coefficient starts at 1.0

@@ -1,0 +1,119 @@
+"""What people who run this for real rely on: runs you can extend, the paper's checkpoints, CleanRL's --track,
+checkpoint paths that are regular files, --evaluate with the run's own settings, messages that fit the input."""
+
+import math
+import os
+import sys
+import threading
+
+import pytest
+import torch
+from conftest import TINY_CLIP, assert_refused, read_scalars, run_script
+
+import vlmrm_dqn_classic as classic
+import vlmrm_utils
+
+GT_RUN = dict(reward="gt", episodes="fixed", episode_length=100, learning_starts=100, save_model=True)
+
+
+def only_run(folder) -> "os.PathLike":
+    (run,) = (folder / "runs").iterdir()
+    return run
+
+
+def test_a_larger_total_timesteps_extends_a_finished_run_in_place(in_tmp):
+    classic.main(classic.Args(**GT_RUN, total_timesteps=400, checkpoint_frequency=200))
+    run = only_run(in_tmp)
+    checkpoint = str(run / "checkpoint.pt")
+    assert_refused(classic, ["--resume", checkpoint, "--total-timesteps", "300"], "--total-timesteps 300", "400")
+    assert_refused(classic, ["--resume", checkpoint, "--total-timesteps", "800", "--gamma", "0.9"], "--gamma")
+    classic.main(classic.Args(resume=checkpoint, total_timesteps=800))
+    assert [p.name for p in (in_tmp / "runs").iterdir()] == [run.name]  # the same run folder
+    steps = [s for s, _ in read_scalars(run)["charts/episodic_return"]]
+    assert steps == [99, 199, 299, 399, 499, 599, 699, 799]  # one TensorBoard history, each episode once (its last step)
+    saved = torch.load(checkpoint, weights_only=False)
+    assert saved["global_step"] == 800 and saved["args"]["total_timesteps"] == 800
+    # epsilon keeps the schedule of the run as first started: it does not jump back up when the run is extended
+    assert saved["schedule_steps"] == 400
+
+
+def test_step_checkpoints_are_all_kept_with_their_training_time_clip_return(in_tmp):
+    clip = dict(clip_model=TINY_CLIP, clip_pretrained="none", goal=("a pole",), baseline=("a cart",))
+    flags = dict(GT_RUN, reward="clip", episode_length=50, total_timesteps=400, checkpoint_frequency=200)
+    classic.main(classic.Args(**flags, **clip))
+    run = only_run(in_tmp)
+    files = sorted((run / "checkpoints").iterdir(), key=lambda p: int(p.stem.split("-")[1]))
+    assert [p.name for p in files] == ["step-200.pt", "step-400.pt"]
+    returns = []
+    for path in files:
+        saved = torch.load(path, weights_only=False)
+        assert {"q_network", "args", "run_name", "global_step", "clip_return"} <= saved.keys()
+        assert saved["global_step"] == int(path.stem.split("-")[1]) and saved["run_name"] == run.name
+        assert math.isfinite(saved["clip_return"])
+        returns.append(saved["clip_return"])
+    # the return recorded is the mean CLIP return of the episodes ended so far, as logged in TensorBoard
+    logged = [v for _, v in read_scalars(run)["charts/clip_return"]]
+    assert returns == pytest.approx([sum(logged[:4]) / 4, sum(logged) / 8], rel=1e-5)
+    # rolled out: a step checkpoint is networks, not a run state
+    assert_refused(classic, ["--resume", str(files[0])], "no resumable training state")
+
+
+def test_evaluate_rolls_out_with_the_runs_own_episode_length(in_tmp):
+    classic.main(classic.Args(**dict(GT_RUN, episode_length=30), total_timesteps=300, checkpoint_frequency=300))
+    run = only_run(in_tmp)
+    classic.main(classic.Args(evaluate=str(run / "checkpoint.pt"), eval_episodes=1))
+    (frames,) = [p for p in (in_tmp / "videos").glob("*/eval-episode-0") if p.is_dir()]
+    assert len(list(frames.glob("*.png"))) == 31  # the reset frame and 30 steps: the run's --episode-length, not 200
+
+
+def test_checkpoint_paths_must_be_regular_files_of_their_own_run(in_tmp):
+    os.mkfifo("pipe.pt")
+    os.mkdir("folder.pt")
+    done = threading.Event()
+    threading.Timer(30, lambda: done.is_set() or os._exit(3)).start()  # a pipe used to wait forever: fail, not hang
+    for flag in ("--resume", "--evaluate"):
+        assert_refused(classic, [flag, "pipe.pt"], "pipe.pt", "not a regular file")
+        assert_refused(classic, [flag, "folder.pt"], "folder.pt", "is a folder")
+    done.set()
+    classic.main(classic.Args(**GT_RUN, total_timesteps=200, checkpoint_frequency=200))
+    run = only_run(in_tmp)
+    os.rename(run / "checkpoint.pt", "copied.pt")  # a checkpoint copied out of its run folder
+    assert_refused(classic, ["--resume", "copied.pt"], f"runs/{run.name}/", "copied.pt")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="W&B offline mode is tested on Linux")
+def test_track_logs_to_weights_and_biases_offline(tmp_path):
+    flags = "--reward gt --episodes fixed --total-timesteps 300 --learning-starts 100 --track --wandb-project-name t"
+    result = run_script("vlmrm_dqn_classic.py", *flags.split(), cwd=tmp_path, env={"WANDB_MODE": "offline"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    run = only_run(tmp_path)
+    (offline,) = (run / "wandb").glob("offline-run-*")
+    (log,) = offline.glob("*.wandb")  # what `wandb sync` uploads later
+    assert b"total_timesteps" in log.read_bytes() and b"learning_starts" in log.read_bytes()  # the flags as config
+    assert any((offline / "files").rglob("events.out.tfevents.*"))  # synced from the TensorBoard logs
+    assert "wandb sync" in result.stdout + result.stderr
+
+
+def test_messages_fit_the_input(in_tmp):
+    # RN50 alone: the tags open_clip has for RN50, not the default tag of ViT-bigG-14 that the user never typed
+    message = assert_refused(classic, ["--clip-model", "RN50", "--goal", "x"], "needs --clip-pretrained", "openai", "yfcc15m")
+    assert "laion2b_s39b_b160k" not in message
+    # cpu:0 is a device torch accepts
+    assert vlmrm_utils.is_device("cpu:0") and vlmrm_utils.is_device("cpu") and not vlmrm_utils.is_device("gpu")
+
+
+def test_the_first_eta_waits_for_measured_speed_and_the_last_is_zero(capsys, monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(vlmrm_utils.time, "time", lambda: now[0])
+    progress = vlmrm_utils.Progress(1000, 0, clip=False, recent=10, interval=0.0)
+    now[0] += 1
+    progress.update(100)  # 1 s in: one second of speed predicts nothing
+    now[0] += 10
+    progress.update(500)
+    now[0] += 10
+    progress.update(1000, final=True)
+    short = vlmrm_utils.Progress(1000, 0, clip=False, recent=10, interval=0.0)
+    now[0] += 2
+    short.update(1000, final=True)  # a run shorter than the wait: done is done
+    lines = capsys.readouterr().out.splitlines()
+    assert "left ?" in lines[0] and "left 11s" in lines[1] and "left 0s" in lines[2] and "left 0s" in lines[3], lines
