@@ -51,7 +51,16 @@ import torch
 import tyro
 
 # One source of truth: rewards, environments and policies are the training scripts' own, as the agent sees them.
-from vlmrm_dqn_classic import DEFAULT_PROMPTS, MOUNTAINCAR_GOAL, CLIPReward, QNetwork, make_env, softmax_reward, vlm_reward
+from vlmrm_dqn_classic import (
+    DEFAULT_NEGATIVES,
+    DEFAULT_PROMPTS,
+    MOUNTAINCAR_GOAL,
+    CLIPReward,
+    QNetwork,
+    make_env,
+    softmax_reward,
+    vlm_reward,
+)
 from vlmrm_sac_humanoid import Actor
 from vlmrm_sac_humanoid import make_env as make_humanoid_env
 from vlmrm_utils import UserError, check_clip_args, check_goal_direction, load_clip, resolve_negatives, same_prompts
@@ -775,7 +784,7 @@ def check_reward_args(args: RewardFlags) -> None:
     if not 0 < args.threshold < 1:
         raise UserError(f"--threshold must be in (0, 1), got {args.threshold}.")
     if SOFTMAX in args.reward_families:
-        args.negatives = resolve_negatives(args.goal, args.negatives, "--reward-families softmax")
+        args.negatives = resolve_negatives(args.goal, args.negatives, "--reward-families softmax", DEFAULT_NEGATIVES)
 
 
 def model_label(clip: ClipArgs) -> str:

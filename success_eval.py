@@ -48,7 +48,7 @@ from epic_eval import (
     read_labels,
 )
 from vlmrm_dqn_classic import MOUNTAINCAR_GOAL
-from vlmrm_utils import UserError
+from vlmrm_utils import UserError, check_clip_args
 
 CARTPOLE_THETA, CARTPOLE_X = 12 * 2 * math.pi / 360, 2.4  # Gymnasium's CartPole limits: "upright"
 Z95 = 1.959963984540054  # the 97.5% quantile of the standard normal
@@ -262,7 +262,7 @@ def rollout(args: Rollout) -> str:
     use_clip = args.clip_return and run.reward == "clip"
     if use_clip:
         try:  # e.g. a --clip-model config path relative to the folder the run was trained in
-            script.check_clip_args(run)
+            check_clip_args(run)
         except UserError as e:
             raise UserError(
                 f"cannot load the run's reward model ({str(e).rstrip('.')}); run from the folder it was trained "
@@ -565,7 +565,7 @@ def best(args: Best) -> str:
             )
     if args.clip_cache_dir is not None:
         first.clip_cache_dir = args.clip_cache_dir
-    loaded[0][2].check_clip_args(first)
+    check_clip_args(first)
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     torch.manual_seed(first.seed)  # as the run built it: the same weights, even for a random-weight test model
     reward_model = reward_model_for(loaded[0][2], first, device)

@@ -364,7 +364,10 @@ def nothing_expensive(monkeypatch, tmp_path):
         ),
         (["--clip-models", "RN50", "RN50", "--clip-pretrained", "openai"], ["the same model twice"]),
         (["--clip-models", "NoSuchNet"], ["not an open_clip architecture"]),
-        (["--clip-models", "RN50", "--clip-pretrained", "nosuchtag"], ["not a pretrained tag of RN50"]),
+        (
+            ["--clip-models", "RN50", "--clip-pretrained", "nosuchtag"],
+            ["--clip-model RN50 needs --clip-pretrained", "nosuchtag is not one of them"],
+        ),
         (["--clip-models", "RN50", "ViT-B-32", "--clip-checkpoint", "w.pt"], ["--clip-checkpoint is a weights file for one"]),
         (["--reward-families"], ["--reward-families needs at least one of: projection, softmax"]),
         (["--reward-families", "softmax", "--goal", "a pole"], ["needs at least one non-empty --negatives prompt"]),
