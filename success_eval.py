@@ -113,14 +113,18 @@ class Report:
 
 @dataclass
 class Best:
-    """Among checkpoints of runs of one configuration, the one with the highest mean CLIP return on evaluation rollouts."""
+    """Among runs of one configuration and their saved steps, the checkpoint with the highest CLIP return: by default
+    the training-time CLIP return each checkpoint records (the paper's criterion), or on new evaluation rollouts."""
 
     checkpoints: tuple[str, ...] = ()
-    """checkpoint files (default: every checkpoint.pt under --runs)"""
+    """checkpoint files (default: every runs/<run>/checkpoints/step-<N>.pt under --runs, and each run's checkpoint.pt)"""
     runs: str = "runs"
     """folder searched for checkpoints when none are given"""
+    by: Literal["training", "rollouts"] = "training"
+    """training: the training-time CLIP return stored in each checkpoint (mean of the run's last 100 episodes when it was
+    saved, as the paper chose); rollouts: the mean CLIP return of --episodes new evaluation rollouts of each"""
     episodes: int = 10
-    """evaluation episodes per checkpoint"""
+    """--by rollouts: evaluation episodes per checkpoint"""
     deterministic: bool = False
     """if toggled, greedy/mean actions (default: stochastic, as `rollout`)"""
     seed: Optional[int] = None
@@ -592,42 +596,63 @@ def report(args: Report) -> list[dict]:
 # ----------------------------------------------------------------------------------------------
 # best
 # ----------------------------------------------------------------------------------------------
-REWARD_FLAGS = [
-    "env_id",
-    "reward",
-    "clip_model",
-    "clip_pretrained",
-    "clip_checkpoint",
-    "goal",
-    "baseline",
-    "alpha",
-    "reward_family",
-    "negatives",
-    "temperature",
-    "threshold",
-    "soft",
-    "antialias",
-]
+# every flag that changes what a CLIP return means: the reward itself, and what it is summed over (the episode's
+# length, the frames CLIP sees); returns of checkpoints that differ in any of them do not compare
+LIKE_FLAGS = """env_id reward clip_model clip_pretrained clip_checkpoint goal baseline alpha reward_family negatives
+temperature threshold soft antialias episodes episode_length realistic render_size render_quality camera""".split()
 
 
-def best(args: Best) -> str:
-    """Rolls every checkpoint out under the runs' own CLIP reward; prints each mean return and returns the best path."""
-    if args.episodes < 1:
-        raise UserError(f"--episodes must be a positive integer, got {args.episodes}.")
-    paths = list(args.checkpoints) or sorted(glob.glob(os.path.join(args.runs, "**", "checkpoint.pt"), recursive=True))
-    if not paths:
-        raise UserError(f"no checkpoint.pt under {args.runs}; pass checkpoint files or train with --save-model.")
-    loaded = [(path, *load_checkpoint(path)) for path in paths]
-    first = loaded[0][3]
+def find_checkpoints(runs: str) -> list[str]:
+    """The paper's kept checkpoints: every checkpoints/step-<N>.pt of every run, and each run's checkpoint.pt (its last
+    state, e.g. at the end of training between two --checkpoint-frequency steps)."""
+    steps = glob.glob(os.path.join(runs, "**", "checkpoints", "step-*.pt"), recursive=True)
+    return sorted(steps + glob.glob(os.path.join(runs, "**", "checkpoint.pt"), recursive=True))
+
+
+def run_and_step(path: str, checkpoint: dict) -> tuple[str, object]:
+    """(run folder, step) of a checkpoint: a checkpoint.pt saved at a kept step is the same policy as its step file."""
+    folder = os.path.dirname(path)
+    return (os.path.dirname(folder) if os.path.basename(folder) == "checkpoints" else folder), checkpoint.get("global_step")
+
+
+def check_like_with_like(loaded: list[tuple]) -> None:
+    """CLIP returns compare only under one reward and one way of summing it (a 20-step episode sums fewer rewards)."""
+    first_path, first = loaded[0][0], loaded[0][3]
     if first.reward != "clip":
-        raise UserError(f"{paths[0]} was trained with --reward gt: there is no CLIP return to choose by.")
+        raise UserError(f"{first_path} was trained with --reward gt: there is no CLIP return to choose by.")
     for path, _, _, run in loaded[1:]:
-        differ = [k for k in REWARD_FLAGS if getattr(run, k) != getattr(first, k)]
+        differ = [k for k in LIKE_FLAGS if getattr(run, k, None) != getattr(first, k, None)]
         if differ:
             raise UserError(
-                f"{path} differs from {paths[0]} in {', '.join('--' + k.replace('_', '-') for k in differ)}; "
-                "CLIP returns compare only under one reward: pass runs of one configuration."
+                f"{path} differs from {first_path} in {', '.join('--' + k.replace('_', '-') for k in differ)}; "
+                "CLIP returns compare only under one reward and episode: pass runs of one configuration."
             )
+
+
+def training_returns(loaded: list[tuple]) -> dict[str, float]:
+    """The training-time CLIP return each checkpoint records; those saved before any episode ended (nan) are left out."""
+    returns = {}
+    for path, checkpoint, _, _ in loaded:
+        value = checkpoint.get("clip_return")
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise UserError(
+                f"{path} records no training-time CLIP return (saved by an older version); pass --by rollouts to choose "
+                "by new evaluation rollouts."
+            )
+        if math.isfinite(value):
+            step = checkpoint.get("global_step", "?")
+            print(f"{path}: training-time CLIP return {value:.4f} (mean of the last episodes at step {step})")
+            returns[path] = float(value)
+        else:
+            print(f"{path}: no training-time CLIP return yet (no episode had ended): left out")
+    if not returns:
+        raise UserError("no checkpoint has a training-time CLIP return yet (each was saved before an episode ended).")
+    return returns
+
+
+def rollout_returns(args: "Best", loaded: list[tuple]) -> dict[str, float]:
+    """The mean CLIP return of --episodes new rollouts of each checkpoint, under the runs' one reward model."""
+    first = loaded[0][3]
     if args.clip_cache_dir is not None:
         first.clip_cache_dir = args.clip_cache_dir
     check_clip_args(first)
@@ -644,12 +669,37 @@ def best(args: Best) -> str:
         envs.close()
         means[path] = float(np.mean(returns))
         print(f"{path}: mean CLIP return {means[path]:.4f} (std {np.std(returns):.4f}) over {args.episodes} episodes")
+    return means
+
+
+def best(args: Best) -> str:
+    """Prints each checkpoint's CLIP return (training-time, or on new rollouts) and returns the best path."""
+    if args.episodes < 1:
+        raise UserError(f"--episodes must be a positive integer, got {args.episodes}.")
+    paths = list(args.checkpoints) or find_checkpoints(args.runs)
+    if not paths:
+        raise UserError(
+            f"no checkpoint under {args.runs} (runs/<run>/checkpoints/step-<N>.pt or checkpoint.pt); pass checkpoint "
+            "files or train with --save-model."
+        )
+    loaded = [(path, *load_checkpoint(path)) for path in paths]
+    if not args.checkpoints:  # found under --runs: a checkpoint.pt that repeats a kept step is counted once
+        kept = {run_and_step(path, c) for path, c, _, _ in loaded if os.path.basename(path) != "checkpoint.pt"}
+        loaded = [x for x in loaded if os.path.basename(x[0]) != "checkpoint.pt" or run_and_step(x[0], x[1]) not in kept]
+    check_like_with_like(loaded)
+    means = training_returns(loaded) if args.by == "training" else rollout_returns(args, loaded)
     chosen = max(means, key=means.get)
     others = sorted((v for p, v in means.items() if p != chosen), reverse=True)
+    how = "training-time CLIP return" if args.by == "training" else "mean CLIP return"
+    over = (
+        "the mean of the run's last episodes when it was saved"
+        if args.by == "training"
+        else f"over {args.episodes} {'deterministic' if args.deterministic else 'stochastic'} episodes each"
+    )
     print(
-        f"best: {chosen}: the highest mean CLIP return, {means[chosen]:.4f}"
+        f"best: {chosen}: the highest {how}, {means[chosen]:.4f}"
         + (f" (next best {others[0]:.4f})" if others else " (the only checkpoint)")
-        + f", over {args.episodes} {'deterministic' if args.deterministic else 'stochastic'} episodes each"
+        + f", {over}"
     )
     return chosen
 

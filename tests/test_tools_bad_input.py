@@ -161,6 +161,12 @@ CASES = {  # id: (command, the edit that breaks a good file, words the one sente
     # best
     "best-none": (BEST[:-1] + ["nothing"], None, ["no checkpoint"]),
     "best-episodes-0": (BEST + ["--episodes", "0"], None, ["--episodes must be a positive integer"]),
+    "best-no-clip-return": (BEST, lambda root: write_checkpoint(root / "runs/b/checkpoint.pt"), ["records no training-time"]),
+    "best-nan-clip-return": (
+        BEST,
+        lambda root: [write_checkpoint(root / f"runs/{r}/checkpoint.pt", clip_return=float("nan")) for r in "ab"],
+        ["no checkpoint has a training-time CLIP return"],
+    ),  # noqa: E501
     "best-gt-run": (BEST, lambda root: write_checkpoint(root / "runs/a/checkpoint.pt", reward="gt"), ["--reward gt"]),
     # study
     "study-epic-0-bytes": (STUDY, write("epic.csv", ""), ["--epic epic.csv is empty"]),
@@ -250,6 +256,7 @@ def test_the_good_files_pass(files, capsys):
     """The table's files before each edit are good: each case fails for its own edit alone."""
     table = se.report(se.Report(rollouts=("r",), out="out/success"))
     assert (table[0]["n"], table[0]["successes"]) == (3, 2)
+    assert se.best(se.Best(runs="runs")) == os.path.join("runs", "a", "checkpoint.pt")
     assert len(se.study(se.Study(epic=("epic.csv",), success=("success.csv",), model_params=("RN50=1e8",), out="o"))) == 2
     assert epic_eval.label_values("ds", "gt")[1].tolist() == [0, 1, 0, 1]
 
