@@ -586,11 +586,6 @@ def evaluate(actor, eval_envs, device, reward_model, episodes, seed):
     return results
 
 
-# what --evaluate takes from the checkpoint unless given: the env, the frames CLIP saw and the reward model
-EVALUATE_AS_TRAINED = """env_id episodes episode_length render_size render_quality realistic camera reward goal baseline alpha
-clip_model clip_pretrained clip_checkpoint clip_cache_dir reward_family negatives temperature threshold soft antialias"""
-
-
 # ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
@@ -600,7 +595,7 @@ def main(args: Args) -> None:
         checkpoint = utils.read_checkpoint(args.resume, Args)
         args = utils.resumed_args(args, checkpoint)
     if args.evaluate is not None:  # the run's own env, CLIP model and frames, unless a flag says otherwise
-        args = utils.evaluated_args(args, EVALUATE_AS_TRAINED)
+        args = utils.evaluated_args(args)
     check_args(args)
     if args.episodes == "auto":  # resolved once: a checkpoint keeps the resolved value
         args.episodes = "fixed" if args.reward == "clip" else "stock"
