@@ -61,9 +61,7 @@ class Args:  # the help of each flag is the comment after it
     reward: Literal["clip", "gt"] = "clip"  # learn from the CLIP reward, or the ground truth (upright; at the flag)
     goal: Optional[tuple[str, ...]] = None  # goal prompt(s); default: a description of the task's goal state
     baseline: Optional[tuple[str, ...]] = None  # baseline prompt(s) of the projection; default: a scene description
-    alpha: Optional[float] = (
-        None  # strength in [0, 1] (0: cosine similarity; 1: only goal - baseline); default 0, MountainCar 0.5
-    )
+    alpha: Optional[float] = None  # goal-baseline strength in [0, 1] (0: cosine similarity); default 0, MountainCar 0.5
     clip_model: str = "ViT-bigG-14"  # open_clip architecture name, or the path of an open_clip model config (.json)
     clip_pretrained: str = "laion2b_s39b_b160k"  # open_clip pretrained tag ("none" = random weights, for tests only)
     clip_checkpoint: Optional[str] = None  # local weights file for `--clip-model` (overrides `--clip-pretrained`)

@@ -70,9 +70,7 @@ class Args:  # the help of each flag is the comment after it
     reward: Literal["clip", "gt"] = "clip"  # learn from the CLIP reward, or from the environment's own (e.g. to check SAC)
     goal: tuple[str, ...] = ("a humanoid robot kneeling",)  # goal prompt(s); MountainCar: its own default
     baseline: tuple[str, ...] = ("a humanoid robot",)  # baseline prompt(s) of the goal-baseline projection
-    alpha: Optional[float] = (
-        None  # strength in [0, 1] (0: cosine similarity; 1: only goal - baseline); default 0, MountainCar 0.5
-    )
+    alpha: Optional[float] = None  # goal-baseline strength in [0, 1] (0: cosine similarity); default 0, MountainCar 0.5
     clip_model: str = "ViT-bigG-14"  # open_clip architecture name, or the path of an open_clip model config (.json)
     clip_pretrained: str = "laion2b_s39b_b160k"  # open_clip pretrained tag ("none" = random weights, for tests only)
     clip_checkpoint: Optional[str] = None  # local weights file for --clip-model (overrides --clip-pretrained)
