@@ -10,7 +10,7 @@ One file, three subcommands:
     # 1. states + frames, from random actions (or --policy: a checkpoint.pt of either training script)
     python epic_eval.py collect --env-id CartPole-v1 --num-frames 200 --out data/cartpole
     # 2. label them in the browser at http://127.0.0.1:8765 (keys: 1 success, 0 failure, s skip, Backspace back);
-    #    the page is epic_eval_label.html, next to this script
+    #    the page is label_server.py's label_page.html, next to this script
     python epic_eval.py label --dataset data/cartpole
     # 3. EPIC (with a bootstrap interval), ROC AUC and PR AUC per model and alpha -> runs/<run_name>/
     python epic_eval.py score --dataset data/cartpole --clip-models RN50 ViT-L-14 --clip-pretrained openai \
@@ -24,18 +24,13 @@ columns, gt), <dataset>/labels.csv (frame, label, time; append-only, the last la
 """
 
 import csv
-import datetime
-import http.server
-import io
 import json
 import math
 import os
 import random
 import shutil
 import sys
-import threading
 import time
-import urllib.parse
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,6 +44,9 @@ import imageio.v2 as imageio
 import numpy as np
 import torch
 import tyro
+
+# The label page and labels.csv are label_server.py's, shared with success_eval.py.
+from label_server import FRAMES, SKIP, is_number, is_plain_file_name, make_label_server, read_labels, serve
 
 # One source of truth: rewards, environments and policies are the training scripts' own, as the agent sees them.
 from vlmrm_dqn_classic import (
@@ -368,16 +366,6 @@ def collect(args: Collect) -> None:
 # ----------------------------------------------------------------------------------------------
 # Dataset: loading and checking (one sentence per problem)
 # ----------------------------------------------------------------------------------------------
-LABELS_HEADER = ["frame", "label", "time"]
-SKIP = "skip"  # a frame the labeller could not judge: kept in labels.csv, left out of every metric
-
-
-def is_plain_file_name(name: object) -> bool:
-    """A file directly inside a folder: no separators, not '.' or '..', no control characters (a CSV line each)."""
-    ok = isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\")
-    return ok and all(ord(c) >= 32 and ord(c) != 127 for c in name)
-
-
 def load_states(dataset: str) -> list[dict]:
     """Rows of states.csv, after checking that the dataset exists, is not empty and has all its frames."""
     states_path = os.path.join(dataset, "states.csv")
@@ -412,31 +400,6 @@ def load_states(dataset: str) -> list[dict]:
     return rows
 
 
-def read_labels(dataset: str, frames: set[str]) -> dict[str, str]:
-    """The last label given to each frame in labels.csv (raw strings: numbers or 'skip'); {} if none yet."""
-    path = os.path.join(dataset, "labels.csv")
-    if not os.path.isfile(path):
-        return {}
-    with open(path, newline="") as f:
-        lines = f.read().splitlines()
-    if not lines:
-        return {}
-    if next(csv.reader(lines[:1])) != LABELS_HEADER:
-        raise UserError(
-            f"{path} does not start with the header {','.join(LABELS_HEADER)}; it was not written by `epic_eval.py label`."
-        )
-    labels: dict[str, str] = {}
-    # one line at a time: a line cut short inside a quoted name must not swallow the next one
-    for line_number, row in enumerate((next(csv.reader([line]), []) for line in lines[1:]), start=2):
-        if len(row) < 3 or not row[2]:  # a write cut short by a crash before the time: never acknowledged
-            print(f"warning: ignoring the incomplete line {line_number} of {path}: {','.join(row)!r}")
-            continue
-        if row[0] not in frames:
-            raise UserError(f"{path} line {line_number} names frame {row[0]!r}, which is not in states.csv.")
-        labels[row[0]] = row[1].strip()
-    return labels
-
-
 def label_values(dataset: str, source: str) -> tuple[list[str], np.ndarray]:
     """(frames, numeric labels) to score: human labels from labels.csv (skips left out) or the gt column."""
     rows = load_states(dataset)
@@ -449,7 +412,7 @@ def label_values(dataset: str, source: str) -> tuple[list[str], np.ndarray]:
         raw = {r["frame"]: r["gt"] for r in rows if r["gt"] != ""}
         where = "the gt column of states.csv"
     else:
-        raw = {k: v for k, v in read_labels(dataset, {r["frame"] for r in rows}).items() if v != SKIP}
+        raw = {k: v for k, v in read_labels(dataset, {r["frame"] for r in rows}, FRAMES, graded=True).items() if v != SKIP}
         where = "labels.csv"
         if not raw:
             raise UserError(
@@ -464,14 +427,6 @@ def label_values(dataset: str, source: str) -> tuple[list[str], np.ndarray]:
             f"labels must be numbers (1 success, 0 failure) or '{SKIP}'."
         )
     return frames, np.array([float(raw[f]) for f in frames])
-
-
-def is_number(text: str) -> bool:
-    """A finite number as float() reads it ("1", "0", "0.5"); not "yes", "nan" or "inf"."""
-    try:
-        return math.isfinite(float(text))
-    except ValueError:
-        return False
 
 
 def unreadable_frame(dataset: str, frame: str, error: Exception) -> UserError:
@@ -518,154 +473,21 @@ def read_frames(dataset: str, frames: list[str]) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------
-# Label page: a local web server, standard library only; labels.csv is append-only
+# Label page: label_server.py's, over the dataset's frames
 # ----------------------------------------------------------------------------------------------
-def append_label(path: str, frame: str, label: str) -> None:
-    """Append one label and fsync before answering: a label the page shows as saved survives a kill."""
-    new = not os.path.exists(path) or os.path.getsize(path) == 0
-    with open(path, "a+b") as f:  # append mode: existing labels are never rewritten or truncated
-        if not new:
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":  # an earlier write was cut short: keep it on a line of its own
-                f.write(b"\n")
-        line = io.StringIO()  # the csv module quotes a frame name with a comma or a quote in it
-        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        csv.writer(line, lineterminator="\n").writerows(([LABELS_HEADER] if new else []) + [[frame, label, now]])
-        f.write(line.getvalue().encode())
-        f.flush()
-        os.fsync(f.fileno())
-    if new:  # make the new file's directory entry durable too
-        dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-
-# the page is its own file, next to this script: HTML, CSS and JavaScript, no build step
-LABEL_PAGE = (Path(__file__).parent / "epic_eval_label.html").read_text(encoding="utf-8")
-MAX_LABEL_BODY = 4096  # bytes; a label request is about 50: a bigger one is refused before it is read
-LABEL_PAGE_CSP = "frame-ancestors 'none'"  # with X-Frame-Options: no other site can frame the page (clickjacking)
-
-
-def make_label_server(dataset: str, port: int, task: str, items=None, media="frames", media_type="image/png", page=LABEL_PAGE):
-    """A server for the label page, bound to 127.0.0.1; `port` 0 picks a free one (see server.server_port).
-
-    `items` (files in <dataset>/<media>/, served as `media_type`) default to the frames of states.csv; success_eval.py
-    passes its episode videos and episode page."""
-    frames = items if items is not None else [r["frame"] for r in load_states(dataset)]
-    frame_set = set(frames)
-    labels_path = os.path.join(dataset, "labels.csv")
-    read_labels(dataset, frame_set)  # refuse to append to a labels.csv we could not read back
-    lock = threading.Lock()
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        timeout = 10  # seconds per socket read or write: a stalled client never holds a handler thread
-
-        def log_message(self, *args) -> None:  # keep the terminal for our own messages
-            pass
-
-        def end_headers(self) -> None:  # every response, the standard library's error pages included
-            # a browser enforces every Content-Security-Policy header it gets: ours holds beside any other
-            self.send_header("X-Frame-Options", "DENY")
-            self.send_header("X-Content-Type-Options", "nosniff")
-            self.send_header("Content-Security-Policy", LABEL_PAGE_CSP)
-            super().end_headers()
-
-        def _send(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header("Cache-Control", "no-store")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def _local(self) -> bool:
-            # only pages served from here may talk to us: a foreign Host (DNS rebinding) is refused
-            port_ = self.server.server_port
-            return self.headers.get("Host") in (f"127.0.0.1:{port_}", f"localhost:{port_}")
-
-        def do_GET(self) -> None:
-            path = self.path.split("?")[0]
-            # the page asks for frames/<encodeURIComponent(name)>; no file but a listed frame is ever served
-            name = urllib.parse.unquote(path[len(f"/{media}/") :]) if path.startswith(f"/{media}/") else None
-            if not self._local():
-                self._send(403, b"forbidden host\n")
-            elif path == "/":
-                self._send(200, page.encode(), "text/html; charset=utf-8")
-            elif path == "/api/state":
-                with lock:
-                    state = {"frames": frames, "labels": read_labels(dataset, frame_set), "task": task}
-                self._send(200, json.dumps(state).encode(), "application/json")
-            elif is_plain_file_name(name) and name in frame_set:
-                with open(os.path.join(dataset, media, name), "rb") as f:
-                    self._send(200, f.read(), media_type)
-            else:
-                self._send(404, b"not found\n")
-
-        def do_POST(self) -> None:
-            self.close_connection = True  # the body of a refused request is never read: the connection is not reused
-            code, answer = self._save_label() if self._local() else (403, b"forbidden host\n")
-            if code is not None:  # None: the client left mid-request, nobody to answer
-                try:
-                    self._send(code, answer, "application/json" if code == 200 else "text/plain; charset=utf-8")
-                except OSError:  # a stalled client that has gone meanwhile
-                    pass
-
-        def _save_label(self) -> tuple[Optional[int], bytes]:
-            """(status, answer) of a label request; the label is on disk before the 200 answer."""
-            if self.path != "/api/label":
-                return 404, b"not found\n"
-            # JSON only: a cross-site form cannot send it without a CORS preflight, which we never answer
-            if self.headers.get("Content-Type", "").split(";")[0].strip() != "application/json":
-                return 415, b"send application/json\n"
-            length = self.headers.get("Content-Length", "")
-            if not (length.isascii() and length.isdigit()):  # missing, negative or not a number: nothing to read safely
-                return 400, b"send a Content-Length\n"
-            if int(length) > MAX_LABEL_BODY:
-                return 413, f"a label request is at most {MAX_LABEL_BODY} bytes\n".encode()
-            try:
-                data = self.rfile.read(int(length))
-            except (TimeoutError, ConnectionError):  # a stalled or vanished client: nothing acknowledged, nothing saved
-                return 408, b"the request body did not arrive in time; nothing was saved\n"
-            if len(data) != int(length):  # the client closed before sending the whole body: it never sees an answer
-                return None, b""
-            try:
-                body = json.loads(data)
-                frame, label = body["frame"], body["label"]
-            except (ValueError, KeyError, TypeError, RecursionError):
-                return 400, b'expected {"frame": ..., "label": ...}\n'
-            if not isinstance(frame, str) or frame not in frame_set or label not in ("1", "0", SKIP):
-                return 400, f"unknown frame or label (labels: 1, 0, {SKIP})\n".encode()
-            with lock:
-                append_label(labels_path, frame, label)
-            return 200, b'{"saved": true}'
-
-    try:
-        return http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    except OSError as e:
-        raise UserError(
-            f"cannot listen on 127.0.0.1:{port} ({e.strerror}); pass another --port, or --port 0 for any free one."
-        ) from None
+def make_frame_server(dataset: str, port: int, task: Optional[str] = None):
+    """label_server's page and server over a dataset: its frames, its labels.csv."""
+    rows = load_states(dataset)
+    env_id = rows[0]["env_id"]
+    task = task or PROMPTS.get(env_id, (env_id,))[0]
+    return make_label_server(dataset, port, task, [r["frame"] for r in rows], FRAMES)
 
 
 def label(args: Label) -> None:
+    server = make_frame_server(args.dataset, args.port, args.task)
     rows = load_states(args.dataset)
-    env_id = rows[0]["env_id"]
-    task = args.task or PROMPTS.get(env_id, (env_id,))[0]
-    server = make_label_server(args.dataset, args.port, task)
-    done = len(read_labels(args.dataset, {r["frame"] for r in rows}))
-    print(
-        f"labelling {len(rows)} frames of {args.dataset} ({done} already labelled); open "
-        f"http://127.0.0.1:{server.server_port}/ - keys: 1 success, 0 failure, s skip, Backspace back. "
-        "Every label is on disk when the page says saved; stop with Ctrl-C at any time."
-    )
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        print(f"\nstopped; labels are in {os.path.join(args.dataset, 'labels.csv')}")
-    finally:
-        server.server_close()
+    done = len(read_labels(args.dataset, {r["frame"] for r in rows}, FRAMES, graded=True))
+    serve(server, args.dataset, f"labelling {len(rows)} frames of {args.dataset} ({done} already labelled)")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -38,14 +38,8 @@ import tyro
 # One source of truth: the environments, networks and reward model are the training scripts' own.
 import vlmrm_dqn_classic as dqn
 import vlmrm_sac_humanoid as sac
-from epic_eval import (
-    LABEL_PAGE,
-    SKIP,
-    ClipArgs,
-    make_label_server,
-    model_label,
-    read_labels,
-)
+from epic_eval import ClipArgs, model_label
+from label_server import SKIP, VIDEOS, make_label_server, read_labels, serve
 from vlmrm_dqn_classic import MOUNTAINCAR_GOAL
 from vlmrm_utils import (
     UserError,
@@ -387,9 +381,9 @@ def read_policy(path: str) -> dict:
 
 
 def read_episodes(path: str) -> list[dict]:
-    rows, videos = read_csv(path, EPISODE_COLUMNS), set()
+    rows = read_csv(path, EPISODE_COLUMNS)
     if not rows:
-        raise UserError(f"{path} lists no episodes; roll the checkpoint out again with `success_eval.py rollout`.")
+        raise UserError(f"{path} lists no episodes to judge; roll the checkpoint out again with `success_eval.py rollout`.")
 
     def problem(row: dict) -> Optional[str]:
         for key in ("episode", "seed", "steps"):
@@ -400,12 +394,7 @@ def read_episodes(path: str) -> list[dict]:
                 return f"{key} {row[key]!r} is not a number"
         if row["gt_success"] not in ("", "0", "1"):
             return f"gt_success {row['gt_success']!r} is not 0, 1 or blank"
-        video = row["video"]
-        plain = video not in ("", ".", "..") and "/" not in video and "\\" not in video and video.isprintable()
-        if not plain or video in videos:
-            return f"the video {row['video']!r} is not a file name of its own in videos/"
-        videos.add(row["video"])
-        return None
+        return None  # the video names: label_server checks them where they are served
 
     for line, row in rows:
         reason = problem(row)
@@ -424,52 +413,20 @@ def is_finite_number(text: str) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
-# label: epic_eval.py's page and server, one episode video at a time
+# label: label_server.py's page and server, one episode video at a time
 # ----------------------------------------------------------------------------------------------
-def episode_page() -> str:
-    """epic_eval's label page, showing episode videos instead of frames (same keys, saving and resuming)."""
-    page = LABEL_PAGE
-    for old, new in [
-        ("<title>label frames</title>", "<title>judge episodes</title>"),
-        ('<img id="frame" alt="frame">', '<video id="frame" autoplay loop muted playsinline controls></video>'),
-        ("frames labelled (", "episodes judged ("),
-        ('"frames/" + encodeURIComponent(frame)', '"videos/" + encodeURIComponent(frame)'),
-        (
-            'if (index + 1 < frames.length) new Image().src = "frames/" + encodeURIComponent(frames[index + 1]);',
-            "",
-        ),  # no prefetch: a video starts playing as it arrives
-        ("<div>frame <span", "<div>episode <span"),
-    ]:
-        if page.count(old) != 1:
-            raise RuntimeError(f"epic_eval.LABEL_PAGE changed: {old!r} not found once")
-        page = page.replace(old, new)
-    return page
-
-
 def make_episode_server(folder: str, port: int, task: Optional[str] = None):
-    """epic_eval's label server over a rollout folder: its videos, its labels.csv, the episode page."""
+    """label_server's page and server over a rollout folder: its videos, its labels.csv."""
     policy, rows = read_rollouts(folder)
     task = task or " / ".join(policy["args"].get("goal") or [policy["args"]["env_id"]])
-    return make_label_server(
-        folder, port, task, items=[r["video"] for r in rows], media="videos", media_type="video/mp4", page=episode_page()
-    )
+    return make_label_server(folder, port, task, [r["video"] for r in rows], VIDEOS)
 
 
 def label(args: Label) -> None:
     server = make_episode_server(args.rollouts, args.port, args.task)
     videos = [r["video"] for r in read_rollouts(args.rollouts)[1]]
-    done = len(read_labels(args.rollouts, set(videos)))
-    print(
-        f"judging {len(videos)} episodes of {args.rollouts} ({done} already judged); open "
-        f"http://127.0.0.1:{server.server_port}/ - keys: 1 success, 0 failure, s skip, Backspace back. "
-        "Every verdict is on disk when the page says saved; stop with Ctrl-C at any time."
-    )
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        print(f"\nstopped; verdicts are in {os.path.join(args.rollouts, 'labels.csv')}")
-    finally:
-        server.server_close()
+    done = len(read_labels(args.rollouts, set(videos), VIDEOS))
+    serve(server, args.rollouts, f"judging {len(videos)} episodes of {args.rollouts} ({done} already judged)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -533,13 +490,7 @@ def judge_folder(folder: str, judge: str) -> dict:
             )
         verdicts = [int(r["gt_success"]) for r in rows]
     else:
-        labels = read_labels(folder, {r["video"] for r in rows})
-        odd = next(((video, v) for video, v in labels.items() if v not in ("0", "1", SKIP)), None)
-        if odd is not None:  # the page writes only these: a hand edit, never silently left out
-            raise UserError(
-                f"{os.path.join(folder, 'labels.csv')} gives {odd[0]} the verdict {odd[1]!r}; verdicts are 1, 0 or "
-                f"{SKIP}: judge it again with `python success_eval.py label --rollouts {folder}`."
-            )
+        labels = read_labels(folder, {r["video"] for r in rows}, VIDEOS)
         verdicts = [int(labels[r["video"]]) for r in rows if labels.get(r["video"], SKIP) in ("0", "1")]
     n, k = len(verdicts), sum(verdicts)
     low, high = wilson(k, n)

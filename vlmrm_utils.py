@@ -792,12 +792,17 @@ def check_checkpoint_disk(args, networks: dict[str, dict]) -> None:
         )
 
 
-def evaluated_args(args, keys: str):
+# what --evaluate takes from the checkpoint unless given: the env, the frames CLIP saw and the reward model
+EVALUATE_AS_TRAINED = """env_id episodes episode_length render_size render_quality realistic camera reward goal baseline alpha
+clip_model clip_pretrained clip_checkpoint clip_cache_dir reward_family negatives temperature threshold soft antialias"""
+
+
+def evaluated_args(args):
     """--evaluate rolls out with the run's own CLIP model, render size and quality, look, camera and episodes (the
     checkpoint stores them), unless the user set a flag to another value than its default."""
     saved, default = read_checkpoint(args.evaluate, type(args), "--evaluate")["args"], vars(type(args)())
-    for key in keys.split():
-        if key in saved and getattr(args, key) == default[key]:
+    for key in EVALUATE_AS_TRAINED.split():
+        if key in saved and key in default and getattr(args, key) == default[key]:
             setattr(args, key, saved[key])
     return args
 

@@ -1,5 +1,5 @@
-"""Tests of epic_eval.py: the metric, the dataset checks, collect -> score end to end, and the label page
-(over HTTP, and in a real headless chromium driven through chromedriver's WebDriver HTTP API)."""
+"""Tests of epic_eval.py: the metric, the dataset checks, collect -> score end to end (the label page it serves is
+label_server.py's: tests/test_label_server.py)."""
 
 import csv
 import hashlib
@@ -8,15 +8,9 @@ import math
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
-import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
-from http.client import HTTPConnection
 
 import numpy as np
 import pytest
@@ -26,6 +20,7 @@ sys.path.insert(0, ROOT)
 from conftest import assert_clean_error  # noqa: E402
 
 import epic_eval  # noqa: E402
+import label_server  # noqa: E402
 import vlmrm_dqn_classic  # noqa: E402
 from epic_eval import UserError, average_precision, bootstrap_epic, epic_distance, roc_auc  # noqa: E402
 
@@ -411,7 +406,7 @@ def test_dataset_problems_are_one_sentence_errors(cartpole_dataset, tmp_path, mo
     ds = copy_dataset(cartpole_dataset, str(tmp_path / "words"))
     write_labels(ds, ["000000.png,1,t", "000001.png,yes,t"])
     words_labels = file_hash(os.path.join(ds, "labels.csv"))
-    with pytest.raises(UserError, match="label 'yes' of frame 000001.png in labels.csv is not a number"):
+    with pytest.raises(UserError, match=r"label 'yes' of frame 000001.png on line 3 of .*labels.csv is not a number"):
         epic_eval.score(score_args(ds))
     # an empty dataset, no dataset, no labels yet
     ds = str(tmp_path / "empty")
@@ -591,330 +586,10 @@ def test_human_labels_use_the_last_label_per_frame_and_leave_skips_out(cartpole_
         f.write("000004.png,s")
     assert epic_eval.label_values(ds, "human")[0] == frames
     # and the next label starts on a line of its own, keeping the broken one as it was
-    epic_eval.append_label(os.path.join(ds, "labels.csv"), "000005.png", "1")
+    label_server.append_label(os.path.join(ds, "labels.csv"), "000005.png", "1")
     assert epic_eval.label_values(ds, "human")[0] == frames + ["000005.png"]
     with open(os.path.join(ds, "labels.csv")) as f:
         assert f.read().splitlines()[-2:][0] == "000004.png,s"
-
-
-# ---------------------------------------------------------------------------------------------- label page over HTTP
-class LabelServer:
-    def __init__(self, dataset: str):
-        self.server = epic_eval.make_label_server(dataset, 0, "pole upright?")
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(5)
-
-
-def http(url: str, body=None, headers=None) -> tuple[int, bytes]:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-def test_label_page_round_trip_over_http(cartpole_dataset, tmp_path):
-    ds = copy_dataset(cartpole_dataset, str(tmp_path / "ds"))
-    labels_csv = os.path.join(ds, "labels.csv")
-    server = LabelServer(ds)
-    try:
-        assert server.server.server_address[0] == "127.0.0.1"
-        status, page = http(server.url + "/")
-        assert status == 200 and b"api/label" in page
-        status, body = http(server.url + "/api/state")
-        state = json.loads(body)
-        assert status == 200 and len(state["frames"]) == 60 and state["labels"] == {} and state["task"] == "pole upright?"
-        status, png = http(server.url + "/frames/000000.png")
-        assert status == 200 and png[:8] == b"\x89PNG\r\n\x1a\n"
-        for frame, value in [("000000.png", "1"), ("000001.png", "0"), ("000002.png", "skip"), ("000000.png", "0")]:
-            assert http(server.url + "/api/label", {"frame": frame, "label": value})[0] == 200
-        # the label is on disk when the server answers
-        with open(labels_csv) as f:
-            lines = f.read().splitlines()
-        assert lines[0] == "frame,label,time" and [line.split(",")[:2] for line in lines[1:]] == [
-            ["000000.png", "1"],
-            ["000001.png", "0"],
-            ["000002.png", "skip"],
-            ["000000.png", "0"],
-        ]
-        # refused: unknown frame or label, other files, a foreign Host (DNS rebinding), a non-JSON (form) post
-        assert http(server.url + "/api/label", {"frame": "../states.csv", "label": "1"})[0] == 400
-        assert http(server.url + "/api/label", {"frame": "000003.png", "label": "maybe"})[0] == 400
-        assert http(server.url + "/frames/../states.csv")[0] == 404
-        assert http(server.url + "/api/state", headers={"Host": "evil.example:80"})[0] == 403
-        assert http(server.url + "/api/label", {"frame": "000003.png", "label": "1"}, {"Content-Type": "text/plain"})[0] == 415
-    finally:
-        server.close()
-    # resumable: a new server sees every label given before (the last one per frame)
-    before = open(labels_csv).read()
-    server = LabelServer(ds)
-    try:
-        state = json.loads(http(server.url + "/api/state")[1])
-        assert state["labels"] == {"000000.png": "0", "000001.png": "0", "000002.png": "skip"}
-        assert http(server.url + "/api/label", {"frame": "000003.png", "label": "1"})[0] == 200
-    finally:
-        server.close()
-    after = open(labels_csv).read()
-    assert after.startswith(before) and after.count("\n") == before.count("\n") + 1  # appended, nothing rewritten
-
-
-def raw_request(url: str, request: bytes, timeout: float = 5.0) -> bytes:
-    """Send bytes as they are on a fresh connection; the server's whole answer (b"" when it closed without one)."""
-    host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
-        sock.sendall(request)
-        chunks = []
-        while chunk := sock.recv(65536):
-            chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def post_head(url: str, length: str) -> bytes:
-    host = url.removeprefix("http://")
-    return (
-        f"POST /api/label HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
-    ).encode()
-
-
-def test_label_page_refuses_frames_outside_the_dataset(cartpole_dataset, tmp_path):
-    """A crafted states.csv naming ../file or /abs/file as a frame is refused before anything is served."""
-    secret = tmp_path / "secret.txt"
-    secret.write_text("not a frame")
-    for bad in ["../secret.txt", str(secret), "..", "a\\b.png", "new\nline.png"]:
-        ds = copy_dataset(cartpole_dataset, str(tmp_path / f"ds{len(os.listdir(tmp_path))}"))
-        shutil.copyfile(secret, os.path.join(ds, "secret.txt"))  # what ../secret.txt reaches from frames/
-        with open(os.path.join(ds, "states.csv"), newline="") as f:
-            rows = list(csv.reader(f))
-        rows[1][0] = bad
-        with open(os.path.join(ds, "states.csv"), "w", newline="") as f:
-            csv.writer(f).writerows(rows)
-        with pytest.raises(UserError, match="which is not a plain file name"):
-            epic_eval.make_label_server(ds, 0, "pole upright?")
-        with pytest.raises(UserError, match="which is not a plain file name"):
-            epic_eval.label_values(ds, "gt")  # score reads frames through the same check
-
-
-def test_label_page_bad_requests_get_an_answer_and_save_nothing(cartpole_dataset, tmp_path):
-    ds = copy_dataset(cartpole_dataset, str(tmp_path / "ds"))
-    labels_csv = os.path.join(ds, "labels.csv")
-    server = LabelServer(ds)
-    server.server.RequestHandlerClass.timeout = 0.5  # the handler's socket timeout, short for the test
-    try:
-        # a frame or a label that is not a string, a body that is not an object: 400, not a dropped connection
-        for body in [
-            {"frame": ["000000.png"], "label": "1"},
-            {"frame": {"a": 1}, "label": "1"},
-            {"frame": 3, "label": "1"},
-            {"frame": "000000.png", "label": ["1"]},
-            ["000000.png", "1"],
-            "000000.png",
-            None,
-        ]:
-            data = json.dumps(body).encode()
-            answer = raw_request(server.url, post_head(server.url, str(len(data))) + data)
-            assert answer.startswith(b"HTTP/1.0 400"), (body, answer)
-        deep = b"[" * 3000  # within the size bound, deeper than the JSON parser recurses
-        assert raw_request(server.url, post_head(server.url, str(len(deep))) + deep).startswith(b"HTTP/1.0 400")
-        # bad lengths are refused before a byte of the body is read
-        for length, code in [
-            ("-1", b"400"),
-            ("abc", b"400"),
-            ("", b"400"),
-            ("1e3", b"400"),
-            ("10000000000", b"413"),
-            (str(epic_eval.MAX_LABEL_BODY + 1), b"413"),
-        ]:
-            start = time.monotonic()
-            answer = raw_request(server.url, post_head(server.url, length))
-            assert answer.startswith(b"HTTP/1.0 " + code), (length, answer)
-            assert time.monotonic() - start < 0.4, length  # answered at once, not after the socket timeout
-        # a body shorter than its Content-Length: after the handler's timeout the connection is answered and closed
-        data = json.dumps({"frame": "000000.png", "label": "1"}).encode()
-        start = time.monotonic()
-        answer = raw_request(server.url, post_head(server.url, str(len(data) + 10)) + data, timeout=5)
-        assert answer.startswith(b"HTTP/1.0 408") and time.monotonic() - start < 3, answer
-        # the same, with the client leaving before the server gave up: never acknowledged, so never saved
-        host, port = server.url.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port)), timeout=5) as sock:
-            sock.sendall(post_head(server.url, str(len(data) + 10)) + data)
-            sock.shutdown(socket.SHUT_WR)
-            assert sock.recv(100) == b""
-        time.sleep(0.2)
-        assert not os.path.exists(labels_csv)
-        # the server is still serving
-        assert http(server.url + "/api/label", {"frame": "000000.png", "label": "1"})[0] == 200
-    finally:
-        server.close()
-    with open(labels_csv, newline="") as f:
-        assert [row[:2] for row in csv.reader(f)] == [["frame", "label"], ["000000.png", "1"]]
-
-
-def test_label_page_frame_names_with_commas_and_quotes(cartpole_dataset, tmp_path):
-    ds = copy_dataset(cartpole_dataset, str(tmp_path / "ds"))
-    with open(os.path.join(ds, "states.csv"), newline="") as f:
-        rows = list(csv.reader(f))
-    names = {1: "a,b.png", 2: 'say "hi".png', 3: "50%,x y.png"}
-    for i, name in names.items():
-        os.rename(os.path.join(ds, "frames", rows[i][0]), os.path.join(ds, "frames", name))
-        rows[i][0] = name
-    with open(os.path.join(ds, "states.csv"), "w", newline="") as f:
-        csv.writer(f).writerows(rows)
-    server = LabelServer(ds)
-    try:
-        for name in names.values():
-            status, png = http(server.url + "/frames/" + urllib.parse.quote(name, safe=""))  # as encodeURIComponent
-            assert status == 200 and png[:8] == b"\x89PNG\r\n\x1a\n", name
-            assert http(server.url + "/api/label", {"frame": name, "label": "1"})[0] == 200
-        assert http(server.url + "/api/label", {"frame": names[1], "label": "0"})[0] == 200
-        state = json.loads(http(server.url + "/api/state")[1])
-        assert state["labels"] == {names[1]: "0", names[2]: "1", names[3]: "1"}
-    finally:
-        server.close()
-    with open(os.path.join(ds, "labels.csv"), newline="") as f:
-        assert [row[:2] for row in csv.reader(f)][1:] == [[names[1], "1"], [names[2], "1"], [names[3], "1"], [names[1], "0"]]
-    frames, labels = epic_eval.label_values(ds, "human")
-    assert dict(zip(frames, labels.tolist())) == {names[1]: 0.0, names[2]: 1.0, names[3]: 1.0}
-
-
-def test_label_page_cannot_be_framed_or_sniffed(cartpole_dataset, tmp_path):
-    ds = copy_dataset(cartpole_dataset, str(tmp_path / "ds"))
-    server = LabelServer(ds)
-    try:
-        port = server.server.server_port
-        for method, path, host in [
-            ("GET", "/", None),
-            ("GET", "/api/state", None),
-            ("GET", "/frames/000000.png", None),
-            ("GET", "/nothing", None),
-            ("GET", "/", "evil.example"),
-            ("PUT", "/", None),
-        ]:
-            connection = HTTPConnection("127.0.0.1", port, timeout=5)
-            try:
-                connection.request(method, path, headers={"Host": host or f"127.0.0.1:{port}"})
-                response = connection.getresponse()
-                response.read()
-            finally:
-                connection.close()
-            assert response.getheader("X-Frame-Options") == "DENY", (method, path, host)
-            assert response.getheader("X-Content-Type-Options") == "nosniff", (method, path, host)
-            assert "frame-ancestors 'none'" in response.getheader("Content-Security-Policy", ""), (method, path, host)
-    finally:
-        server.close()
-
-
-# ---------------------------------------------------------------------------------------------- label page in chromium
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def webdriver(method: str, url: str, payload=None):
-    data = json.dumps(payload).encode() if payload is not None else None
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.loads(response.read())["value"]
-
-
-def wait_for(condition, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-@pytest.mark.skipif(
-    not os.path.exists(CHROMIUM),
-    reason="needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium chromium-driver)",
-)
-def test_label_page_in_headless_chromium(cartpole_dataset, tmp_path):
-    chromedriver = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-    assert os.path.exists(chromedriver), "chromium is installed but chromedriver is not: apt-get install -y chromium-driver"
-    ds = copy_dataset(cartpole_dataset, str(tmp_path / "ds"))
-    write_labels(ds, ["000000.png,1,2024-01-01T00:00:00+00:00"])  # an earlier session: the page resumes after it
-    server = LabelServer(ds)
-    driver_port = free_port()
-    driver = subprocess.Popen([chromedriver, f"--port={driver_port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{driver_port}"
-    session = None
-    try:
-        wait_for(lambda: _ready(base), what="chromedriver")
-        flags = "--headless --no-sandbox --disable-gpu --disable-quic --no-first-run --disable-background-networking"
-        flags = [*flags.split(), "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
-        flags.append(f"--user-data-dir={tmp_path / 'profile'}")
-        session = webdriver(
-            "POST",
-            f"{base}/session",
-            {
-                "capabilities": {
-                    "alwaysMatch": {"browserName": "chrome", "goog:chromeOptions": {"binary": CHROMIUM, "args": flags}}
-                }
-            },
-        )["sessionId"]
-        webdriver("POST", f"{base}/session/{session}/url", {"url": server.url + "/"})
-
-        def script(js: str):
-            return webdriver("POST", f"{base}/session/{session}/execute/sync", {"script": js, "args": []})
-
-        wait_for(lambda: script("return document.body.dataset.ready === '1'"), what="the page to load the dataset")
-        assert script("return document.getElementById('name').textContent").startswith("000001.png")  # resumed
-        assert script("return document.getElementById('frame').naturalWidth") == 600  # the frame was served
-
-        # real key presses: 1 (success), 0 (failure), s (skip), Backspace (back to 000003), 1 (relabel it)
-        keys = []
-        for key in ["1", "0", "s", "\ue003", "1"]:
-            keys += [{"type": "keyDown", "value": key}, {"type": "keyUp", "value": key}]
-        webdriver(
-            "POST", f"{base}/session/{session}/actions", {"actions": [{"type": "key", "id": "keyboard", "actions": keys}]}
-        )
-
-        def labels_on_disk():
-            with open(os.path.join(ds, "labels.csv")) as f:
-                rows = [line.split(",")[:2] for line in f.read().splitlines()[1:]]
-            return rows if len(rows) == 5 else None
-
-        rows = wait_for(labels_on_disk, what="4 new labels in labels.csv")
-        assert rows == [
-            ["000000.png", "1"],
-            ["000001.png", "1"],
-            ["000002.png", "0"],
-            ["000003.png", "skip"],
-            ["000003.png", "1"],
-        ]
-        wait_for(
-            lambda: script("return document.getElementById('name').textContent").startswith("000004.png"),
-            what="the page to move on",
-        )
-        progress = script("return document.getElementById('progress').textContent")
-        assert progress.startswith("4 of 60 frames labelled (3 success, 1 failure, 0 skipped)"), progress
-    finally:
-        if session:
-            try:
-                webdriver("DELETE", f"{base}/session/{session}")
-            except OSError:
-                pass
-        driver.terminate()
-        driver.wait(10)
-        server.close()
-
-
-def _ready(base: str) -> bool:
-    try:
-        return bool(webdriver("GET", f"{base}/status")["ready"])
-    except OSError:
-        return False
 
 
 def test_goal_and_baseline_that_clip_cannot_tell_apart(cartpole_dataset, tmp_path, monkeypatch):

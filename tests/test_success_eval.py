@@ -11,8 +11,6 @@ import os
 import shutil
 import subprocess
 import threading
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import imageio.v2 as imageio
@@ -21,7 +19,7 @@ import pytest
 import torch
 from conftest import TINY_CLIP, assert_clean_error, run_script
 
-import epic_eval
+import label_server
 import success_eval as se
 import vlmrm_dqn_classic as dqn
 import vlmrm_sac_humanoid as sac
@@ -240,7 +238,7 @@ def test_report_judges_classic_control_by_ground_truth_and_humanoid_by_labels(ru
         ("episode-000.mp4", "0"),
         ("episode-000.mp4", "1"),
     ]:  # the last verdict wins
-        epic_eval.append_label(os.path.join(human, "labels.csv"), video, verdict)
+        label_server.append_label(os.path.join(human, "labels.csv"), video, verdict)
     table = se.report(se.Report(rollouts=(cart, human), out=str(tmp_path / "success")))
     gt_successes = sum(int(r["gt_success"]) for r in read_episodes(cart))
     assert (table[0]["judged_by"], table[0]["n"], table[0]["successes"]) == ("gt", 3, gt_successes)
@@ -428,21 +426,7 @@ def test_study_plots_epic_and_success_against_model_size(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- label page
-def test_episode_page_serves_videos_with_the_label_pages_protections(runs, tmp_path):
-    folder = se.rollout(se.Rollout(checkpoint=runs["dqn"], episodes=2, out=str(tmp_path / "r"), cuda=False))
-    server = start_server(folder)
-    try:
-        url = f"http://127.0.0.1:{server.server_port}"
-        with urllib.request.urlopen(url + "/videos/episode-001.mp4", timeout=10) as response:
-            assert response.headers["Content-Type"] == "video/mp4" and response.headers["X-Frame-Options"] == "DENY"
-            assert response.read()[4:8] == b"ftyp"
-        for path in ["/videos/..%2Fepisodes.csv", "/frames/episode-001.mp4", "/videos/policy.json"]:
-            with pytest.raises(urllib.error.HTTPError, match="404"):
-                urllib.request.urlopen(url + path, timeout=10)
-        with urllib.request.urlopen(url + "/", timeout=10) as response:
-            assert b'<video id="frame"' in response.read()
-    finally:
-        stop_server(server)
+# the page and server themselves (one template, refusals, a full disk): tests/test_label_server.py
 
 
 def start_server(folder: str, port: int = 0):
@@ -461,12 +445,12 @@ def stop_server(server) -> None:
     reason="needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium chromium-driver)",
 )
 def test_episode_label_page_in_headless_chromium(runs, tmp_path):
-    from test_epic_eval import _ready, free_port, wait_for, webdriver
+    from test_label_server import _ready, free_port, wait_for, webdriver
 
     chromedriver = shutil.which("chromedriver") or "/usr/bin/chromedriver"
     folder = se.rollout(se.Rollout(checkpoint=runs["dqn"], episodes=4, out=str(tmp_path / "r"), cuda=False))
     labels_csv = os.path.join(folder, "labels.csv")
-    epic_eval.append_label(labels_csv, "episode-000.mp4", "1")  # an earlier session: the page resumes after it
+    label_server.append_label(labels_csv, "episode-000.mp4", "1")  # an earlier session: the page resumes after it
     server = start_server(folder)
     driver_port = free_port()
     driver = subprocess.Popen([chromedriver, f"--port={driver_port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -133,7 +133,7 @@ def test_local_stopped_job_is_unfinished_and_a_rerun_resumes_it(tmp_path):
     signal_job(point, signal.SIGTERM)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0 and "seed=4: stopped at a checkpoint" in out, out
-    assert table(tmp_path, "stop")[0]["status"] == "unfinished"
+    assert table(tmp_path, "stop")[0]["status"] == "stopped"
     again = sweep(*command, cwd=tmp_path)
     out, _ = again.communicate(timeout=600)
     assert again.returncode == 0 and "(0 finished, 1 to resume, 0 to start)" in out and "seed=4: done (" in out, out
