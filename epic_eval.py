@@ -44,6 +44,7 @@ import imageio.v2 as imageio
 import numpy as np
 import torch
 import tyro
+from scipy.stats import mannwhitneyu, pearsonr
 
 # The label page and labels.csv are label_server.py's, shared with success_eval.py.
 from label_server import FRAMES, SKIP, is_number, is_plain_file_name, make_label_server, read_labels, serve
@@ -491,7 +492,7 @@ def label(args: Label) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Metrics: EPIC distance, bootstrap interval, ROC AUC, PR AUC (numpy only)
+# Metrics: EPIC distance and its bootstrap interval (hand-written: no package has them), ROC AUC (scipy), PR AUC
 # ----------------------------------------------------------------------------------------------
 def is_constant(x: np.ndarray) -> bool:
     """Constant up to float32 round-off (relative), where a correlation would only measure noise."""
@@ -515,8 +516,7 @@ def epic_distance(rewards: np.ndarray, labels: np.ndarray) -> float:
         raise ValueError("the labels are all the same, so their correlation with the reward (and EPIC) is undefined")
     if is_constant(r):
         raise ValueError("the rewards are all the same, so their correlation with the labels (and EPIC) is undefined")
-    r, h = r - r.mean(), h - h.mean()
-    rho = float(np.clip((r @ h) / math.sqrt((r @ r) * (h @ h)), -1.0, 1.0))
+    rho = float(np.clip(pearsonr(r, h).statistic, -1.0, 1.0))
     return math.sqrt((1.0 - rho) / 2.0)
 
 
@@ -553,14 +553,8 @@ def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
     n_pos, n_neg = int(positive.sum()), int((~positive).sum())
     if n_pos == 0 or n_neg == 0:
         return float("nan")
-    # Mann-Whitney U from average ranks (tied scores share their mean rank)
-    order = np.argsort(scores, kind="mergesort")
-    sorted_scores = scores[order]
-    ranks = np.empty(len(scores))
-    boundaries = np.flatnonzero(np.diff(sorted_scores)) + 1
-    for group in np.split(np.arange(len(scores)), boundaries):
-        ranks[order[group]] = group.mean() + 1
-    return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+    # the Mann-Whitney U of the positives' scores over the negatives' (ties count 1/2), normalised
+    return float(mannwhitneyu(scores[positive], scores[~positive]).statistic / (n_pos * n_neg))
 
 
 def average_precision(scores: np.ndarray, labels: np.ndarray) -> float:

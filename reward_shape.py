@@ -44,6 +44,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 import tyro
+from scipy.stats import spearmanr
 
 # The reward model's flags, checks and scoring are epic_eval.py's; the model and the environments are the training
 # scripts' own, as the agent sees them.
@@ -183,14 +184,6 @@ def min_max_normalise(rewards: np.ndarray) -> np.ndarray:
     return (rewards - rewards.min()) / span if span > 0 else np.zeros_like(rewards)
 
 
-def average_ranks(x: np.ndarray) -> np.ndarray:
-    """Ranks 0..N-1 where tied values share the mean of their ranks (as Spearman's correlation needs)."""
-    ranks = np.empty(len(x))
-    ranks[np.argsort(x, kind="stable")] = np.arange(len(x))
-    _, tie_group, tie_count = np.unique(x, return_inverse=True, return_counts=True)
-    return (np.bincount(tie_group, weights=ranks) / tie_count)[tie_group]
-
-
 def shape_score(states: np.ndarray, rewards: np.ndarray, goal: float) -> float:
     """Spearman rank correlation between the reward and the closeness to the goal (-|state - goal|).
 
@@ -198,8 +191,9 @@ def shape_score(states: np.ndarray, rewards: np.ndarray, goal: float) -> float:
     shape); 0: unrelated; -1: highest far from the goal. nan for a flat reward.
     """
     closeness = -np.round(np.abs(states - goal), 9)  # round so that mirror states (+-theta) tie exactly
-    a, b = average_ranks(closeness), average_ranks(rewards)
-    return float(np.corrcoef(a, b)[0, 1]) if a.std() > 0 and b.std() > 0 else float("nan")
+    if np.ptp(closeness) == 0 or np.ptp(rewards) == 0:  # a flat side: no ranking to correlate
+        return float("nan")
+    return float(spearmanr(closeness, rewards).statistic)
 
 
 def plot_model(path: Path, label: str, states, goal: float, rewards: dict, axis_label: str, title: str, warning=None) -> None:

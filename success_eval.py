@@ -34,6 +34,7 @@ import imageio.v2 as imageio
 import numpy as np
 import torch
 import tyro
+from scipy.stats import binomtest
 
 # One source of truth: the environments, networks and reward model are the training scripts' own.
 import vlmrm_dqn_classic as dqn
@@ -54,7 +55,6 @@ from vlmrm_utils import (
 )
 
 CARTPOLE_THETA, CARTPOLE_X = 12 * 2 * math.pi / 360, 2.4  # Gymnasium's CartPole limits: "upright"
-Z95 = 1.959963984540054  # the 97.5% quantile of the standard normal
 
 
 @dataclass
@@ -432,15 +432,12 @@ def label(args: Label) -> None:
 # ----------------------------------------------------------------------------------------------
 # report
 # ----------------------------------------------------------------------------------------------
-def wilson(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+def wilson(successes: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
     """Wilson score interval of a binomial proportion (good coverage at small n and near 0 or 1); nan for n = 0."""
     if n == 0:
         return float("nan"), float("nan")
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    # exact at the ends: 0 of n has the lower bound 0, not round-off such as 5.55e-17
-    return (0.0 if successes == 0 else max(0.0, centre - half)), (1.0 if successes == n else min(1.0, centre + half))
+    ci = binomtest(successes, n).proportion_ci(confidence_level=confidence, method="wilson")
+    return min(1.0, max(0.0, float(ci.low))), min(1.0, max(0.0, float(ci.high)))  # a proportion: never past [0, 1]
 
 
 def run_columns(run_args: dict) -> dict:

@@ -391,3 +391,10 @@ def test_ctrl_c_of_a_rollout_is_one_line_and_leaves_nothing(files):
     assert err.strip().startswith("stopped by Ctrl-C after") and len(err.strip().splitlines()) == 1, err
     assert not (files / "r3").exists() and not [p for p in os.listdir(files) if ".partial-" in p]
     assert not left_running(files)
+
+
+def test_the_training_scripts_do_not_import_scipy():
+    """scipy is the tools' (Wilson, Pearson, Spearman, ROC AUC); a copied training script needs only its own imports."""
+    code = "import sys, vlmrm_dqn_classic, vlmrm_sac_humanoid; print(sorted(m for m in sys.modules if m.startswith('scipy')))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
