@@ -387,8 +387,8 @@ def read_episodes(path: str) -> list[dict]:
 
     def problem(row: dict) -> Optional[str]:
         for key in ("episode", "seed", "steps"):
-            if not row[key].strip().lstrip("-").isdigit():
-                return f"{key} {row[key]!r} is not a whole number"
+            if not row[key].strip().isdigit():
+                return f"{key} {row[key]!r} is not a whole number of at least 0"
         for key in ("clip_return", "gt_return"):
             if (row[key] != "" or key == "gt_return") and not is_finite_number(row[key]):
                 return f"{key} {row[key]!r} is not a number"
