@@ -635,6 +635,14 @@ def best(args: Best) -> str:
         kept = {run_and_step(path, c) for path, c, _, _ in loaded if os.path.basename(path) != "checkpoint.pt"}
         loaded = [x for x in loaded if os.path.basename(x[0]) != "checkpoint.pt" or run_and_step(x[0], x[1]) not in kept]
     check_like_with_like(loaded)
+    first = loaded[0][3]
+    seeds = sorted({run.seed for _, _, _, run in loaded})
+    if args.by == "training" and first.clip_pretrained == "none" and not first.clip_checkpoint and len(seeds) > 1:
+        raise UserError(  # each run drew its random-weight model from its own seed: one reward per seed
+            f"the runs were trained with random CLIP weights (--clip-pretrained none), drawn from each run's seed "
+            f"({', '.join(map(str, seeds))}), so their training-time returns are under different rewards; pass "
+            "--by rollouts (one reward model for all) or checkpoints of one seed."
+        )
     means = training_returns(loaded) if args.by == "training" else rollout_returns(args, loaded)
     chosen = max(means, key=means.get)
     others = sorted((v for p, v in means.items() if p != chosen), reverse=True)

@@ -164,6 +164,11 @@ CASES = {  # id: (command, the edit that breaks a good file, words the one sente
         lambda root: [write_checkpoint(root / f"runs/{r}/checkpoint.pt", clip_return=float("nan")) for r in "ab"],
         ["no checkpoint has a training-time CLIP return"],
     ),  # noqa: E501
+    "best-random-weights-two-seeds": (
+        BEST,
+        lambda root: write_checkpoint(root / "runs/b/checkpoint.pt", clip_return=-1.0, seed=2),
+        ["random CLIP weights", "seed (1, 2)", "--by rollouts"],
+    ),
     "best-gt-run": (BEST, lambda root: write_checkpoint(root / "runs/a/checkpoint.pt", reward="gt"), ["--reward gt"]),
     # study
     "study-epic-0-bytes": (STUDY, write("epic.csv", ""), ["--epic epic.csv is empty"]),
