@@ -91,8 +91,8 @@ def read_labels(folder: str, items: set[str], media: Media, graded: bool = False
             f"{path} line {line} is not UTF-8 text (byte 0x{data[e.start]:02x}); "
             "labels.csv is text written by the label page: fix or remove that line."
         ) from None
-    # split on newlines only: str.splitlines() would also split a name at U+2028 or U+0085
-    lines = [line.removesuffix("\r") for line in text.split("\n")]
+    # split on newlines only: str.splitlines() would also split a name at U+2028 or U+0085 (csv drops a CRLF's CR)
+    lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
     if not lines:

@@ -466,15 +466,15 @@ def test_many_posts_at_once_wait_in_the_listen_queue_and_are_all_saved(tmp_path)
     ds = make_dataset(tmp_path / "ds", frames=100)
     server = epic_eval.make_frame_server(ds, 0, "pole upright?")
     url = f"http://127.0.0.1:{server.server_port}"
-    sockets = []
+    sockets, thread = [], threading.Thread(target=server.serve_forever, daemon=True)
     try:
-        # not serving yet: every connection waits in the kernel's listen queue (a queue of 5 turns the 7th away)
+        # not serving yet: every connection waits in the kernel's listen queue (a queue of 5 turns the 7th away: its
+        # connect times out)
         for i in range(100):
             sock = socket.create_connection(("127.0.0.1", server.server_port), timeout=1)
             data = json.dumps({"frame": f"{i:06d}.png", "label": "1"}).encode()
             sock.sendall(post_head(url, str(len(data))) + data)
             sockets.append(sock)
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
         for sock in sockets:
             sock.settimeout(10)
@@ -482,7 +482,8 @@ def test_many_posts_at_once_wait_in_the_listen_queue_and_are_all_saved(tmp_path)
     finally:
         for sock in sockets:
             sock.close()
-        server.shutdown()
+        if thread.is_alive():  # shutdown() waits for a serve_forever that never started
+            server.shutdown()
         server.server_close()
     assert sorted(frame for frame, _ in labels_rows(ds)) == [f"{i:06d}.png" for i in range(100)]
 
