@@ -182,9 +182,14 @@ def test_label_page_round_trip_over_http(tmp_path):
         state = json.loads(http(server.url + "/api/state")[1])
         assert state["labels"] == {"000000.png": "0", "000001.png": "0", "000002.png": "skip"}
         assert http(server.url + "/api/label", {"frame": "000003.png", "label": "1"})[0] == 200
+        after = open(labels_csv).read()
+        # a hand edit gone wrong while serving: the page is told why it cannot load, the connection is not dropped
+        with open(labels_csv, "a") as f:
+            f.write("000004.png,yes,t\n")
+        status, answer = http(server.url + "/api/state")
+        assert status == 500 and b"label 'yes' of frame 000004.png on line 7" in answer, answer
     finally:
         server.close()
-    after = open(labels_csv).read()
     assert after.startswith(before) and after.count("\n") == before.count("\n") + 1  # appended, nothing rewritten
 
 
