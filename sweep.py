@@ -167,9 +167,13 @@ class PointJob(submitit.helpers.Checkpointable):
         if proc is None:
             return {}
         state = read_json(self.folder / "state.json") or {}
-        rc, run = proc.returncode, self.run_dir()
-        status = ("stopped" if stopped_early(run) else "done") if rc == 0 else "failed"
-        text = self.segment_log()
+        rc, run, text = proc.returncode, self.run_dir(), self.segment_log()
+        # exit 0 after a stop this job asked for: stopped (a rerun of a run that had just ended finishes at once); else
+        # its checkpoint says whether it was stopped by someone else (reading it costs a torch import: seconds)
+        status = ("stopped" if self._signalled or stopped_early(run) else "done") if rc == 0 else "failed"
+        if rc < 0:  # a signal killed it (after its last step SIGTERM ends the script at once): stopped if we asked
+            status = "stopped" if self._signalled and -rc in (signal.SIGTERM, signal.SIGINT) else status
+            text += f"\nkilled by {signal.Signals(-rc).name}"
         result = {
             "status": status,
             "exit_code": rc,
@@ -358,8 +362,12 @@ def main(args: Args, fixed: list[str]) -> None:
     if args.cluster == "auto" and not slurm and shutil.which("sbatch"):
         print("sbatch is installed but no SLURM controller answers (`scontrol ping`): running locally", flush=True)
     cluster = "slurm" if slurm else "local"
-    root, points, grid = Path("sweeps", name).resolve(), [], grid_points(args.grid, fixed, script)
-    hold_sweep(root, name)
+    root, points = Path("sweeps", name).resolve(), []
+    if root.is_dir():  # a second sweep into this folder is refused at once; a new folder is made only for a valid grid
+        hold_sweep(root, name)
+    grid = grid_points(args.grid, fixed, script)
+    if not root.is_dir():
+        hold_sweep(root, name)
     for values, flags, parsed in grid:
         point_id = slug("_".join(f"{k}={v}" for k, v in values) or "point")
         command = [str(script), *flags, "--exp-name", f"{name}-{point_id}", *SWEEP_FLAGS]
