@@ -61,7 +61,17 @@ from vlmrm_dqn_classic import (
 )
 from vlmrm_sac_humanoid import Actor
 from vlmrm_sac_humanoid import make_env as make_humanoid_env
-from vlmrm_utils import UserError, check_clip_args, check_goal_direction, load_clip, resolve_negatives, same_prompts
+from vlmrm_utils import (
+    UserError,
+    check_clip_args,
+    check_goal_direction,
+    load_clip,
+    new_partial_folder,
+    publish_folder,
+    read_csv,
+    resolve_negatives,
+    same_prompts,
+)
 
 ENV_IDS = ("CartPole-v1", "MountainCar-v0", "MountainCarContinuous-v0", "Humanoid-v5")
 PROMPTS = {  # (goal, baseline) from the paper, per env (reward_shape.py uses them too)
@@ -218,6 +228,8 @@ def check_output_folder(path: str, what: str, advice: str = "choose another path
         here = os.path.dirname(here)  # up to the nearest thing that exists
     if not os.path.isdir(here):
         raise UserError(f"{what} {path} cannot be a folder: {here} is a file; {advice}.")
+    if not os.access(here, os.W_OK):  # also a read-only mount, which root cannot write either
+        raise UserError(f"{what} {path} cannot be written: {here} is not a writable folder; {advice}.")
 
 
 def check_collect_args(args: Collect) -> Optional[dict]:
@@ -231,12 +243,15 @@ def check_collect_args(args: Collect) -> Optional[dict]:
         raise UserError(f"--epsilon must be in [0, 1], got {args.epsilon}.")
     if args.env_id is not None and args.env_id not in ENV_IDS:
         raise UserError(f"--env-id {args.env_id} is not supported; choose one of: {', '.join(ENV_IDS)}.")
-    if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
+    empty_file = os.path.isfile(args.out) and os.path.getsize(args.out) == 0  # e.g. made by mktemp: replaced
+    if os.path.lexists(args.out) and not empty_file and (not os.path.isdir(args.out) or os.listdir(args.out)):
         raise UserError(
             f"--out {args.out} already exists and is not empty; choose a new folder "
             "(a dataset and its labels are never overwritten)."
         )
-    check_output_folder(args.out, "--out")
+    if not empty_file:
+        check_output_folder(args.out, "--out")
+    check_output_folder(os.path.dirname(os.path.abspath(args.out)), "--out")  # the finished dataset is renamed into it
     checkpoint = None
     if args.policy is not None:
         which = "the checkpoint.pt of vlmrm_dqn_classic.py or vlmrm_sac_humanoid.py --save-model"
@@ -300,12 +315,10 @@ def collect(args: Collect) -> None:
 
     # the dataset is made in a hidden folder beside --out and renamed into place once complete: an error or Ctrl-C
     # part-way never leaves a half-made dataset (which would also block the same --out)
-    out = os.path.abspath(args.out)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    partial = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.partial-{os.getpid()}-{time.time_ns()}")
-    os.makedirs(os.path.join(partial, "frames"))
+    partial = new_partial_folder(args.out)
     rows, header, episode = [], [], 0
     try:
+        os.makedirs(os.path.join(partial, "frames"))
         while len(rows) < args.num_frames:
             obs, _ = envs.reset(seed=args.seed + episode)
             if args.random_init:
@@ -330,19 +343,14 @@ def collect(args: Collect) -> None:
             episode += 1
         with open(os.path.join(partial, "states.csv"), "w", newline="") as f:
             csv.writer(f).writerows([header, *rows])
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(e, OSError):  # e.g. the disk filled up
+            raise UserError(f"could not write the dataset ({e.strerror or e}); nothing was written to {args.out}.") from None
         raise
     finally:
         envs.close()
-    try:
-        os.rename(partial, out)  # atomic; also replaces an empty --out folder, never a non-empty one
-    except OSError:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise UserError(
-            f"--out {args.out} was filled by something else while this dataset was collected; "
-            "nothing was written, collect again into a new folder."
-        ) from None
+    publish_folder(partial, args.out, "--out")  # atomic; also replaces an empty --out folder or file, nothing else
     gt = [r[-1] for r in rows if r[-1] != ""]
     source = f"policy {args.policy} (epsilon {args.epsilon})" if args.policy else "random actions"
     print(f"wrote {len(rows)} frames of {args.env_id} ({episode} episodes, {source}) to {args.out}")
@@ -367,12 +375,7 @@ def load_states(dataset: str) -> list[dict]:
         raise UserError(
             f"--dataset {dataset} has no states.csv, so it is not a dataset; create one with `python epic_eval.py collect`."
         )
-    with open(states_path, newline="") as f:
-        reader = csv.DictReader(f)
-        rows = list(reader)
-        fields = reader.fieldnames or []
-    if "frame" not in fields or "env_id" not in fields:
-        raise UserError(f"{states_path} must have 'frame' and 'env_id' columns (found: {', '.join(fields) or 'none'}).")
+    rows = [row for _, row in read_csv(states_path, ["frame", "env_id"])]  # one sentence naming a bad line
     if not rows:
         raise UserError(f"{states_path} lists no frames: the dataset is empty.")
     names = [r["frame"] for r in rows]
@@ -789,21 +792,30 @@ def score(args: Score) -> str:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "args.json"), "w") as f:
-        json.dump(asdict(args), f, indent=2)
     columns = ["model", "family", "alpha", "epic", "epic_low", "epic_high", "pearson", "roc_auc", "pr_auc", "n", "n_success"]
-    with open(os.path.join(run_dir, "epic.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows({k: f"{v:.6f}" if isinstance(v, float) and k != "alpha" else v for k, v in r.items()} for r in table)
-    with open(os.path.join(run_dir, "rewards.csv"), "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["frame", "label", *reward_columns])
-        for i, frame in enumerate(frames):
-            writer.writerow([frame, f"{labels[i]:g}", *(f"{v[i]:.9g}" for v in reward_columns.values())])
-    title = f"{env_id}, {len(labels)} frames, {args.labels} labels; {int(args.confidence * 100)}% bootstrap interval"
-    plot_epic(table, os.path.join(run_dir, "epic.png"), title)
+    partial = new_partial_folder(run_dir)  # renamed to run_dir once complete: never half a run folder
+    try:
+        with open(os.path.join(partial, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)
+        with open(os.path.join(partial, "epic.csv"), "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(
+                {k: f"{v:.6f}" if isinstance(v, float) and k != "alpha" else v for k, v in r.items()} for r in table
+            )
+        with open(os.path.join(partial, "rewards.csv"), "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["frame", "label", *reward_columns])
+            for i, frame in enumerate(frames):
+                writer.writerow([frame, f"{labels[i]:g}", *(f"{v[i]:.9g}" for v in reward_columns.values())])
+        title = f"{env_id}, {len(labels)} frames, {args.labels} labels; {int(args.confidence * 100)}% bootstrap interval"
+        plot_epic(table, os.path.join(partial, "epic.png"), title)
+    except BaseException as e:
+        shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(e, OSError):  # e.g. the disk filled up
+            raise UserError(f"could not write the results ({e.strerror or e}); nothing was written to {run_dir}.") from None
+        raise
+    publish_folder(partial, run_dir, "the run folder")
     print(f"wrote {run_dir}/epic.csv, epic.png, rewards.csv")
     if undefined:
         binary_softmax = any(u.endswith(" softmax") for u in undefined)
@@ -831,6 +843,9 @@ if __name__ == "__main__":
     warnings.filterwarnings("ignore", message=".*No pretrained weights.*")
     try:
         main(tyro.cli(Commands))
+    except KeyboardInterrupt:  # what was being written is removed (written whole or not at all)
+        print("stopped by Ctrl-C; nothing was written.", file=sys.stderr)
+        sys.exit(130)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -15,13 +15,13 @@
 
 import csv
 import glob
+import io
 import json
 import logging
 import math
 import os
 import shutil
 import sys
-import time
 import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -38,10 +38,20 @@ import tyro
 # One source of truth: the environments, networks and reward model are the training scripts' own.
 import vlmrm_dqn_classic as dqn
 import vlmrm_sac_humanoid as sac
-from epic_eval import ClipArgs, check_output_folder, model_label
+from epic_eval import ClipArgs, model_label
 from label_server import SKIP, VIDEOS, make_label_server, read_labels, serve
 from vlmrm_dqn_classic import MOUNTAINCAR_GOAL
-from vlmrm_utils import UserError, check_clip_args
+from vlmrm_utils import (
+    UserError,
+    check_clip_args,
+    check_new_folder,
+    check_output_file,
+    new_partial_folder,
+    publish_folder,
+    read_csv,
+    read_json,
+    write_atomic,
+)
 
 CARTPOLE_THETA, CARTPOLE_X = 12 * 2 * math.pi / 360, 2.4  # Gymnasium's CartPole limits: "upright"
 Z95 = 1.959963984540054  # the 97.5% quantile of the standard normal
@@ -97,14 +107,18 @@ class Report:
 
 @dataclass
 class Best:
-    """Among checkpoints of runs of one configuration, the one with the highest mean CLIP return on evaluation rollouts."""
+    """Among runs of one configuration and their saved steps, the checkpoint with the highest CLIP return: by default
+    the training-time CLIP return each checkpoint records (the paper's criterion), or on new evaluation rollouts."""
 
     checkpoints: tuple[str, ...] = ()
-    """checkpoint files (default: every checkpoint.pt under --runs)"""
+    """checkpoint files (default: every runs/<run>/checkpoints/step-<N>.pt under --runs, and each run's checkpoint.pt)"""
     runs: str = "runs"
     """folder searched for checkpoints when none are given"""
+    by: Literal["training", "rollouts"] = "training"
+    """training: the training-time CLIP return stored in each checkpoint (mean of the run's last 100 episodes when it was
+    saved, as the paper chose); rollouts: the mean CLIP return of --episodes new evaluation rollouts of each"""
     episodes: int = 10
-    """evaluation episodes per checkpoint"""
+    """--by rollouts: evaluation episodes per checkpoint"""
     deterministic: bool = False
     """if toggled, greedy/mean actions (default: stochastic, as `rollout`)"""
     seed: Optional[int] = None
@@ -138,6 +152,8 @@ class Study:
 def load_checkpoint(path: str) -> tuple[dict, object, object]:
     """(checkpoint, the training script's module, its Args as saved), or a one-sentence error."""
     which = "a checkpoint.pt of vlmrm_dqn_classic.py or vlmrm_sac_humanoid.py"
+    if os.path.isdir(path):
+        raise UserError(f"{path} is a folder; pass {which} in it.")
     if not os.path.isfile(path):
         raise UserError(f"{path}: no such file; pass {which}.")
     try:  # our own files hold RNG states and arrays: weights_only=False, so only roll out checkpoints you trust
@@ -245,11 +261,7 @@ def rollout(args: Rollout) -> str:
     checkpoint, script, run = load_checkpoint(args.checkpoint)
     mode = "deterministic" if args.deterministic else "stochastic"
     out = args.out or os.path.join(os.path.dirname(args.checkpoint) or ".", f"rollouts-{Path(args.checkpoint).stem}-{mode}")
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise UserError(
-            f"--out {out} already exists and is not empty; pass a new --out (rollouts and their labels are never overwritten)."
-        )
-    check_output_folder(out, "--out")
+    check_new_folder(out, "--out", "rollouts and their labels are never overwritten")
     if args.clip_cache_dir is not None:
         run.clip_cache_dir = args.clip_cache_dir
     use_clip = args.clip_return and run.reward == "clip"
@@ -269,12 +281,10 @@ def rollout(args: Rollout) -> str:
     envs = make_envs(script, run, seed)
     act = make_policy(args.checkpoint, checkpoint, script, run, envs, args.deterministic, device)
     fps = 50 if script is dqn else 30  # the training scripts' video rates
-    partial = os.path.join(
-        os.path.dirname(os.path.abspath(out)), f".{os.path.basename(out)}.partial-{os.getpid()}-{time.time_ns()}"
-    )
-    os.makedirs(os.path.join(partial, "videos"))
+    partial = new_partial_folder(out)  # renamed to --out once complete: a rollout folder is whole or absent
+    rows = []
     try:
-        rows = []
+        os.makedirs(os.path.join(partial, "videos"))
         for episode in range(args.episodes):
             frames, states, gt_return = run_episode(envs, act, seed + episode, device)
             video = f"episode-{episode:03d}.mp4"
@@ -320,15 +330,15 @@ def rollout(args: Rollout) -> str:
                 f,
                 indent=2,
             )
-    except BaseException:
+    except BaseException as e:
         envs.close()
         shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(e, KeyboardInterrupt):
+            raise Stopped(f"stopped by Ctrl-C after {len(rows)} of {args.episodes} episodes; nothing was written to {out}.")
+        if isinstance(e, OSError):  # e.g. the disk filled up
+            raise UserError(f"could not write the rollouts ({e.strerror or e}); nothing was written to {out}.") from None
         raise
-    try:
-        os.rename(partial, out)  # atomic: a folder is either complete or absent
-    except OSError:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise UserError(f"--out {out} was filled by something else during the rollouts; nothing was written.") from None
+    publish_folder(partial, out, "--out")
     judged = [r["gt_success"] for r in rows if r["gt_success"] != ""]
     print(
         f"wrote {len(rows)} {mode} episodes of {run.env_id} to {out}"
@@ -341,18 +351,72 @@ def rollout(args: Rollout) -> str:
     return out
 
 
+class Stopped(UserError):
+    """Ctrl-C: one line and exit code 130, nothing half-written."""
+
+
 def read_rollouts(folder: str) -> tuple[dict, list[dict]]:
-    """(policy.json, rows of episodes.csv) of a folder written by `rollout`."""
+    """(policy.json, rows of episodes.csv) of a folder written by `rollout`, each checked: one sentence naming the file
+    and line of the first problem (a hand edit gone wrong), never a guess."""
+    for name in ("policy.json", "episodes.csv"):
+        if not os.path.isfile(os.path.join(folder, name)):
+            raise UserError(f"{folder} is not a folder written by `success_eval.py rollout` (it has no {name}).")
+    return read_policy(os.path.join(folder, "policy.json")), read_episodes(os.path.join(folder, "episodes.csv"))
+
+
+def read_policy(path: str) -> dict:
+    policy = read_json(path)
+    run = policy.get("args") if isinstance(policy, dict) else None
+    if not isinstance(run, dict) or policy.get("mode") not in ("stochastic", "deterministic"):
+        raise UserError(f"{path} has no 'mode' (stochastic or deterministic) or no run 'args'; write it with `rollout`.")
+    types = {"env_id": str, "seed": int, "reward": str}  # what the report and the label page read
+    if run.get("reward") == "clip":
+        types.update(clip_model=str, clip_pretrained=str, alpha=(int, float, type(None)), goal=(list, type(None)))
+        types.update(clip_checkpoint=(str, type(None)))
+    for key, kind in types.items():
+        value = run.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool) or key == "reward" and value not in ("clip", "gt"):
+            raise UserError(f"{path}: args.{key} is {value!r}, which `rollout` never writes; roll the checkpoint out again.")
+    return policy
+
+
+def read_episodes(path: str) -> list[dict]:
+    rows, videos = read_csv(path, EPISODE_COLUMNS), set()
+    if not rows:
+        raise UserError(f"{path} lists no episodes to judge; roll the checkpoint out again with `success_eval.py rollout`.")
+
+    def problem(row: dict) -> Optional[str]:
+        for key in ("episode", "seed", "steps"):
+            if not row[key].strip().lstrip("-").isdigit():
+                return f"{key} {row[key]!r} is not a whole number"
+        for key in ("clip_return", "gt_return"):
+            if (row[key] != "" or key == "gt_return") and not is_finite_number(row[key]):
+                return f"{key} {row[key]!r} is not a number"
+        if row["gt_success"] not in ("", "0", "1"):
+            return f"gt_success {row['gt_success']!r} is not 0, 1 or blank"
+        video = row["video"]
+        plain = video not in ("", ".", "..") and "/" not in video and "\\" not in video and video.isprintable()
+        if not plain:
+            return f"the video {video!r} is not a plain file name in videos/"
+        if video in videos:
+            return f"it lists the video {video} more than once: one verdict would count twice"
+        videos.add(row["video"])
+        return None
+
+    for line, row in rows:
+        reason = problem(row)
+        if reason is not None:
+            raise UserError(f"{path} line {line}: {reason}; fix that line or roll the checkpoint out again.")
+    if len({row["gt_success"] == "" for _, row in rows}) > 1:
+        raise UserError(f"{path} has a ground-truth success on some lines and none on others; roll the checkpoint out again.")
+    return [row for _, row in rows]
+
+
+def is_finite_number(text: str) -> bool:
     try:
-        with open(os.path.join(folder, "policy.json")) as f:
-            policy = json.load(f)
-        with open(os.path.join(folder, "episodes.csv"), newline="") as f:
-            rows = list(csv.DictReader(f))
-    except (OSError, ValueError):
-        raise UserError(
-            f"{folder} is not a folder written by `success_eval.py rollout` (no readable policy.json and episodes.csv)."
-        ) from None
-    return policy, rows
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -382,7 +446,8 @@ def wilson(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
     p = successes / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # exact at the ends: 0 of n has the lower bound 0, not round-off such as 5.55e-17
+    return (0.0 if successes == 0 else max(0.0, centre - half)), (1.0 if successes == n else min(1.0, centre + half))
 
 
 def run_columns(run_args: dict) -> dict:
@@ -459,13 +524,15 @@ def judge_folder(folder: str, judge: str) -> dict:
 def report(args: Report) -> list[dict]:
     if not args.rollouts:
         raise UserError("--rollouts needs at least one folder written by `success_eval.py rollout`.")
+    for ext in (".csv", ".md"):
+        check_output_file(args.out + ext, "--out")
     table = [judge_folder(folder, args.judge) for folder in args.rollouts]
-    check_output_folder(os.path.dirname(os.path.abspath(args.out)), "--out")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=REPORT_COLUMNS)
-        writer.writeheader()
-        writer.writerows(table)
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=REPORT_COLUMNS)
+    writer.writeheader()
+    writer.writerows(table)
+    write_atomic(args.out + ".csv", lambda f: f.write(text.getvalue().encode()))
     lines = ["| env | task | alpha | model | seed | judged by | success rate (95% Wilson) | n |", "|" + "---|" * 8]
     for row in table:
         rate = "not judged yet"
@@ -475,8 +542,7 @@ def report(args: Report) -> list[dict]:
             f"| {row['env_id']} | {row['task']} | {row['alpha']} | {row['model']} | {row['seed']} | "
             f"{row['judged_by']} | {rate} | {row['n']} |"
         )
-    with open(args.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_atomic(args.out + ".md", lambda f: f.write(("\n".join(lines) + "\n").encode()))
     print("\n".join(lines))
     for row in table:
         if row["unjudged"]:
@@ -488,42 +554,63 @@ def report(args: Report) -> list[dict]:
 # ----------------------------------------------------------------------------------------------
 # best
 # ----------------------------------------------------------------------------------------------
-REWARD_FLAGS = [
-    "env_id",
-    "reward",
-    "clip_model",
-    "clip_pretrained",
-    "clip_checkpoint",
-    "goal",
-    "baseline",
-    "alpha",
-    "reward_family",
-    "negatives",
-    "temperature",
-    "threshold",
-    "soft",
-    "antialias",
-]
+# every flag that changes what a CLIP return means: the reward itself, and what it is summed over (the episode's
+# length, the frames CLIP sees); returns of checkpoints that differ in any of them do not compare
+LIKE_FLAGS = """env_id reward clip_model clip_pretrained clip_checkpoint goal baseline alpha reward_family negatives
+temperature threshold soft antialias episodes episode_length realistic render_size render_quality camera""".split()
 
 
-def best(args: Best) -> str:
-    """Rolls every checkpoint out under the runs' own CLIP reward; prints each mean return and returns the best path."""
-    if args.episodes < 1:
-        raise UserError(f"--episodes must be a positive integer, got {args.episodes}.")
-    paths = list(args.checkpoints) or sorted(glob.glob(os.path.join(args.runs, "**", "checkpoint.pt"), recursive=True))
-    if not paths:
-        raise UserError(f"no checkpoint.pt under {args.runs}; pass checkpoint files or train with --save-model.")
-    loaded = [(path, *load_checkpoint(path)) for path in paths]
-    first = loaded[0][3]
+def find_checkpoints(runs: str) -> list[str]:
+    """The paper's kept checkpoints: every checkpoints/step-<N>.pt of every run, and each run's checkpoint.pt (its last
+    state, e.g. at the end of training between two --checkpoint-frequency steps)."""
+    steps = glob.glob(os.path.join(runs, "**", "checkpoints", "step-*.pt"), recursive=True)
+    return sorted(steps + glob.glob(os.path.join(runs, "**", "checkpoint.pt"), recursive=True))
+
+
+def run_and_step(path: str, checkpoint: dict) -> tuple[str, object]:
+    """(run folder, step) of a checkpoint: a checkpoint.pt saved at a kept step is the same policy as its step file."""
+    folder = os.path.dirname(path)
+    return (os.path.dirname(folder) if os.path.basename(folder) == "checkpoints" else folder), checkpoint.get("global_step")
+
+
+def check_like_with_like(loaded: list[tuple]) -> None:
+    """CLIP returns compare only under one reward and one way of summing it (a 20-step episode sums fewer rewards)."""
+    first_path, first = loaded[0][0], loaded[0][3]
     if first.reward != "clip":
-        raise UserError(f"{paths[0]} was trained with --reward gt: there is no CLIP return to choose by.")
+        raise UserError(f"{first_path} was trained with --reward gt: there is no CLIP return to choose by.")
     for path, _, _, run in loaded[1:]:
-        differ = [k for k in REWARD_FLAGS if getattr(run, k) != getattr(first, k)]
+        differ = [k for k in LIKE_FLAGS if getattr(run, k, None) != getattr(first, k, None)]
         if differ:
             raise UserError(
-                f"{path} differs from {paths[0]} in {', '.join('--' + k.replace('_', '-') for k in differ)}; "
-                "CLIP returns compare only under one reward: pass runs of one configuration."
+                f"{path} differs from {first_path} in {', '.join('--' + k.replace('_', '-') for k in differ)}; "
+                "CLIP returns compare only under one reward and episode: pass runs of one configuration."
             )
+
+
+def training_returns(loaded: list[tuple]) -> dict[str, float]:
+    """The training-time CLIP return each checkpoint records; those saved before any episode ended (nan) are left out."""
+    returns = {}
+    for path, checkpoint, _, _ in loaded:
+        value = checkpoint.get("clip_return")
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise UserError(
+                f"{path} records no training-time CLIP return (saved by an older version); pass --by rollouts to choose "
+                "by new evaluation rollouts."
+            )
+        if math.isfinite(value):
+            step = checkpoint.get("global_step", "?")
+            print(f"{path}: training-time CLIP return {value:.4f} (mean of the last episodes at step {step})")
+            returns[path] = float(value)
+        else:
+            print(f"{path}: no training-time CLIP return yet (no episode had ended): left out")
+    if not returns:
+        raise UserError("no checkpoint has a training-time CLIP return yet (each was saved before an episode ended).")
+    return returns
+
+
+def rollout_returns(args: "Best", loaded: list[tuple]) -> dict[str, float]:
+    """The mean CLIP return of --episodes new rollouts of each checkpoint, under the runs' one reward model."""
+    first = loaded[0][3]
     if args.clip_cache_dir is not None:
         first.clip_cache_dir = args.clip_cache_dir
     check_clip_args(first)
@@ -540,12 +627,37 @@ def best(args: Best) -> str:
         envs.close()
         means[path] = float(np.mean(returns))
         print(f"{path}: mean CLIP return {means[path]:.4f} (std {np.std(returns):.4f}) over {args.episodes} episodes")
+    return means
+
+
+def best(args: Best) -> str:
+    """Prints each checkpoint's CLIP return (training-time, or on new rollouts) and returns the best path."""
+    if args.episodes < 1:
+        raise UserError(f"--episodes must be a positive integer, got {args.episodes}.")
+    paths = list(args.checkpoints) or find_checkpoints(args.runs)
+    if not paths:
+        raise UserError(
+            f"no checkpoint under {args.runs} (runs/<run>/checkpoints/step-<N>.pt or checkpoint.pt); pass checkpoint "
+            "files or train with --save-model."
+        )
+    loaded = [(path, *load_checkpoint(path)) for path in paths]
+    if not args.checkpoints:  # found under --runs: a checkpoint.pt that repeats a kept step is counted once
+        kept = {run_and_step(path, c) for path, c, _, _ in loaded if os.path.basename(path) != "checkpoint.pt"}
+        loaded = [x for x in loaded if os.path.basename(x[0]) != "checkpoint.pt" or run_and_step(x[0], x[1]) not in kept]
+    check_like_with_like(loaded)
+    means = training_returns(loaded) if args.by == "training" else rollout_returns(args, loaded)
     chosen = max(means, key=means.get)
     others = sorted((v for p, v in means.items() if p != chosen), reverse=True)
+    how = "training-time CLIP return" if args.by == "training" else "mean CLIP return"
+    over = (
+        "the mean of the run's last episodes when it was saved"
+        if args.by == "training"
+        else f"over {args.episodes} {'deterministic' if args.deterministic else 'stochastic'} episodes each"
+    )
     print(
-        f"best: {chosen}: the highest mean CLIP return, {means[chosen]:.4f}"
+        f"best: {chosen}: the highest {how}, {means[chosen]:.4f}"
         + (f" (next best {others[0]:.4f})" if others else " (the only checkpoint)")
-        + f", over {args.episodes} {'deterministic' if args.deterministic else 'stochastic'} episodes each"
+        + f", {over}"
     )
     return chosen
 
@@ -585,31 +697,54 @@ def model_parameters(names: set[str], given: tuple[str, ...], configs: tuple[str
     return params
 
 
-def read_csvs(paths: tuple[str, ...], needed: list[str], flag: str) -> list[dict]:
+def read_csvs(paths: tuple[str, ...], needed: list[str], flag: str, check: dict) -> list[dict]:
+    """The rows of the --epic or --success files; `check`: column -> (test of its text, what it must be), each value
+    checked so that a hand edit (a word, nan, inf, a count above n) is one sentence naming the file and line."""
     rows = []
     for path in paths:
-        try:
-            with open(path, newline="") as f:
-                reader = csv.DictReader(f)
-                part = list(reader)
-        except OSError as e:
-            raise UserError(f"{flag} {path}: {e.strerror}.") from None
-        if not set(needed) <= set(reader.fieldnames or []):
-            missing = [c for c in needed if c not in (reader.fieldnames or [])]
-            raise UserError(f"{flag} {path} lacks the columns {', '.join(missing)}.")
-        rows += part
+        for line, row in read_csv(path, needed, flag):
+            if row.get("family", "projection") != "projection" or row["model"] == "gt":
+                continue  # the softmax family has no alpha; a --reward gt run has no CLIP model
+            bad = next((column for column, (test, _) in check.items() if not test(row)), None)
+            if bad is not None:
+                what = check[bad][1]
+                raise UserError(f"{flag} {path} line {line}: {bad} {row[bad]!r} is not {what}; fix or remove that line.")
+            rows.append(row)
     return rows
+
+
+def _number(text: str, low: float = -math.inf, high: float = math.inf) -> bool:
+    return is_finite_number(text) and low <= float(text) <= high  # nan and inf are never finite
+
+
+def _count(text: str) -> bool:
+    return text.strip().isdigit()
+
+
+EPIC_CHECKS = {
+    "model": (lambda r: r["model"].strip() != "", "a model name"),
+    "alpha": (lambda r: _number(r["alpha"], 0, 1), "a number in [0, 1]"),
+    "epic": (lambda r: _number(r["epic"], 0, 1), "a finite EPIC distance in [0, 1]"),
+    **{  # an interval bound: blank or nan (undefined) or a distance
+        bound: (lambda r, b=bound: r.get(b, "") in ("", "nan") or _number(r[b], 0, 1), "blank, nan or a number in [0, 1]")
+        for bound in ("epic_low", "epic_high")
+    },
+}
+SUCCESS_CHECKS = {
+    "model": (lambda r: r["model"].strip() != "", "a model name"),
+    "alpha": (lambda r: _number(r["alpha"], 0, 1), "a number in [0, 1]"),
+    "n": (lambda r: _count(r["n"]), "a count of episodes"),
+    "successes": (lambda r: _count(r["successes"]) and int(r["successes"]) <= int(r["n"]), "a count of at most n"),
+}
 
 
 def study(args: Study) -> list[dict]:
     if not args.epic and not args.success:
         raise UserError("pass --epic (epic.csv of `epic_eval.py score`) and/or --success (CSV of `success_eval.py report`).")
-    epic_rows = [
-        r for r in read_csvs(args.epic, ["model", "alpha", "epic"], "--epic") if r.get("family", "projection") == "projection"
-    ]  # the softmax family has no alpha
-    success_rows = [
-        r for r in read_csvs(args.success, ["model", "alpha", "n", "successes"], "--success") if r["model"] != "gt"
-    ]  # a --reward gt run has no CLIP model
+    for ext in (".csv", ".png"):
+        check_output_file(args.out + ext, "--out")
+    epic_rows = read_csvs(args.epic, ["model", "alpha", "epic"], "--epic", EPIC_CHECKS)
+    success_rows = read_csvs(args.success, ["model", "alpha", "n", "successes"], "--success", SUCCESS_CHECKS)
     table = []
     for r in epic_rows:
         table.append(
@@ -641,19 +776,18 @@ def study(args: Study) -> list[dict]:
     for row in table:
         row["params"] = int(params[row["model"].split("/")[0]])
     table.sort(key=lambda row: (row["metric"], row["alpha"], row["params"]))
-    check_output_folder(os.path.dirname(os.path.abspath(args.out)), "--out")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    columns = ["metric", "model", "params", "alpha", "value", "low", "high", "n"]
-    with open(args.out + ".csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()} for row in table)
-    plot_study(table, args.out + ".png")
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=["metric", "model", "params", "alpha", "value", "low", "high", "n"])
+    writer.writeheader()
+    writer.writerows({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()} for row in table)
+    write_atomic(args.out + ".csv", lambda f: f.write(text.getvalue().encode()))
+    write_atomic(args.out + ".png", lambda f: plot_study(table, f))
     print(f"wrote {args.out}.csv and {args.out}.png ({len(table)} points, {len(architectures)} models)")
     return table
 
 
-def plot_study(table: list[dict], path: str) -> None:
+def plot_study(table: list[dict], path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -676,7 +810,7 @@ def plot_study(table: list[dict], path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
 
 
@@ -697,6 +831,12 @@ if __name__ == "__main__":
     warnings.filterwarnings("ignore", message=".*No pretrained weights.*")
     try:
         main(tyro.cli(Commands))
+    except Stopped as e:
+        print(e, file=sys.stderr)
+        sys.exit(130)
+    except KeyboardInterrupt:  # before any output was started: nothing to clean up
+        print("stopped by Ctrl-C; nothing was written.", file=sys.stderr)
+        sys.exit(130)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

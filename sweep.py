@@ -8,6 +8,7 @@ and resumes the others; each run's final numbers end up in sweeps/<sweep>/sweep.
 
 import contextlib
 import csv
+import fcntl
 import hashlib
 import importlib.util
 import io
@@ -15,11 +16,13 @@ import itertools
 import json
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, fields
@@ -65,14 +68,20 @@ OWN_FLAGS = {"exp-name", "resume", "evaluate"}  # the sweep sets or forbids thes
 
 
 class PointJob(submitit.helpers.Checkpointable):
-    """One grid point: runs (or resumes) the training script, forwards preemption to it, marks the point done."""
+    """One grid point: runs (or resumes) the training script, forwards preemption to it, records how it ended."""
 
-    def __init__(self, command: list[str], exp_name: str, folder: str, workdir: str):
+    def __init__(self, command: list[str], exp_name: str, folder: str, workdir: str, sweep_pid: Optional[int] = None):
         self.command, self.exp_name, self.folder, self.workdir = command, exp_name, Path(folder), workdir
+        self.sweep_pid = sweep_pid  # local jobs end with their sweep (a SIGKILLed sweep leaves no orphan training)
         self._proc, self._offset, self._start, self._signalled = None, 0, 0.0, False
+        self._sweep_gone = threading.Event()
 
     def __getstate__(self) -> dict:  # the subprocess stays behind when submitit pickles the job to requeue it
-        return {**self.__dict__, "_proc": None, "_offset": 0, "_start": 0.0, "_signalled": False}
+        state = {**self.__dict__, "_proc": None, "_offset": 0, "_start": 0.0, "_signalled": False}
+        return {k: v for k, v in state.items() if k != "_sweep_gone"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _sweep_gone=threading.Event())
 
     def run_dir(self) -> Optional[Path]:
         """This point's run folder: the newest one with a checkpoint, else the newest."""
@@ -85,9 +94,43 @@ class PointJob(submitit.helpers.Checkpointable):
             f.seek(self._offset)
             return f.read()
 
+    def watch_sweep(self) -> None:
+        """Sets _sweep_gone when the local sweep process ends, however it ends (a pidfd is readable once it exits)."""
+        try:
+            fd = os.pidfd_open(self.sweep_pid)
+        except ProcessLookupError:
+            return self._sweep_gone.set()
+        select.select([fd], [], [])
+        os.close(fd)
+        self._sweep_gone.set()
+
+    def hold_point(self) -> Optional[int]:
+        """This point's job.lock, so a rerun never runs a point twice: a job (or a training script it started) of a
+        killed sweep may still be saving its checkpoint; wait for it. None when the sweep ended meanwhile."""
+        fd = os.open(self.folder / "job.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        announced = False
+        while not self._sweep_gone.is_set():
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                if not announced:
+                    print("the previous job of this point is still running: waiting for it", flush=True)
+                    announced = True
+                time.sleep(0.5)
+        os.close(fd)
+        return None
+
     def __call__(self) -> dict:
-        if (self.folder / "done.json").exists():  # finished before a requeue or a rerun
-            return json.loads((self.folder / "done.json").read_text())
+        local = self.sweep_pid is not None and os.environ.get("SUBMITIT_EXECUTOR") == "local"
+        if local:
+            threading.Thread(target=self.watch_sweep, daemon=True).start()
+        lock_fd = self.hold_point() if local else None
+        if local and lock_fd is None:
+            return {"status": "stopped", "last_line": "the sweep ended before this job started"}
+        done = read_json(self.folder / "done.json")
+        if done:  # finished before a requeue or a rerun
+            return done
         (self.folder / "job.pid").write_text(str(os.getpid()))  # to signal this job by hand (or in the tests)
         run = self.run_dir()
         resume = run is not None and (run / "checkpoint.pt").exists()
@@ -96,7 +139,8 @@ class PointJob(submitit.helpers.Checkpointable):
             log.write(f"\n$ {shlex.join(cmd)}\n")
             log.flush()
             self._offset, self._start = log.tell(), time.time()
-            # SLURM signals every process of the job: the script must not die of submitit's SIGUSR2 (default action: exit)
+            # SLURM signals every process of the job: the script must not die of submitit's SIGUSR2 (default action: exit).
+            # The script inherits job.lock: a rerun waits until the script itself has ended, even if this job was killed.
             self._proc = subprocess.Popen(
                 cmd,
                 cwd=self.workdir,
@@ -104,38 +148,43 @@ class PointJob(submitit.helpers.Checkpointable):
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
                 preexec_fn=ignore_user_signals,
+                pass_fds=() if lock_fd is None else (lock_fd,),
             )
         threading.Thread(target=self._proc.wait, daemon=True).start()  # only this thread waits: no lock in signal handlers
         # SIGTERM to this job: checkpoint, then end. On SLURM the script got the same signal (SLURM signals every
         # process of a job step); a second SIGTERM would make it quit without saving.
         signal.signal(signal.SIGTERM, lambda *_: self.stop_script(forward=os.environ.get("SUBMITIT_EXECUTOR") != "slurm"))
         while self._proc.returncode is None:
+            if self._sweep_gone.is_set():  # the sweep was killed: the script saves and exits, then so does this job
+                self.stop_script()
             time.sleep(0.2)
         return self.record()
 
     def record(self) -> dict:
-        """Add this segment's wall time; the point is done when the script exited 0 without being stopped."""
+        """Add this segment's wall time and how it ended, from the exit code and the run's checkpoint: done (exit 0, the
+        run reached its last step), stopped (exit 0 at an earlier checkpoint: a rerun resumes it) or failed."""
         proc, self._proc = self._proc, None  # recorded once
         if proc is None:
             return {}
-        state_file = self.folder / "state.json"
-        state = json.loads(state_file.read_text()) if state_file.exists() else {"wall_s": 0.0, "segments": 0}
-        state = {"wall_s": state["wall_s"] + time.time() - self._start, "segments": state["segments"] + 1}
-        state_file.write_text(json.dumps(state))
-        text = self.segment_log()
-        named = re.search(r"^run: (runs/\S+) on ", text, re.M)
-        run_dir = str(Path(self.workdir, named.group(1)) if named else self.run_dir() or "")
-        stopped = "stopped; continue with" in text
-        rc = proc.returncode
-        status = "done" if rc == 0 and not stopped else "stopped" if rc == 0 else f"failed (exit {rc})"
+        state = read_json(self.folder / "state.json") or {}
+        rc, run, text = proc.returncode, self.run_dir(), self.segment_log()
+        # exit 0 after a stop this job asked for: stopped (a rerun of a run that had just ended finishes at once); else
+        # its checkpoint says whether it was stopped by someone else (reading it costs a torch import: seconds)
+        status = ("stopped" if self._signalled or stopped_early(run) else "done") if rc == 0 else "failed"
+        if rc < 0:  # a signal killed it (after its last step SIGTERM ends the script at once): stopped if we asked
+            status = "stopped" if self._signalled and -rc in (signal.SIGTERM, signal.SIGINT) else status
+            text += f"\nkilled by {signal.Signals(-rc).name}"
         result = {
             "status": status,
-            "run_dir": run_dir,
-            **state,
-            "last_line": next((line for line in reversed(text.splitlines()) if line.strip()), ""),
+            "exit_code": rc,
+            "run_dir": str(run or ""),
+            "wall_s": state.get("wall_s", 0.0) + time.time() - self._start,
+            "segments": state.get("segments", 0) + 1,
+            "last_line": next((line.strip() for line in reversed(text.splitlines()) if line.strip()), ""),
         }
+        write_json(self.folder / "state.json", result)
         if status == "done":
-            (self.folder / "done.json").write_text(json.dumps(result))
+            write_json(self.folder / "done.json", result)
         return result
 
     def stop_script(self, forward: bool = True, wait: bool = False) -> None:
@@ -154,6 +203,55 @@ class PointJob(submitit.helpers.Checkpointable):
         self.stop_script(wait=True)
         self.record()  # also marks the point done if it had just finished
         return super().checkpoint(*args, **kwargs)
+
+
+def stopped_early(run: Optional[Path]) -> bool:
+    """The run's checkpoint is a resumable state short of its last step: it was stopped (a finished run's last
+    checkpoint is at its last step, or holds its final networks only). Tensors are mapped, not read: a buffer costs nothing."""
+    if run is None or not (run / "checkpoint.pt").is_file():
+        return False
+    import torch
+
+    try:
+        checkpoint = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=False, mmap=True)
+    except Exception:  # not ours to judge: the exit code said it ended well
+        return False
+    step, args = checkpoint.get("global_step"), checkpoint.get("args") or {}
+    return step is not None and step < args.get("total_timesteps", step)
+
+
+WARNED = set()
+
+
+def read_json(path: Path) -> Optional[dict]:
+    """A sweep state file, or None when missing; an empty or corrupt one (a crash mid-write by an older version, a hand
+    edit) counts as missing, with a one-line warning, so the point is rerun instead of every rerun crashing."""
+    try:
+        data = json.loads(path.read_text())
+        if isinstance(data, dict):
+            return data
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        pass
+    if path not in WARNED:
+        WARNED.add(path)
+        print(f"warning: {path} is empty or not valid JSON: the point counts as not done", file=sys.stderr, flush=True)
+    return None
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Atomic: a temporary file renamed over the old one, so a kill mid-write leaves the old file or the new, never half."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(data))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def ignore_user_signals() -> None:
@@ -194,6 +292,13 @@ def grid_points(grid: tuple[str, ...], fixed: list[str], script: Path) -> list[t
             raise UserError(f"--grid {item!r}: the script has no flag --{key}.")
         if key in OWN_FLAGS or f"--{key}" in SWEEP_FLAGS or key in (a for a, _ in axes):
             raise UserError(f"--grid {item!r}: --{key} is set by the sweep or already an axis.")
+        if len(set(split)) < len(split):
+            raise UserError(f"--grid {item!r} repeats a value: two jobs would train the same point.")
+        given = [
+            f for f in fixed if f.split("=")[0].lstrip("-").replace("_", "-") in (key, f"no-{key}") and f.startswith("--")
+        ]
+        if given:
+            raise UserError(f"--grid {item!r}: --{key} is also given after -- ({given[0]}); give it in one place.")
         axes.append((key, split))
     points = []
     for values in itertools.product(*[[(key, v) for v in vs] for key, vs in axes]):
@@ -201,14 +306,18 @@ def grid_points(grid: tuple[str, ...], fixed: list[str], script: Path) -> list[t
         for key, value in values:  # a switch: realistic=true -> --realistic, realistic=false -> --no-realistic
             is_switch = types[key] is bool and value.lower() in ("true", "false")
             flags += [f"--{'' if value.lower() == 'true' else 'no-'}{key}"] if is_switch else [f"--{key}", value]
-        captured = io.StringIO()
+        captured, label = io.StringIO(), " ".join(f"{k}={v}" for k, v in values)
         try:
             with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
                 parsed = tyro.cli(module.Args, args=flags)
         except SystemExit:
             reason = next((line.strip() for line in captured.getvalue().splitlines() if ":" in line), "invalid flags")
-            label = " ".join(f"{k}={v}" for k, v in values)
             raise UserError(f"{script.name} rejects the flags of point {label}: {reason}.") from None
+        key_of = [getattr(parsed, k.replace("-", "_")) for k, _ in values]
+        twin = next((p for p in points if [getattr(p[2], k.replace("-", "_")) for k, _ in values] == key_of), None)
+        if twin is not None:  # alpha=0,0.0: different text, the same run
+            twin_label = " ".join(f"{k}={v}" for k, v in twin[0])
+            raise UserError(f"--grid gives the same point twice ({twin_label} and {label}): two jobs would train one run.")
         points.append((list(values), flags, parsed))
     return points
 
@@ -245,8 +354,8 @@ def main(args: Args, fixed: list[str]) -> None:
     if min(args.max_parallel, args.cpus_per_job, args.gpus_per_job) < 0 or min(args.timeout_min, args.last_episodes) < 1:
         raise UserError("--max-parallel, --cpus-per-job, --gpus-per-job must be >= 0, --timeout-min, --last-episodes >= 1.")
     name = args.name or f"{script.stem}-{hashlib.sha1(json.dumps([script.name, fixed]).encode()).hexdigest()[:6]}"
-    if slug(name) != name:
-        raise UserError(f"--name {name!r} may hold only letters, digits and . = + -.")
+    if slug(name) != name or name.startswith("."):  # `..` would be the repository itself
+        raise UserError(f"--name {name!r} is not a plain folder name: letters, digits and . = + -, not starting with a dot.")
     slurm = args.cluster != "local" and slurm_answers()
     if args.cluster == "slurm" and not slurm:
         raise UserError("--cluster slurm: no SLURM controller answers here (`scontrol ping`); use --cluster local.")
@@ -254,7 +363,12 @@ def main(args: Args, fixed: list[str]) -> None:
         print("sbatch is installed but no SLURM controller answers (`scontrol ping`): running locally", flush=True)
     cluster = "slurm" if slurm else "local"
     root, points = Path("sweeps", name).resolve(), []
-    for values, flags, parsed in grid_points(args.grid, fixed, script):
+    if root.is_dir():  # a second sweep into this folder is refused at once; a new folder is made only for a valid grid
+        hold_sweep(root, name)
+    grid = grid_points(args.grid, fixed, script)
+    if not root.is_dir():
+        hold_sweep(root, name)
+    for values, flags, parsed in grid:
         point_id = slug("_".join(f"{k}={v}" for k, v in values) or "point")
         command = [str(script), *flags, "--exp-name", f"{name}-{point_id}", *SWEEP_FLAGS]
         points.append(
@@ -263,20 +377,21 @@ def main(args: Args, fixed: list[str]) -> None:
                 "label": " ".join(f"{k}={v}" for k, v in values) or "(no axes)",
                 "folder": root / point_id,
                 "parsed": parsed,
-                "job": PointJob(command, f"{name}-{point_id}", str(root / point_id), os.getcwd()),
+                "job": PointJob(command, f"{name}-{point_id}", str(root / point_id), os.getcwd(), os.getpid()),
             }
         )
         points[-1]["folder"].mkdir(parents=True, exist_ok=True)
-        (root / point_id / "point.json").write_text(json.dumps({"values": dict(values), "command": command}))
+        write_json(root / point_id / "point.json", {"values": dict(values), "command": command})
 
-    todo = [p for p in points if not (p["folder"] / "done.json").exists()]
+    todo = [p for p in points if not read_json(p["folder"] / "done.json")]
     resuming = sum(p["job"].run_dir() is not None for p in todo)
     print(
         f"sweep {name}: {len(points)} points ({len(points) - len(todo)} finished, {resuming} to resume, "
         f"{len(todo) - resuming} to start) on {cluster}; folder {root}",
         flush=True,
     )
-    executor = submitit.AutoExecutor(folder=root / "submitit" / "%j", cluster=cluster)
+    # locally every job's logs go to submitit/ itself: submitit's local controller would create a literal `%j` folder
+    executor = submitit.AutoExecutor(folder=root / "submitit" / ("%j" if cluster == "slurm" else ""), cluster=cluster)
     executor.update_parameters(
         name=name,
         timeout_min=args.timeout_min,
@@ -296,7 +411,7 @@ def main(args: Args, fixed: list[str]) -> None:
             and subprocess.run(["squeue", "-h", "-j", job_file.read_text()], capture_output=True, text=True).stdout.strip()
         ):
             waiting.remove(point)
-            running.append((point, submitit.SlurmJob(root / "submitit" / "%j", job_file.read_text())))
+            running.append((point, submitit.SlurmJob(root / "submitit" / "%j", job_file.read_text().strip())))
             print(f"{point['label']}: job {job_file.read_text()} is still queued or running; waiting for it", flush=True)
     try:
         while waiting or running:
@@ -310,11 +425,12 @@ def main(args: Args, fixed: list[str]) -> None:
                 finished += 1
                 try:
                     result = job.result()
-                    detail = {"done": "done", "stopped": "stopped at a checkpoint (rerun the same command to resume)"}.get(
-                        result["status"], f"{result['status']}: {result['last_line']}"
-                    )
                 except Exception as e:  # the job itself failed (not the script): submitit's error holds its traceback
-                    detail = f"job failed ({type(e).__name__}); see {root / 'submitit'}"
+                    result = {"status": "failed", "last_line": f"job failed ({type(e).__name__}); see {root / 'submitit'}"}
+                    write_json(point["folder"] / "state.json", {**(read_json(point["folder"] / "state.json") or {}), **result})
+                detail = {"done": "done", "stopped": "stopped at a checkpoint (rerun the same command to resume)"}.get(
+                    result["status"], f"failed: {result['last_line']}"
+                )
                 print(f"[{finished}/{len(todo)}] {point['label']}: {detail} ({time.time() - start:.0f} s)", flush=True)
             time.sleep(2.0 if running else 0)
     except KeyboardInterrupt:
@@ -323,27 +439,50 @@ def main(args: Args, fixed: list[str]) -> None:
             file=sys.stderr,
         )
         sys.exit(130)
-    write_table(points, root, args.last_episodes)
+    statuses = write_table(points, root, args.last_episodes)
+    counts = ", ".join(f"{statuses.count(s)} {s}" for s in ["done", "failed", "stopped", "not started"] if s in statuses)
+    advice = "; the error column says why each failed point failed" if "failed" in statuses else ""
+    advice += "; rerun the same command to resume the rest" if {"stopped", "not started"} & set(statuses) else ""
+    print(f"sweep {name}: {counts}{advice}", flush=True)
+    if "failed" in statuses:
+        sys.exit(1)
 
 
-def write_table(points: list[dict], root: Path, last: int) -> None:
-    """One row per point: its axes, status, final numbers and wall time, as sweep.csv and sweep.md."""
+def hold_sweep(root: Path, name: str) -> None:
+    """One sweep at a time in a folder: a lock the kernel drops when its holder ends, even by SIGKILL (never stale)."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / "sweep.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        raise UserError(f"sweep {name} is already running (pid {holder}) in {root}: wait for it to end.") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)  # held until this process ends
+
+
+def write_table(points: list[dict], root: Path, last: int) -> list[str]:
+    """One row per point: its axes, status (as its job recorded it), final numbers, wall time and, for a failed point,
+    the last line its script printed; as sweep.csv and sweep.md. Returns the statuses."""
     rows = []
     for p in points:
-        done_file, state_file = p["folder"] / "done.json", p["folder"] / "state.json"
         run = p["job"].run_dir()
-        done = json.loads(done_file.read_text()) if done_file.exists() else {}
+        done = read_json(p["folder"] / "done.json") or {}
+        state = done or read_json(p["folder"] / "state.json") or {}
+        # a job killed before it recorded anything: stopped when it left a run folder (a rerun resumes or restarts it)
+        status = "done" if done else state.get("status") if state.get("status") in ("failed", "stopped") else None
+        status = status or ("stopped" if run else "not started")
         numbers = final_numbers(done.get("run_dir") or (run and str(run)), last)
         if done:
             numbers["steps"] = p["parsed"].total_timesteps
-        state = json.loads(state_file.read_text()) if state_file.exists() else {}
         rows.append(
             {
                 **p["values"],
-                "status": "done" if done else "unfinished" if run else "not started",
+                "status": status,
                 **numbers,
-                "wall_s": round(state["wall_s"]) if state else "",
-                "run_dir": os.path.relpath(done.get("run_dir") or run, os.getcwd()) if (done or run) else "",
+                "wall_s": round(state["wall_s"]) if "wall_s" in state else "",
+                "run_dir": os.path.relpath(done.get("run_dir") or run, os.getcwd()) if (done.get("run_dir") or run) else "",
+                **({"error": state.get("last_line", "")} if status == "failed" else {}),
             }
         )
     columns = list(points[0]["values"]) + [
@@ -355,6 +494,7 @@ def write_table(points: list[dict], root: Path, last: int) -> None:
         "eval_gt_return",
         "wall_s",
         "run_dir",
+        "error",
     ]
     columns = [c for c in columns if any(c in r for r in rows)]
     with open(root / "sweep.csv", "w", newline="") as f:
@@ -362,9 +502,10 @@ def write_table(points: list[dict], root: Path, last: int) -> None:
         writer.writeheader()
         writer.writerows(rows)
     table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    table += ["| " + " | ".join(str(r.get(c, "")) for c in columns) + " |" for r in rows]
+    table += ["| " + " | ".join(str(r.get(c, "")).replace("|", "\\|") for c in columns) + " |" for r in rows]
     (root / "sweep.md").write_text("\n".join(table) + "\n")
     print("\n".join(table) + f"\n(returns: mean of the last {last} episodes) written to {root}/sweep.csv and sweep.md")
+    return [r["status"] for r in rows]
 
 
 if __name__ == "__main__":

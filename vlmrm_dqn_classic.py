@@ -61,9 +61,7 @@ class Args:  # the help of each flag is the comment after it
     reward: Literal["clip", "gt"] = "clip"  # learn from the CLIP reward, or the ground truth (upright; at the flag)
     goal: Optional[tuple[str, ...]] = None  # goal prompt(s); default: a description of the task's goal state
     baseline: Optional[tuple[str, ...]] = None  # baseline prompt(s) of the projection; default: a scene description
-    alpha: Optional[float] = (
-        None  # strength in [0, 1] (0: cosine similarity; 1: only goal - baseline); default 0, MountainCar 0.5
-    )
+    alpha: Optional[float] = None  # goal-baseline strength in [0, 1] (0: cosine similarity); default 0, MountainCar 0.5
     clip_model: str = "ViT-bigG-14"  # open_clip architecture name, or the path of an open_clip model config (.json)
     clip_pretrained: str = "laion2b_s39b_b160k"  # open_clip pretrained tag ("none" = random weights, for tests only)
     clip_checkpoint: Optional[str] = None  # local weights file for `--clip-model` (overrides `--clip-pretrained`)
@@ -453,11 +451,6 @@ def evaluate(q_network: QNetwork, eval_envs: gym.vector.VectorEnv, device, rewar
     return results
 
 
-# what --evaluate takes from the checkpoint unless given: the env, the frames CLIP saw and the reward model
-EVALUATE_AS_TRAINED = """env_id episodes episode_length realistic reward goal baseline alpha
-clip_model clip_pretrained clip_checkpoint clip_cache_dir reward_family negatives temperature threshold soft antialias"""
-
-
 # ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
@@ -467,7 +460,7 @@ def main(args: Args) -> None:
         checkpoint = utils.read_checkpoint(args.resume, Args)
         args = utils.resumed_args(args, checkpoint)
     if args.evaluate is not None:  # the run's own env, CLIP model and frames, unless a flag says otherwise
-        args = utils.evaluated_args(args, EVALUATE_AS_TRAINED)
+        args = utils.evaluated_args(args)
     check_args(args)
     if args.episodes == "auto":  # resolved once: a checkpoint keeps the resolved value
         args.episodes = "fixed" if args.reward == "clip" else "stock"

@@ -70,9 +70,7 @@ class Args:  # the help of each flag is the comment after it
     reward: Literal["clip", "gt"] = "clip"  # learn from the CLIP reward, or from the environment's own (e.g. to check SAC)
     goal: tuple[str, ...] = ("a humanoid robot kneeling",)  # goal prompt(s); MountainCar: its own default
     baseline: tuple[str, ...] = ("a humanoid robot",)  # baseline prompt(s) of the goal-baseline projection
-    alpha: Optional[float] = (
-        None  # strength in [0, 1] (0: cosine similarity; 1: only goal - baseline); default 0, MountainCar 0.5
-    )
+    alpha: Optional[float] = None  # goal-baseline strength in [0, 1] (0: cosine similarity); default 0, MountainCar 0.5
     clip_model: str = "ViT-bigG-14"  # open_clip architecture name, or the path of an open_clip model config (.json)
     clip_pretrained: str = "laion2b_s39b_b160k"  # open_clip pretrained tag ("none" = random weights, for tests only)
     clip_checkpoint: Optional[str] = None  # local weights file for --clip-model (overrides --clip-pretrained)
@@ -285,12 +283,12 @@ def fractal_noise(rng: np.random.Generator, size: int, cells: int, octaves: int)
 
 
 def scene_textures() -> dict[str, np.ndarray]:
-    """The paper's look, drawn at run time: a blue sky with white clouds, dark slate floor tiles, light brushed metal."""
+    """The paper's look, drawn at run time: a blue sky with white clouds, dark grey slate tiles, light brushed metal."""
     rng = np.random.default_rng(1234)  # slate: per-tile shade, layered grain, dark grout; mean grey ~54/255 as the paper's
     shade = 0.19 + 0.06 * rng.random((2, 2)).repeat(128, 0).repeat(128, 1)
     edge = np.minimum(*[np.minimum(c % 128, 127 - c % 128) for c in np.mgrid[0:256, 0:256]])  # pixels to the grout
     grey = np.where(edge < 2, 0.08, shade * (0.75 + 0.5 * fractal_noise(rng, 256, 8, 4)))
-    images = {"slate": grey[..., None] * [0.7, 1.05, 1.2]}  # blue-grey
+    images = {"slate": np.repeat(grey[..., None], 3, -1)}  # neutral grey, as the paper's frame
     rng = np.random.default_rng(99)  # metal: fine streaks along one direction
     streaks = 0.6 * fractal_noise(rng, 128, 4, 5).mean(1, keepdims=True) + 0.4 * rng.random((128, 1))
     images["metal"] = np.broadcast_to((0.72 + 0.16 * streaks)[..., None], (128, 128, 3))
@@ -300,15 +298,14 @@ def scene_textures() -> dict[str, np.ndarray]:
         d = np.stack([np.sign(i) * (a, b, np.ones_like(a))[abs(i) - 1] for i in axes], -1)
         d /= np.linalg.norm(d, axis=-1, keepdims=True)
         up, elevation = d[..., 2], np.arcsin(np.clip(d[..., 2], -1, 1))
-        t = np.clip(elevation / 0.6, 0, 1)[..., None]  # saturated blue, paler at the horizon
-        sky = (1 - t) * np.array([0.10, 0.50, 0.92]) + t * np.array([0.04, 0.32, 0.80])
-        # clouds: noise at (azimuth, elevation), one scale on both, the seam behind the camera, thinning to the zenith
+        # saturated blue, lighter at the horizon; below it (past the floor's edge) the horizon's blue goes on: no haze band
+        t = np.clip(elevation / 0.6, 0, 1)[..., None]
+        sky = (1 - t) * np.array([0.04, 0.58, 0.88]) + t * np.array([0.04, 0.40, 0.82])
+        # clouds (grey undersides): noise at (azimuth, elevation), one scale on both, the seam behind the camera, thinning up
         grid = torch.from_numpy(np.stack([np.arctan2(-d[..., 1], -d[..., 0]) / np.pi, elevation / np.pi - 1], -1))
         c = F.grid_sample(clouds, grid[None].float(), padding_mode="reflection", align_corners=False)[0, 0].numpy()
         density = (np.clip((c - 0.6) / 0.08, 0, 1) * np.clip(1.3 - 1.3 * up, 0, 1) * (up > -0.02))[..., None]
-        sky = sky * (1 - density) + density * (0.78 + 0.22 * np.clip((c - 0.6) / 0.2, 0, 1))[..., None]  # grey undersides
-        below = np.clip(-up / 0.05, 0, 1)[..., None]  # past the floor's edge: a distant blue-grey haze
-        images[face] = sky * (1 - below) + np.array([0.35, 0.42, 0.5]) * below
+        images[face] = sky * (1 - density) + density * (0.78 + 0.22 * np.clip((c - 0.6) / 0.2, 0, 1))[..., None]
     return images
 
 
@@ -318,7 +315,7 @@ def textured_humanoid_xml() -> str:
     Bodies, joints, geom sizes, masses, contacts, actuators and options are untouched: the physics is identical.
     """
     stock = Path(gym.envs.mujoco.__file__).parent / "assets" / "humanoid.xml"
-    key = hashlib.sha1(stock.read_bytes() + b"v5").hexdigest()[:10]  # bump "v5" when the look changes
+    key = hashlib.sha1(stock.read_bytes() + b"v6").hexdigest()[:10]  # bump "v6" when the look changes
     cache = os.path.join(tempfile.gettempdir(), f"vlmrm_humanoid_{key}")
     xml_path = os.path.join(cache, "humanoid_textured.xml")
     if os.path.exists(xml_path):
@@ -586,11 +583,6 @@ def evaluate(actor, eval_envs, device, reward_model, episodes, seed):
     return results
 
 
-# what --evaluate takes from the checkpoint unless given: the env, the frames CLIP saw and the reward model
-EVALUATE_AS_TRAINED = """env_id episodes episode_length render_size render_quality realistic camera reward goal baseline alpha
-clip_model clip_pretrained clip_checkpoint clip_cache_dir reward_family negatives temperature threshold soft antialias"""
-
-
 # ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
@@ -600,7 +592,7 @@ def main(args: Args) -> None:
         checkpoint = utils.read_checkpoint(args.resume, Args)
         args = utils.resumed_args(args, checkpoint)
     if args.evaluate is not None:  # the run's own env, CLIP model and frames, unless a flag says otherwise
-        args = utils.evaluated_args(args, EVALUATE_AS_TRAINED)
+        args = utils.evaluated_args(args)
     check_args(args)
     if args.episodes == "auto":  # resolved once: a checkpoint keeps the resolved value
         args.episodes = "fixed" if args.reward == "clip" else "stock"

@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -117,13 +118,149 @@ def is_device(name: str) -> bool:
     )
 
 
-def check_writable(folder: str) -> None:
+def check_writable(folder: str, what: str = "", advice: str = "run from another") -> None:
     """Outputs must be writable before hours of training produce them (the folder itself may not exist yet)."""
     existing = os.path.abspath(folder)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
-        raise UserError(f"cannot write to {os.path.abspath(folder)}/ ({existing} is not a writable folder); run from another.")
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):  # os.access also sees a read-only mount
+        where = f"{what} {os.path.abspath(folder)}/" if what else f"{os.path.abspath(folder)}/"
+        raise UserError(f"cannot write to {where} ({existing} is not a writable folder); {advice}.")
+
+
+# ----------------------------------------------------------------------------------------------
+# The evaluation tools' files: read with one sentence per problem, written whole or not at all
+# ----------------------------------------------------------------------------------------------
+PARTIAL_FOLDER = re.compile(r"^\..+\.partial-(\d+)-\d+$")  # .<out>.partial-<pid>-<ns>: a folder being written
+
+
+def read_text(path: str, what: str = "") -> str:
+    """A small text file (UTF-8, a BOM allowed), or one sentence naming it (and the line of a bad byte)."""
+    name = f"{what} {path}" if what else path
+    if not os.path.exists(path):
+        raise UserError(f"{name}: no such file.")
+    if not os.path.isfile(path):  # a folder, or a named pipe that would block the read forever
+        raise UserError(f"{name} is not a regular file.")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise UserError(f"{name} cannot be read ({e.strerror}).") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise UserError(
+            f"{name} line {line} is not UTF-8 text (byte {data[e.start]:#04x}), so not a file this tool reads."
+        ) from None
+
+
+def read_json(path: str, what: str = ""):
+    """A JSON file, or one sentence naming it and the line where it stops being JSON."""
+    import json
+
+    text = read_text(path, what)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{f'{what} {path}' if what else path} line {e.lineno} is not valid JSON ({e.msg}).") from None
+
+
+def read_csv(path: str, needed: list[str], what: str = "") -> list[tuple[int, dict]]:
+    """(line number, row) of a CSV file with a header; one sentence naming the file and line when it is empty, lacks
+    a needed column, or a row has more or fewer fields than the header (a hand edit gone wrong: never guessed)."""
+    import csv
+    import io
+
+    name = f"{what} {path}" if what else path
+    reader = csv.reader(io.StringIO(read_text(path, what), newline=""))
+    try:
+        header = next(reader, None)
+        if header is None:
+            raise UserError(f"{name} is empty: it has no header line.")
+        missing = [c for c in needed if c not in header]
+        if missing:
+            raise UserError(f"{name} lacks the column{'s' * (len(missing) > 1)} {', '.join(missing)} in its header (line 1).")
+        rows = []
+        for row in reader:
+            if not row:  # a blank line
+                continue
+            if len(row) != len(header):
+                raise UserError(
+                    f"{name} line {reader.line_num} has {len(row)} fields but the header has {len(header)}; "
+                    "fix or remove that line."
+                )
+            rows.append((reader.line_num, dict(zip(header, row))))
+    except csv.Error as e:
+        raise UserError(f"{name} line {reader.line_num} is not CSV ({e}).") from None
+    return rows
+
+
+def check_new_folder(path: str, flag: str, why: str) -> None:
+    """An output folder written whole or not at all: absent, an empty folder or an empty file, in a writable folder."""
+    empty = os.path.isdir(path) and not os.listdir(path) or os.path.isfile(path) and os.path.getsize(path) == 0
+    if os.path.lexists(path) and not empty:
+        raise UserError(f"{flag} {path} already exists and is not empty; pass a new {flag} ({why}).")
+    check_writable(os.path.dirname(os.path.abspath(path)), flag, "choose another path")
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """A file to (over)write: nothing but a regular file in the way, in a writable folder."""
+    if os.path.lexists(path) and not os.path.isfile(path):
+        raise UserError(f"{flag}: {path} exists and is not a regular file; choose another {flag}.")
+    check_writable(os.path.dirname(os.path.abspath(path)), flag, "choose another path")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def new_partial_folder(out: str) -> str:
+    """A hidden folder beside `out` to write into, renamed into place once complete (see publish_folder); stale ones
+    of a writer that was killed (SIGKILL, power cut) are removed first, so that they never pile up."""
+    parent, base = os.path.split(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    for name in os.listdir(parent):
+        match = PARTIAL_FOLDER.match(name)
+        if match and not pid_alive(int(match.group(1))):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+            print(f"removed {os.path.join(parent, name)}, left unfinished by a run that was killed")
+    partial = os.path.join(parent, f".{base}.partial-{os.getpid()}-{time.time_ns()}")
+    os.makedirs(partial)
+    return partial
+
+
+def publish_folder(partial: str, out: str, flag: str) -> None:
+    """Rename the complete `partial` folder to `out` (atomic; replaces an empty folder or empty file, nothing else)."""
+    try:
+        if os.path.isfile(out) and os.path.getsize(out) == 0:
+            os.remove(out)
+        os.rename(partial, out)
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise UserError(f"{flag} {out} was filled by something else meanwhile; nothing was written.") from None
+
+
+def write_atomic(path: str, write: Callable) -> None:
+    """`write(file)` into a temporary file beside `path`, renamed onto it: never half a file at `path`."""
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.")
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException as e:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise UserError(f"could not write {path} ({e.strerror}); nothing was written there.") from None
+        raise
 
 
 def check_resources(args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple) -> None:
@@ -655,12 +792,17 @@ def check_checkpoint_disk(args, networks: dict[str, dict]) -> None:
         )
 
 
-def evaluated_args(args, keys: str):
+# what --evaluate takes from the checkpoint unless given: the env, the frames CLIP saw and the reward model
+EVALUATE_AS_TRAINED = """env_id episodes episode_length render_size render_quality realistic camera reward goal baseline alpha
+clip_model clip_pretrained clip_checkpoint clip_cache_dir reward_family negatives temperature threshold soft antialias"""
+
+
+def evaluated_args(args):
     """--evaluate rolls out with the run's own CLIP model, render size and quality, look, camera and episodes (the
     checkpoint stores them), unless the user set a flag to another value than its default."""
     saved, default = read_checkpoint(args.evaluate, type(args), "--evaluate")["args"], vars(type(args)())
-    for key in keys.split():
-        if key in saved and getattr(args, key) == default[key]:
+    for key in EVALUATE_AS_TRAINED.split():
+        if key in saved and key in default and getattr(args, key) == default[key]:
             setattr(args, key, saved[key])
     return args
 

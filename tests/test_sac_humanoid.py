@@ -3,6 +3,7 @@
 from types import SimpleNamespace
 
 import gymnasium as gym
+import imageio.v2 as imageio
 import numpy as np
 import pytest
 import torch
@@ -181,13 +182,15 @@ def test_clip_rewarded_smoke_run_trains_checkpoints_records_and_rolls_out(tmp_pa
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)  # holds RNG states and arrays
     assert checkpoint["global_step"] == 600 and {"actor", "qf1", "qf2", "log_ent_coef"} <= checkpoint.keys()
 
-    flags = f"--render-size 64 --render-quality fast --evaluate {run_dir / 'checkpoint.pt'} --eval-episodes 1".split()
-    rollout = run_script(SCRIPT, *TINY_CLIP_FLAGS, *flags, cwd=tmp_path)
+    # the command the run printed, as printed: its CLIP model, render size and quality come from the checkpoint
+    printed = next(line for line in result.stdout.splitlines() if "--evaluate" in line).split("python ")[1].split()
+    rollout = run_script(SCRIPT, *printed[1:], "--eval-episodes", "1", cwd=tmp_path)
     assert rollout.returncode == 0, rollout.stderr[-3000:]
     assert "clip_return=" in rollout.stdout
     (eval_dir,) = [p for p in (tmp_path / "videos").iterdir() if p.name != run_dir.name]
     assert (eval_dir / "eval-episode-0.mp4").stat().st_size > 1000
-    assert len(list((eval_dir / "eval-episode-0").glob("frame-*.png"))) == 101  # reset frame + 100 steps
+    frames = sorted((eval_dir / "eval-episode-0").glob("frame-*.png"))
+    assert len(frames) == 101 and imageio.imread(frames[0]).shape == (64, 64, 3)  # reset frame + 100 steps, at 64 px
 
 
 def test_mountain_car_success_latches_within_an_episode_and_clears_at_reset():

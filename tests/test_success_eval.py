@@ -291,7 +291,7 @@ def test_best_picks_the_highest_mean_clip_return(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(se, "reward_model_for", lambda *a: CartX())
     left = crafted_checkpoint(Path("runs/left/checkpoint.pt"), 0)
     right = crafted_checkpoint(Path("runs/right/checkpoint.pt"), 1)
-    assert se.best(se.Best(episodes=2, deterministic=True, cuda=False)) == right  # found under runs/
+    assert se.best(se.Best(by="rollouts", episodes=2, deterministic=True, cuda=False)) == right  # found under runs/
     out = capsys.readouterr().out
     means = {
         line.split(":")[0]: float(line.split("mean CLIP return ")[1].split()[0])
@@ -300,12 +300,74 @@ def test_best_picks_the_highest_mean_clip_return(tmp_path, monkeypatch, capsys):
     }
     assert set(means) == {left, right} and means[right] > means[left]
     assert f"best: {right}: the highest mean CLIP return, {means[right]:.4f} (next best {means[left]:.4f})" in out
-    assert se.best(se.Best(checkpoints=(left,), episodes=1, cuda=False)) == left  # files given: only those
+    assert se.best(se.Best(checkpoints=(left,), by="rollouts", episodes=1, cuda=False)) == left  # files given: only those
     other = crafted_checkpoint(tmp_path / "other.pt", 1, alpha=0.5)
-    with pytest.raises(UserError, match="differs from .* in --alpha; CLIP returns compare only under one reward"):
+    with pytest.raises(UserError, match="differs from .* in --alpha; CLIP returns compare only under one reward and episode"):
         se.best(se.Best(checkpoints=(left, other), cuda=False))
-    with pytest.raises(UserError, match="no checkpoint.pt under"):
+    with pytest.raises(UserError, match="no checkpoint under"):
         se.best(se.Best(runs=str(tmp_path / "nothing")))
+
+
+def kept_checkpoint(path: Path, clip_return: float, step: int, script=dqn, **changes) -> str:
+    """A checkpoint as the training scripts keep them: the args, the step and the training-time CLIP return (the
+    networks are never read when choosing by the training-time return)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    flags = dict(clip_model=TINY_CLIP, clip_pretrained="none", episodes="fixed", episode_length=30)
+    if script is sac:
+        flags.update(env_id="Humanoid-v5", render_size=64)
+    args = dataclasses.asdict(script.Args(**{**flags, **changes}))
+    network = {"q_network": {}} if script is dqn else {"actor": {}}
+    torch.save({**network, "args": args, "global_step": step, "clip_return": clip_return}, path)
+    return str(path)
+
+
+def test_best_picks_by_training_time_clip_return_across_runs_and_steps(tmp_path, monkeypatch, capsys):
+    """The paper's criterion: the highest training-time CLIP return over every kept step of every run; a mid-training
+    step can win over the last one, and nothing is rolled out."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(se, "make_envs", lambda *a: pytest.fail("no rollouts by the training-time criterion"))
+    kept_checkpoint(Path("runs/a/checkpoints/step-100.pt"), -9.0, 100)
+    middle = kept_checkpoint(Path("runs/a/checkpoints/step-200.pt"), -2.0, 200)
+    kept_checkpoint(Path("runs/a/checkpoints/step-300.pt"), -6.0, 300)
+    kept_checkpoint(Path("runs/a/checkpoint.pt"), -6.0, 300)  # the same policy as step-300: counted once
+    kept_checkpoint(Path("runs/b/checkpoints/step-100.pt"), float("nan"), 100)  # saved before an episode ended
+    kept_checkpoint(Path("runs/b/checkpoint.pt"), -4.0, 150)  # the end of training, between two kept steps
+    assert se.best(se.Best()) == middle
+    out = capsys.readouterr().out
+    assert out.count("runs/a/checkpoint.pt") == 0 and "runs/b/checkpoint.pt: training-time CLIP return -4.0000" in out
+    assert "step-100.pt: no training-time CLIP return yet" in out
+    assert f"best: {middle}: the highest training-time CLIP return, -2.0000 (next best -4.0000)" in out
+    kept_checkpoint(Path("runs/b/checkpoint.pt"), -1.0, 150)
+    assert se.best(se.Best()) == os.path.join("runs", "b", "checkpoint.pt")
+
+
+@pytest.mark.parametrize(
+    "script, change, flag",
+    [
+        (dqn, dict(episode_length=20), "--episode-length"),  # a sum over fewer (negative) rewards is higher
+        (dqn, dict(episodes="stock"), "--episodes"),
+        (dqn, dict(realistic=True, env_id="MountainCar-v0"), "--realistic"),
+        (dqn, dict(clip_pretrained="openai"), "--clip-pretrained"),
+        (dqn, dict(clip_checkpoint="weights.pt"), "--clip-checkpoint"),
+        (dqn, dict(reward_family="softmax"), "--reward-family"),
+        (dqn, dict(temperature=0.05), "--temperature"),
+        (dqn, dict(alpha=0.5), "--alpha"),
+        (dqn, dict(goal=("a pole",)), "--goal"),
+        (dqn, dict(baseline=("a cart",)), "--baseline"),
+        (dqn, dict(antialias=True), "--antialias"),
+        (sac, dict(render_size=128), "--render-size"),
+        (sac, dict(render_quality="fast"), "--render-quality"),
+        (sac, dict(camera="tracking"), "--camera"),
+        (sac, dict(env_id="MountainCarContinuous-v0"), "--env-id"),
+    ],
+)
+def test_best_compares_like_with_like(tmp_path, script, change, flag):
+    """Checkpoints whose CLIP returns mean different things are refused, by name of the flags, in both modes."""
+    first = kept_checkpoint(tmp_path / "first.pt", -5.0, 100, script)
+    other = kept_checkpoint(tmp_path / "other.pt", -1.0, 100, script, **change)
+    for by in ("training", "rollouts"):
+        with pytest.raises(UserError, match=f"other.pt differs from .*first.pt in .*{flag}[,;]"):
+            se.best(se.Best(checkpoints=(first, other), by=by, cuda=False))
 
 
 # ---------------------------------------------------------------------------------------------- study
