@@ -364,6 +364,22 @@ def test_an_empty_episode_folder_exits_2_in_one_sentence_instead_of_serving_noth
     assert_clean_error(result, "no episodes to judge")
 
 
+def test_a_killed_label_server_keeps_every_verdict_it_acknowledged(tmp_path):
+    folder = make_rollouts(tmp_path / "r")
+    command = [sys.executable, os.path.join(ROOT, "success_eval.py"), "label", "--rollouts", folder, "--port", "0"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = proc.stdout.readline()  # "judging 3 episodes of ... open http://127.0.0.1:<port>/ - keys: ..."
+        url = line.split("open ")[1].split("/ ")[0]
+        for video, verdict in [("episode-000.mp4", "1"), ("episode-001.mp4", "skip"), ("episode-002.mp4", "0")]:
+            assert http(url + "/api/label", {"frame": video, "label": verdict})[0] == 200
+    finally:
+        proc.kill()  # SIGKILL: no handler runs, nothing is flushed on the way out
+        proc.wait(10)
+        proc.stdout.close()
+    assert labels_rows(folder) == [["episode-000.mp4", "1"], ["episode-001.mp4", "skip"], ["episode-002.mp4", "0"]]
+
+
 def test_labels_csv_that_cannot_be_written_is_refused_at_start_up(tmp_path, monkeypatch):
     folder = make_rollouts(tmp_path / "r")
     os.makedirs(os.path.join(folder, "labels.csv"))
