@@ -292,8 +292,6 @@ def grid_points(grid: tuple[str, ...], fixed: list[str], script: Path) -> list[t
             raise UserError(f"--grid {item!r}: the script has no flag --{key}.")
         if key in OWN_FLAGS or f"--{key}" in SWEEP_FLAGS or key in (a for a, _ in axes):
             raise UserError(f"--grid {item!r}: --{key} is set by the sweep or already an axis.")
-        if len(set(split)) < len(split):
-            raise UserError(f"--grid {item!r} repeats a value: two jobs would train the same point.")
         given = [
             f for f in fixed if f.split("=")[0].lstrip("-").replace("_", "-") in (key, f"no-{key}") and f.startswith("--")
         ]

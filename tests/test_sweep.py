@@ -166,7 +166,7 @@ def test_refused_grids_and_names_are_one_sentence(tmp_path):
     def refused(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([*SWEEP, "--cluster", "local", *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
 
-    assert_clean_error(refused("--grid", "seed=1,1"), "seed=1,1", "repeats a value")
+    assert_clean_error(refused("--grid", "seed=1,1"), "same point twice (seed=1 and seed=1)")
     assert_clean_error(refused("--grid", "alpha=0,0.0"), "same point twice", "alpha=0 and alpha=0.0")
     assert_clean_error(refused("--grid", "seed=1,2", "--", "--seed", "5"), "--seed is also given after --")
     assert_clean_error(refused("--grid", "realistic=true,false", "--", "--no-realistic"), "--realistic is also given")
@@ -210,11 +210,16 @@ def test_failed_points_say_so_exit_non_zero_and_a_rerun_skips_the_done_ones(tmp_
     assert "learning-starts=100: done (" not in third.stdout and table(tmp_path, "m")[0] == rows[0]  # not run again
 
 
-def test_state_files_are_replaced_whole(tmp_path):
+def test_state_files_are_replaced_whole(tmp_path, monkeypatch):
     path = tmp_path / "state.json"
     write_json(path, {"wall_s": 1.0})
-    with pytest.raises(TypeError):
-        write_json(path, {"wall_s": object()})  # fails mid-write: the old file stays whole, no temporary file is left
+
+    def full_disk(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)  # the write fails once the file is open: the old one stays whole
+    with pytest.raises(OSError):
+        write_json(path, {"wall_s": 2.0})
     assert json.loads(path.read_text()) == {"wall_s": 1.0} and os.listdir(tmp_path) == ["state.json"]
 
 
