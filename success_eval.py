@@ -381,7 +381,7 @@ def read_policy(path: str) -> dict:
 
 
 def read_episodes(path: str) -> list[dict]:
-    rows, videos = read_csv(path, EPISODE_COLUMNS), set()
+    rows = read_csv(path, EPISODE_COLUMNS)
     if not rows:
         raise UserError(f"{path} lists no episodes to judge; roll the checkpoint out again with `success_eval.py rollout`.")
 
@@ -394,14 +394,7 @@ def read_episodes(path: str) -> list[dict]:
                 return f"{key} {row[key]!r} is not a number"
         if row["gt_success"] not in ("", "0", "1"):
             return f"gt_success {row['gt_success']!r} is not 0, 1 or blank"
-        video = row["video"]
-        plain = video not in ("", ".", "..") and "/" not in video and "\\" not in video and video.isprintable()
-        if not plain:
-            return f"the video {video!r} is not a plain file name in videos/"
-        if video in videos:
-            return f"it lists the video {video} more than once: one verdict would count twice"
-        videos.add(row["video"])
-        return None
+        return None  # the video names: label_server checks them where they are served
 
     for line, row in rows:
         reason = problem(row)
