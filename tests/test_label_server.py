@@ -345,10 +345,14 @@ def test_episode_page_serves_videos_with_the_label_pages_protections(tmp_path):
 def test_episode_folders_the_page_cannot_judge_safely_are_refused_before_serving(tmp_path, videos, files, words):
     files = files if files is not None else [v for v in videos if "/" not in v]
     folder = make_rollouts(tmp_path / "r", videos=videos, files=files)
-    with pytest.raises(UserError) as error:
-        success_eval.make_episode_server(folder, 0)
-    message = str(error.value)
-    assert "\n" not in message and all(word in message for word in words), message
+    for serve in (
+        lambda: success_eval.make_episode_server(folder, 0),  # its episodes.csv reader may refuse first
+        lambda: label_server.make_label_server(folder, 0, "task", list(videos), VIDEOS),  # the server's own check
+    ):
+        with pytest.raises(UserError) as error:
+            serve()
+        message = str(error.value)
+        assert "\n" not in message and all(word in message for word in words), message
     assert not os.path.exists(os.path.join(folder, "labels.csv"))
 
 
