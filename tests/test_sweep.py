@@ -128,8 +128,8 @@ def wait_for_episodes(point: Path, proc: subprocess.Popen, episodes: int) -> Non
         time.sleep(0.2)
 
 
-def test_local_stopped_job_is_unfinished_and_a_rerun_resumes_it(tmp_path):
-    """SIGTERM to a job (someone stops it): the script checkpoints, the point is unfinished; the same command resumes it."""
+def test_local_stopped_job_is_stopped_and_a_rerun_resumes_it(tmp_path):
+    """SIGTERM to a job (someone stops it): the script checkpoints, the point is stopped; the same command resumes it."""
     command = ["--cluster", "local", "--name", "stop", "--grid", "seed=4", *SHORT_CLIP]
     proc, point = sweep(*command, cwd=tmp_path), tmp_path / "sweeps" / "stop" / "seed=4"
     wait_for_episodes(point, proc, 1)
