@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TINY_CLIP_FLAGS, assert_clean_error, read_scalars
 
-from sweep import slurm_answers, write_json
+from sweep import slurm_answers, stopped_early, write_json
 
 SWEEP = [sys.executable, str(ROOT / "sweep.py"), "--script", str(ROOT / "vlmrm_dqn_classic.py"), "--gpus-per-job", "0"]
 SHORT_GT = ["--", "--reward", "gt", "--total-timesteps", "1000", "--learning-starts", "500", "--eval-episodes", "1"]
@@ -216,6 +216,21 @@ def test_state_files_are_replaced_whole(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         write_json(path, {"wall_s": 2.0})
     assert json.loads(path.read_text()) == {"wall_s": 1.0} and os.listdir(tmp_path) == ["state.json"]
+
+
+def test_stopped_or_done_is_read_from_the_checkpoint(tmp_path):
+    """A script that exits 0 after a SIGTERM no job sent (someone signalled the script itself): its checkpoint says."""
+    import torch
+
+    for name, checkpoint, stopped in [
+        ("stopped", {"global_step": 840, "args": {"total_timesteps": 1600}, "q_network": torch.zeros(3)}, True),
+        ("done", {"global_step": 1600, "args": {"total_timesteps": 1600}}, False),
+        ("final-networks", {"q_network": torch.zeros(3), "args": {"total_timesteps": 1600}}, False),  # nothing to resume
+    ]:
+        (tmp_path / name).mkdir()
+        torch.save(checkpoint, tmp_path / name / "checkpoint.pt")
+        assert stopped_early(tmp_path / name) is stopped, name
+    assert not stopped_early(tmp_path / "no-run") and not stopped_early(None)
 
 
 def test_a_rerun_job_waits_for_the_previous_job_of_its_point(tmp_path):
