@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TINY_CLIP_FLAGS, assert_clean_error, read_scalars
 
-from sweep import slurm_answers, write_json
+from sweep import slurm_answers, stopped_early, write_json
 
 SWEEP = [sys.executable, str(ROOT / "sweep.py"), "--script", str(ROOT / "vlmrm_dqn_classic.py"), "--gpus-per-job", "0"]
 SHORT_GT = ["--", "--reward", "gt", "--total-timesteps", "1000", "--learning-starts", "500", "--eval-episodes", "1"]
@@ -128,8 +128,8 @@ def wait_for_episodes(point: Path, proc: subprocess.Popen, episodes: int) -> Non
         time.sleep(0.2)
 
 
-def test_local_stopped_job_is_unfinished_and_a_rerun_resumes_it(tmp_path):
-    """SIGTERM to a job (someone stops it): the script checkpoints, the point is unfinished; the same command resumes it."""
+def test_local_stopped_job_is_stopped_and_a_rerun_resumes_it(tmp_path):
+    """SIGTERM to a job (someone stops it): the script checkpoints, the point is stopped; the same command resumes it."""
     command = ["--cluster", "local", "--name", "stop", "--grid", "seed=4", *SHORT_CLIP]
     proc, point = sweep(*command, cwd=tmp_path), tmp_path / "sweeps" / "stop" / "seed=4"
     wait_for_episodes(point, proc, 1)
@@ -194,20 +194,15 @@ def test_failed_points_say_so_exit_non_zero_and_a_rerun_skips_the_done_ones(tmp_
 
     # an empty done.json (a crash mid-write by an older version) and a cut state.json: not done, a warning, no traceback
     point_done, point_failed = (tmp_path / "sweeps" / "m" / f"learning-starts={v}" for v in [100, 5000])
-    (point_done / "done.json").write_text("")
+    (point_failed / "done.json").write_text("")
     (point_failed / "state.json").write_text('{"wall_s": 1')
+    rows = table(tmp_path, "m")
     again = subprocess.run([*SWEEP, *MIXED], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert again.returncode == 1 and "Traceback" not in again.stdout + again.stderr, again.stdout + again.stderr
-    assert f"warning: {point_done / 'done.json'} is empty or not valid JSON" in again.stderr, again.stderr
-    assert "(0 finished, 1 to resume, 1 to start)" in again.stdout and "learning-starts=100: done (" in again.stdout
-    assert [r["status"] for r in table(tmp_path, "m")] == ["done", "failed"]
+    assert f"warning: {point_failed / 'done.json'} is empty or not valid JSON" in again.stderr, again.stderr
+    assert "(1 finished, 0 to resume, 1 to start)" in again.stdout and "learning-starts=5000: failed: " in again.stdout
+    assert ": done (" not in again.stdout and table(tmp_path, "m")[0] == rows[0]  # the done point did not run again
     assert json.loads((point_failed / "state.json").read_text())["segments"] == 1  # rewritten whole, from zero
-    assert json.loads((point_done / "done.json").read_text())["status"] == "done"
-
-    rows = table(tmp_path, "m")
-    third = subprocess.run([*SWEEP, *MIXED], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert third.returncode == 1 and "(1 finished, 0 to resume, 1 to start)" in third.stdout, third.stdout
-    assert "learning-starts=100: done (" not in third.stdout and table(tmp_path, "m")[0] == rows[0]  # not run again
 
 
 def test_state_files_are_replaced_whole(tmp_path, monkeypatch):
@@ -221,6 +216,21 @@ def test_state_files_are_replaced_whole(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         write_json(path, {"wall_s": 2.0})
     assert json.loads(path.read_text()) == {"wall_s": 1.0} and os.listdir(tmp_path) == ["state.json"]
+
+
+def test_stopped_or_done_is_read_from_the_checkpoint(tmp_path):
+    """A script that exits 0 after a SIGTERM no job sent (someone signalled the script itself): its checkpoint says."""
+    import torch
+
+    for name, checkpoint, stopped in [
+        ("stopped", {"global_step": 840, "args": {"total_timesteps": 1600}, "q_network": torch.zeros(3)}, True),
+        ("done", {"global_step": 1600, "args": {"total_timesteps": 1600}}, False),
+        ("final-networks", {"q_network": torch.zeros(3), "args": {"total_timesteps": 1600}}, False),  # nothing to resume
+    ]:
+        (tmp_path / name).mkdir()
+        torch.save(checkpoint, tmp_path / name / "checkpoint.pt")
+        assert stopped_early(tmp_path / name) is stopped, name
+    assert not stopped_early(tmp_path / "no-run") and not stopped_early(None)
 
 
 def test_a_rerun_job_waits_for_the_previous_job_of_its_point(tmp_path):
