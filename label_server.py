@@ -16,6 +16,7 @@ import os
 import tempfile
 import threading
 import urllib.parse
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
@@ -91,8 +92,8 @@ def read_labels(folder: str, items: set[str], media: Media, graded: bool = False
             f"{path} line {line} is not UTF-8 text (byte 0x{data[e.start]:02x}); "
             "labels.csv is text written by the label page: fix or remove that line."
         ) from None
-    # split on newlines only: str.splitlines() would also split a name at U+2028 or U+0085
-    lines = [line.removesuffix("\r") for line in text.split("\n")]
+    # split on newlines only: str.splitlines() would also split a name at U+2028 or U+0085 (csv drops a CRLF's CR)
+    lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
     if not lines:
@@ -176,8 +177,7 @@ def check_items(folder: str, items: list[str], media: Media) -> None:
             f"{listing} names the {media.noun} {bad!r}, which is not a plain file name in {where}; "
             "names must have no folder separators, no '..' and no control characters."
         )
-    seen: set[str] = set()
-    twice = next((n for n in items if n in seen or seen.add(n)), None)
+    twice = next((n for n, count in Counter(items).items() if count > 1), None)
     if twice is not None:
         raise UserError(f"{listing} lists {twice} more than once, so one verdict would count twice; list each once.")
     missing = [n for n in items if not os.path.isfile(os.path.join(where, n))]

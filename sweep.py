@@ -167,9 +167,16 @@ class PointJob(submitit.helpers.Checkpointable):
         if proc is None:
             return {}
         state = read_json(self.folder / "state.json") or {}
-        rc, run = proc.returncode, self.run_dir()
-        status = ("stopped" if stopped_early(run) else "done") if rc == 0 else "failed"
-        text = self.segment_log()
+        rc, run, text = proc.returncode, self.run_dir(), self.segment_log()
+        # exit 0 after a stop this job asked for: stopped (a rerun of a run that had just ended finishes at once); else
+        # its checkpoint says whether it was stopped by someone else (reading it costs a torch import: seconds)
+        status = ("stopped" if self._signalled or stopped_early(run) else "done") if rc == 0 else "failed"
+        if rc < 0 and self._signalled and -rc in (signal.SIGTERM, signal.SIGINT):
+            # our stop came after its last step (its final evaluation: SIGTERM ends the script at once); a rerun resumes
+            # at that step to evaluate again, unless the checkpoint holds the final networks only: then the run is done
+            status = "stopped" if checkpoint_step(run) is not None else "done"
+        elif rc < 0:
+            text += f"\nkilled by {signal.Signals(-rc).name}"
         result = {
             "status": status,
             "exit_code": rc,
@@ -201,19 +208,25 @@ class PointJob(submitit.helpers.Checkpointable):
         return super().checkpoint(*args, **kwargs)
 
 
-def stopped_early(run: Optional[Path]) -> bool:
-    """The run's checkpoint is a resumable state short of its last step: it was stopped (a finished run's last
-    checkpoint is at its last step, or holds its final networks only). Tensors are mapped, not read: a buffer costs nothing."""
+def checkpoint_step(run: Optional[Path]) -> Optional[tuple[int, int]]:
+    """(step, --total-timesteps) of the run's resumable checkpoint; None without one (a finished run's last checkpoint
+    may hold its final networks only). Tensors are mapped, not read: a replay buffer costs nothing."""
     if run is None or not (run / "checkpoint.pt").is_file():
-        return False
+        return None
     import torch
 
     try:
         checkpoint = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=False, mmap=True)
-    except Exception:  # not ours to judge: the exit code said it ended well
-        return False
-    step, args = checkpoint.get("global_step"), checkpoint.get("args") or {}
-    return step is not None and step < args.get("total_timesteps", step)
+        return (checkpoint["global_step"], checkpoint["args"]["total_timesteps"]) if "global_step" in checkpoint else None
+    except Exception:  # not ours to judge: the script's exit code says how it ended
+        return None
+
+
+def stopped_early(run: Optional[Path]) -> bool:
+    """The run was stopped: its checkpoint is resumable and short of its last step (a finished run's last checkpoint is
+    at its last step, or holds its final networks only)."""
+    step = checkpoint_step(run)
+    return step is not None and step[0] < step[1]
 
 
 WARNED = set()
@@ -288,8 +301,6 @@ def grid_points(grid: tuple[str, ...], fixed: list[str], script: Path) -> list[t
             raise UserError(f"--grid {item!r}: the script has no flag --{key}.")
         if key in OWN_FLAGS or f"--{key}" in SWEEP_FLAGS or key in (a for a, _ in axes):
             raise UserError(f"--grid {item!r}: --{key} is set by the sweep or already an axis.")
-        if len(set(split)) < len(split):
-            raise UserError(f"--grid {item!r} repeats a value: two jobs would train the same point.")
         given = [
             f for f in fixed if f.split("=")[0].lstrip("-").replace("_", "-") in (key, f"no-{key}") and f.startswith("--")
         ]
@@ -358,8 +369,12 @@ def main(args: Args, fixed: list[str]) -> None:
     if args.cluster == "auto" and not slurm and shutil.which("sbatch"):
         print("sbatch is installed but no SLURM controller answers (`scontrol ping`): running locally", flush=True)
     cluster = "slurm" if slurm else "local"
-    root, points, grid = Path("sweeps", name).resolve(), [], grid_points(args.grid, fixed, script)
-    hold_sweep(root, name)
+    root, points = Path("sweeps", name).resolve(), []
+    if root.is_dir():  # a second sweep into this folder is refused at once; a new folder is made only for a valid grid
+        hold_sweep(root, name)
+    grid = grid_points(args.grid, fixed, script)
+    if not root.is_dir():
+        hold_sweep(root, name)
     for values, flags, parsed in grid:
         point_id = slug("_".join(f"{k}={v}" for k, v in values) or "point")
         command = [str(script), *flags, "--exp-name", f"{name}-{point_id}", *SWEEP_FLAGS]

@@ -1,18 +1,22 @@
-"""Test fixture, not a product feature: a small CLIP trained on captioned CartPole frames, used as a user's local model.
+"""Test fixture, not a product feature: small CLIPs trained on captioned CartPole or MountainCar frames, used as a
+user's local model.
 
 Pretrained CLIP weights cannot be downloaded in CI, so the tests that show a *sentence* teaching behaviour need a CLIP
-that knows what an upright pole looks like. This trains one, on frames rendered by the project's own env
-(`vlmrm_dqn_classic.make_env`) at states set directly (pole angle over the whole circle, cart anywhere on the track),
-each captioned from its state in several phrasings per state class. Model: open_clip's own (`create_model` of
-tests/vlmrm-cartpole.json, registered with `add_model_config`), open_clip's own `ClipLoss`, images through open_clip's
-standard PIL transform (`image_transform`, resize mode "squash": the scripts squash the 3:2 frames to the square input, as
-the paper's code did). The saved file is a plain state dict, loaded by the scripts through
-`--clip-model tests/vlmrm-cartpole.json --clip-checkpoint <file>` like any local open_clip weights.
+that knows what an upright pole (a car at the flag) looks like. This trains one per task, on frames rendered by the
+project's own env at states set directly (CartPole: `vlmrm_dqn_classic.make_env`, pole angle over the whole circle, cart
+anywhere on the track; MountainCar: `vlmrm_sac_humanoid.make_env` of MountainCarContinuous-v0, realistic look, the car
+anywhere on the road), each captioned from its state in several phrasings per state class. Model: open_clip's own
+(`create_model` of the task's config, registered with `add_model_config`), open_clip's own `ClipLoss`, images through
+open_clip's standard PIL transform (`image_transform`, resize mode "squash": the scripts squash the 3:2 frames to the
+square input, as the paper's code did). The saved file is a plain state dict, loaded by the scripts through
+`--clip-model tests/vlmrm-<task>.json --clip-checkpoint <file>` like any local open_clip weights.
 
-The captions never contain the prompts the RL tests use (tests/test_language_proof.py checks it), so the RL run is
-zero-shot in the sense that matters: the goal sentence is new to the model.
+The RL prompts are not training captions (the language-proof tests check words and embeddings), but they are
+in-vocabulary paraphrases: their words are the captions' words. Such a model proves the pipeline text -> reward ->
+behaviour, not the zero-shot quality of a web-scale CLIP.
 
-    python tests/clip_trainer.py /tmp/cartpole-clip.pt   # ~70 s of one idle CPU core
+    python tests/clip_trainer.py /tmp/cartpole-clip.pt                  # ~70 s of one idle CPU core
+    python tests/clip_trainer.py /tmp/mountaincar-clip.pt mountaincar
 """
 
 import hashlib
@@ -21,13 +25,15 @@ import os
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = ROOT / "tests" / "vlmrm-cartpole.json"
+CONFIG = ROOT / "tests" / "vlmrm-cartpole.json"  # CartPole's (the MountainCar task has its own, same architecture)
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
 
@@ -112,7 +118,7 @@ def all_captions() -> set[str]:
 
 
 def render_dataset(num_frames: int, seed: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """uint8 frames (N, 400, 600, 3), states (N, 2) = (x, theta) and captions, from the training script's own env."""
+    """CartPole: uint8 frames (N, 400, 600, 3), states (N, 2) = (x, theta) and captions, from the training script's own env."""
     from vlmrm_dqn_classic import make_env
 
     rng = random.Random(seed)
@@ -131,21 +137,130 @@ def render_dataset(num_frames: int, seed: int) -> tuple[np.ndarray, np.ndarray, 
     return np.stack(frames), np.array(states), captions
 
 
-def model_and_transform():
-    """open_clip's model of tests/vlmrm-cartpole.json (random init) and its standard PIL transform, squash mode."""
+# ---------------------------------------------------------------------------- MountainCarContinuous-v0
+# state classes by the car's x (upper bounds; the road is 0.45 sin(3x) + 0.55 on [-1.2, 0.6], the valley's floor at
+# x = -0.52, the paper's flag at 0.45), each with several phrasings
+MOUNTAINCAR_CLASSES = [
+    (
+        -0.95,
+        [
+            "the car is high up on the left slope, far from the flag",
+            "a red car near the top of the left hill, far from the yellow flag",
+            "the car climbs high on the left side of the valley",
+        ],
+    ),
+    (
+        -0.7,
+        [
+            "the car is low on the left slope",
+            "a red car on the lower left hillside, far from the flag",
+            "the car rolls down the left side towards the valley",
+        ],
+    ),
+    (
+        -0.3,
+        [
+            "the car sits at the lowest point of the valley",
+            "a red car at the bottom of the valley between two hills",
+            "the car is down in the valley, far from the flag",
+        ],
+    ),
+    (
+        0.1,
+        [
+            "the car is low on the right slope, far from the flag",
+            "a red car starting up the right hill",
+            "the car is on the lower right hillside",
+        ],
+    ),
+    (
+        0.38,
+        [
+            "the car is high on the right slope, near the flag",
+            "a red car climbing close to the yellow flag",
+            "the car is almost at the top of the right hill",
+        ],
+    ),
+    (
+        math.inf,
+        [
+            "the car has reached the yellow flag on the hilltop",
+            "a red car at the summit beside the flag",
+            "the car stands next to the flag at the peak of the right hill",
+        ],
+    ),
+]
+MOUNTAINCAR_PLACES = ["on a mountain road", "in the mountains"]  # appended to half the captions, any state
+
+
+def mountaincar_caption(x: float, rng: random.Random) -> str:
+    """A caption of a MountainCar state: one phrasing of its position class, sometimes with the scene."""
+    text = rng.choice(next(p for bound, p in MOUNTAINCAR_CLASSES if x < bound))
+    return text + ", " + rng.choice(MOUNTAINCAR_PLACES) if rng.random() < 0.5 else text
+
+
+def mountaincar_all_captions() -> set[str]:
+    phrasings = [p for _, ps in MOUNTAINCAR_CLASSES for p in ps]
+    return set(phrasings) | {p + ", " + place for p in phrasings for place in MOUNTAINCAR_PLACES}
+
+
+def mountaincar_render_dataset(num_frames: int, seed: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """MountainCar: uint8 frames (N, 400, 600, 3), states (N, 1) = x and captions, from the SAC script's own env."""
+    from vlmrm_sac_humanoid import make_env
+
+    rng = random.Random(seed)
+    env = make_env("MountainCarContinuous-v0", seed, 0, 200, 64, "fast", True)()  # realistic look, the flag at 0.45
+    env.reset(seed=seed)  # the env renders only after a reset
+    frames, states, captions = [], [], []
+    for i in range(num_frames):
+        # half the states anywhere on the road, half on the right slope (the classes RL cares about are narrow there)
+        x = rng.uniform(0.0, 0.5) if i % 2 else rng.uniform(-1.2, 0.5)
+        env.unwrapped.state = np.array([x, 0.0])
+        frames.append(env.render())
+        states.append((x,))
+        captions.append(mountaincar_caption(x, rng))
+    env.close()
+    return np.stack(frames), np.array(states), captions
+
+
+# ---------------------------------------------------------------------------- training, for either task
+@dataclass(frozen=True)
+class Task:
+    name: str
+    config: Path  # the open_clip model config (--clip-model)
+    render_dataset: Callable[[int, int], tuple[np.ndarray, np.ndarray, list[str]]]
+    all_captions: Callable[[], set[str]]
+    env_source: Path  # the script whose make_env renders the frames: part of the cache key
+
+
+CARTPOLE = Task("cartpole", CONFIG, render_dataset, all_captions, ROOT / "vlmrm_dqn_classic.py")
+MOUNTAINCAR = Task(
+    "mountaincar",
+    ROOT / "tests" / "vlmrm-mountaincar.json",
+    mountaincar_render_dataset,
+    mountaincar_all_captions,
+    ROOT / "vlmrm_sac_humanoid.py",
+)
+TASKS = {task.name: task for task in (CARTPOLE, MOUNTAINCAR)}
+
+
+def model_and_transform(config: Path = CONFIG):
+    """open_clip's model of `config` (random init) and its standard PIL transform, squash mode."""
     import open_clip
 
-    open_clip.add_model_config(str(CONFIG))
-    model = open_clip.create_model(CONFIG.stem, pretrained=None)
+    open_clip.add_model_config(str(config))
+    model = open_clip.create_model(config.stem, pretrained=None)
     cfg = open_clip.get_model_preprocess_cfg(model)
     transform = open_clip.image_transform(
         cfg["size"], is_train=False, mean=cfg["mean"], std=cfg["std"], resize_mode="squash", interpolation="bicubic"
     )
-    return model, transform, open_clip.get_tokenizer(CONFIG.stem)
+    return model, transform, open_clip.get_tokenizer(config.stem)
 
 
-def train(path: str, num_frames: int = NUM_FRAMES, steps: int = STEPS, seed: int = SEED, verbose: bool = True) -> str:
-    """Train the model and save its state dict to `path`; returns `path`."""
+def train(
+    path: str, task: Task = CARTPOLE, num_frames: int = NUM_FRAMES, steps: int = STEPS, seed: int = SEED, verbose: bool = True
+) -> str:
+    """Train the task's model and save its state dict to `path`; returns `path`."""
     import open_clip
     from PIL import Image
 
@@ -153,8 +268,8 @@ def train(path: str, num_frames: int = NUM_FRAMES, steps: int = STEPS, seed: int
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    frames, _, captions = render_dataset(num_frames, seed)
-    model, transform, tokenizer = model_and_transform()
+    frames, _, captions = task.render_dataset(num_frames, seed)
+    model, transform, tokenizer = model_and_transform(task.config)
     images = torch.stack([transform(Image.fromarray(f)) for f in frames])  # preprocessed once: no augmentation
     texts = tokenizer(captions)
     del frames
@@ -182,26 +297,27 @@ def train(path: str, num_frames: int = NUM_FRAMES, steps: int = STEPS, seed: int
     return path
 
 
-def cache_key() -> str:
+def cache_key(task: Task = CARTPOLE) -> str:
     """Hash of everything that determines the weights: this file, the config, the env code, torch and open_clip."""
     import open_clip
 
     h = hashlib.sha256()
-    for f in (Path(__file__), CONFIG, ROOT / "vlmrm_dqn_classic.py"):
+    for f in (Path(__file__), task.config, task.env_source):
         h.update(f.read_bytes())
     h.update(f"{torch.__version__} {open_clip.__version__}".encode())
     return h.hexdigest()[:16]
 
 
-def cached_checkpoint(folder: str | None = None) -> str:
-    """The trained checkpoint, trained once per cache key (under ~/.cache/vlmrm-tests unless `folder` is given)."""
+def cached_checkpoint(folder: str | None = None, task: Task = CARTPOLE) -> str:
+    """The task's trained checkpoint, trained once per cache key (under ~/.cache/vlmrm-tests unless `folder` is given)."""
     folder = Path(folder or os.environ.get("VLMRM_TEST_CACHE", Path.home() / ".cache" / "vlmrm-tests"))
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"cartpole-clip-{cache_key()}.pt"
+    path = folder / f"{task.name}-clip-{cache_key(task)}.pt"
     if not path.exists():
-        train(str(path))
+        train(str(path), task)
     return str(path)
 
 
 if __name__ == "__main__":
-    print(train(sys.argv[1] if len(sys.argv) > 1 else "cartpole-clip.pt"))
+    task = TASKS[sys.argv[2] if len(sys.argv) > 2 else "cartpole"]
+    print(train(sys.argv[1] if len(sys.argv) > 1 else f"{task.name}-clip.pt", task))

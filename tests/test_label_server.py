@@ -182,9 +182,14 @@ def test_label_page_round_trip_over_http(tmp_path):
         state = json.loads(http(server.url + "/api/state")[1])
         assert state["labels"] == {"000000.png": "0", "000001.png": "0", "000002.png": "skip"}
         assert http(server.url + "/api/label", {"frame": "000003.png", "label": "1"})[0] == 200
+        after = open(labels_csv).read()
+        # a hand edit gone wrong while serving: the page is told why it cannot load, the connection is not dropped
+        with open(labels_csv, "a") as f:
+            f.write("000004.png,yes,t\n")
+        status, answer = http(server.url + "/api/state")
+        assert status == 500 and b"label 'yes' of frame 000004.png on line 7" in answer, answer
     finally:
         server.close()
-    after = open(labels_csv).read()
     assert after.startswith(before) and after.count("\n") == before.count("\n") + 1  # appended, nothing rewritten
 
 
@@ -340,10 +345,14 @@ def test_episode_page_serves_videos_with_the_label_pages_protections(tmp_path):
 def test_episode_folders_the_page_cannot_judge_safely_are_refused_before_serving(tmp_path, videos, files, words):
     files = files if files is not None else [v for v in videos if "/" not in v]
     folder = make_rollouts(tmp_path / "r", videos=videos, files=files)
-    with pytest.raises(UserError) as error:
-        success_eval.make_episode_server(folder, 0)
-    message = str(error.value)
-    assert "\n" not in message and all(word in message for word in words), message
+    for serve in (
+        lambda: success_eval.make_episode_server(folder, 0),  # its episodes.csv reader may refuse first
+        lambda: label_server.make_label_server(folder, 0, "task", list(videos), VIDEOS),  # the server's own check
+    ):
+        with pytest.raises(UserError) as error:
+            serve()
+        message = str(error.value)
+        assert "\n" not in message and all(word in message for word in words), message
     assert not os.path.exists(os.path.join(folder, "labels.csv"))
 
 
@@ -357,6 +366,22 @@ def test_an_empty_episode_folder_exits_2_in_one_sentence_instead_of_serving_noth
     )
     assert result.returncode == 2
     assert_clean_error(result, "no episodes to judge")
+
+
+def test_a_killed_label_server_keeps_every_verdict_it_acknowledged(tmp_path):
+    folder = make_rollouts(tmp_path / "r")
+    command = [sys.executable, os.path.join(ROOT, "success_eval.py"), "label", "--rollouts", folder, "--port", "0"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = proc.stdout.readline()  # "judging 3 episodes of ... open http://127.0.0.1:<port>/ - keys: ..."
+        url = line.split("open ")[1].split("/ ")[0]
+        for video, verdict in [("episode-000.mp4", "1"), ("episode-001.mp4", "skip"), ("episode-002.mp4", "0")]:
+            assert http(url + "/api/label", {"frame": video, "label": verdict})[0] == 200
+    finally:
+        proc.kill()  # SIGKILL: no handler runs, nothing is flushed on the way out
+        proc.wait(10)
+        proc.stdout.close()
+    assert labels_rows(folder) == [["episode-000.mp4", "1"], ["episode-001.mp4", "skip"], ["episode-002.mp4", "0"]]
 
 
 def test_labels_csv_that_cannot_be_written_is_refused_at_start_up(tmp_path, monkeypatch):
@@ -466,15 +491,15 @@ def test_many_posts_at_once_wait_in_the_listen_queue_and_are_all_saved(tmp_path)
     ds = make_dataset(tmp_path / "ds", frames=100)
     server = epic_eval.make_frame_server(ds, 0, "pole upright?")
     url = f"http://127.0.0.1:{server.server_port}"
-    sockets = []
+    sockets, thread = [], threading.Thread(target=server.serve_forever, daemon=True)
     try:
-        # not serving yet: every connection waits in the kernel's listen queue (a queue of 5 turns the 7th away)
+        # not serving yet: every connection waits in the kernel's listen queue (a queue of 5 turns the 7th away: its
+        # connect times out)
         for i in range(100):
             sock = socket.create_connection(("127.0.0.1", server.server_port), timeout=1)
             data = json.dumps({"frame": f"{i:06d}.png", "label": "1"}).encode()
             sock.sendall(post_head(url, str(len(data))) + data)
             sockets.append(sock)
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
         for sock in sockets:
             sock.settimeout(10)
@@ -482,7 +507,8 @@ def test_many_posts_at_once_wait_in_the_listen_queue_and_are_all_saved(tmp_path)
     finally:
         for sock in sockets:
             sock.close()
-        server.shutdown()
+        if thread.is_alive():  # shutdown() waits for a serve_forever that never started
+            server.shutdown()
         server.server_close()
     assert sorted(frame for frame, _ in labels_rows(ds)) == [f"{i:06d}.png" for i in range(100)]
 

@@ -1,6 +1,9 @@
-"""sweep.py: a 2x2 grid end to end on submitit's local executor, a preempted job resumes exactly, SLURM when present."""
+"""sweep.py: a 2x2 grid end to end on submitit's local executor, a preempted job resumes exactly, failed points, kills
+and concurrent sweeps, bad grids and names; SLURM when present."""
 
 import csv
+import fcntl
+import json
 import os
 import re
 import signal
@@ -12,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TINY_CLIP_FLAGS, assert_clean_error, read_scalars
 
-from sweep import slurm_answers
+from sweep import slurm_answers, stopped_early, write_json
 
 SWEEP = [sys.executable, str(ROOT / "sweep.py"), "--script", str(ROOT / "vlmrm_dqn_classic.py"), "--gpus-per-job", "0"]
 SHORT_GT = ["--", "--reward", "gt", "--total-timesteps", "1000", "--learning-starts", "500", "--eval-episodes", "1"]
@@ -125,8 +128,8 @@ def wait_for_episodes(point: Path, proc: subprocess.Popen, episodes: int) -> Non
         time.sleep(0.2)
 
 
-def test_local_stopped_job_is_unfinished_and_a_rerun_resumes_it(tmp_path):
-    """SIGTERM to a job (someone stops it): the script checkpoints, the point is unfinished; the same command resumes it."""
+def test_local_stopped_job_is_stopped_and_a_rerun_resumes_it(tmp_path):
+    """SIGTERM to a job (someone stops it): the script checkpoints, the point is stopped; the same command resumes it."""
     command = ["--cluster", "local", "--name", "stop", "--grid", "seed=4", *SHORT_CLIP]
     proc, point = sweep(*command, cwd=tmp_path), tmp_path / "sweeps" / "stop" / "seed=4"
     wait_for_episodes(point, proc, 1)
@@ -157,6 +160,141 @@ def test_bad_grid_is_one_sentence(tmp_path):
     )
     assert_clean_error(result, "--cluster slurm", "no SLURM controller answers")
     assert not (tmp_path / "sweeps").exists()
+
+
+def test_refused_grids_and_names_are_one_sentence(tmp_path):
+    def refused(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*SWEEP, "--cluster", "local", *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+    assert_clean_error(refused("--grid", "seed=1,1"), "same point twice (seed=1 and seed=1)")
+    assert_clean_error(refused("--grid", "alpha=0,0.0"), "same point twice", "alpha=0 and alpha=0.0")
+    assert_clean_error(refused("--grid", "seed=1,2", "--", "--seed", "5"), "--seed is also given after --")
+    assert_clean_error(refused("--grid", "realistic=true,false", "--", "--no-realistic"), "--realistic is also given")
+    for name in ["..", ".", "a/b", str(tmp_path / "abs")]:
+        assert_clean_error(refused("--name", name), "is not a plain folder name")
+    assert sorted(os.listdir(tmp_path)) == [], os.listdir(tmp_path)  # nothing written anywhere, the parent included
+    assert not (tmp_path.parent / "submitit").exists() and not (tmp_path.parent / "sweep.lock").exists()
+
+
+FAST = ["--gpus-per-job", "0", "--cpus-per-job", "1", "--cluster", "local"]
+# learning-starts=5000 fails at once (not below --total-timesteps), learning-starts=100 trains 400 ground-truth steps
+MIXED = [*FAST, "--name", "m", "--grid", "learning-starts=100,5000", "--", "--reward", "gt", "--total-timesteps", "400"]
+
+
+def test_failed_points_say_so_exit_non_zero_and_a_rerun_skips_the_done_ones(tmp_path):
+    out = subprocess.run([*SWEEP, *MIXED], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "learning-starts=5000: failed: error: --learning-starts 5000 is not below" in out.stdout, out.stdout
+    assert "sweep m: 1 done, 1 failed;" in out.stdout and "Traceback" not in out.stdout + out.stderr, out.stdout
+    done, failed = table(tmp_path, "m")
+    assert (done["status"], done["steps"], done["error"]) == ("done", "400", ""), done
+    assert failed["status"] == "failed" and failed["error"].startswith("error: --learning-starts 5000 is not below"), failed
+    assert "| failed |" in (tmp_path / "sweeps" / "m" / "sweep.md").read_text()
+    assert not list((tmp_path / "sweeps" / "m" / "submitit").glob("%*")), "a literal %j folder"  # submitit's logs only
+
+    # an empty done.json (a crash mid-write by an older version) and a cut state.json: not done, a warning, no traceback
+    point_done, point_failed = (tmp_path / "sweeps" / "m" / f"learning-starts={v}" for v in [100, 5000])
+    (point_failed / "done.json").write_text("")
+    (point_failed / "state.json").write_text('{"wall_s": 1')
+    rows = table(tmp_path, "m")
+    again = subprocess.run([*SWEEP, *MIXED], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 1 and "Traceback" not in again.stdout + again.stderr, again.stdout + again.stderr
+    assert f"warning: {point_failed / 'done.json'} is empty or not valid JSON" in again.stderr, again.stderr
+    assert "(1 finished, 0 to resume, 1 to start)" in again.stdout and "learning-starts=5000: failed: " in again.stdout
+    assert ": done (" not in again.stdout and table(tmp_path, "m")[0] == rows[0]  # the done point did not run again
+    assert json.loads((point_failed / "state.json").read_text())["segments"] == 1  # rewritten whole, from zero
+
+
+def test_state_files_are_replaced_whole(tmp_path, monkeypatch):
+    path = tmp_path / "state.json"
+    write_json(path, {"wall_s": 1.0})
+
+    def full_disk(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)  # the write fails once the file is open: the old one stays whole
+    with pytest.raises(OSError):
+        write_json(path, {"wall_s": 2.0})
+    assert json.loads(path.read_text()) == {"wall_s": 1.0} and os.listdir(tmp_path) == ["state.json"]
+
+
+def test_stopped_or_done_is_read_from_the_checkpoint(tmp_path):
+    """A script that exits 0 after a SIGTERM no job sent (someone signalled the script itself): its checkpoint says."""
+    import torch
+
+    for name, checkpoint, stopped in [
+        ("stopped", {"global_step": 840, "args": {"total_timesteps": 1600}, "q_network": torch.zeros(3)}, True),
+        ("done", {"global_step": 1600, "args": {"total_timesteps": 1600}}, False),
+        ("final-networks", {"q_network": torch.zeros(3), "args": {"total_timesteps": 1600}}, False),  # nothing to resume
+    ]:
+        (tmp_path / name).mkdir()
+        torch.save(checkpoint, tmp_path / name / "checkpoint.pt")
+        assert stopped_early(tmp_path / name) is stopped, name
+    assert not stopped_early(tmp_path / "no-run") and not stopped_early(None)
+
+
+def test_a_rerun_job_waits_for_the_previous_job_of_its_point(tmp_path):
+    """job.lock: while a point is held (here by the test, as by a job or script of a killed sweep), no twin starts."""
+    command = [*FAST, "--name", "w", "--grid", "seed=1", "--", "--total-timesteps", "400"]  # fails at once when it runs
+    point = tmp_path / "sweeps" / "w" / "seed=1"
+    point.mkdir(parents=True)
+    with open(point / "job.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        proc = sweep(*command, cwd=tmp_path)
+        deadline = time.time() + 120
+        while "waiting for it" not in "".join(p.read_text() for p in (tmp_path / "sweeps" / "w").glob("submitit/*.out")):
+            assert time.time() < deadline and proc.poll() is None, proc.stdout.read()
+            time.sleep(0.2)
+        time.sleep(1)
+        assert not (point / "train.log").exists()  # the script has not started
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1 and "seed=1: failed: error: --learning-starts" in out, out  # ran once released
+
+
+def sweep_processes(cwd: Path) -> list[str]:
+    """Every process working in `cwd`: a sweep, submitit's controllers and jobs, the training scripts and their envs."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/cwd") == str(cwd):
+                found.append(f"{pid} " + Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:120])
+        except OSError:  # ended meanwhile, or not ours to read
+            pass
+    return found
+
+
+def test_sigkilled_sweep_leaves_nothing_running_and_one_sweep_at_a_time(tmp_path):
+    command = [*FAST, "--max-parallel", "2", "--name", "k", "--grid", "seed=1,2", *SHORT_GT[:3], "--total-timesteps"]
+    command += ["10000", "--learning-starts", "200", "--eval-episodes", "1", "--log-episodes"]  # 6 s at 1600 steps/s
+    proc, points = sweep(*command, cwd=tmp_path), [tmp_path / "sweeps" / "k" / f"seed={s}" for s in [1, 2]]
+    lock, deadline = tmp_path / "sweeps" / "k" / "sweep.lock", time.time() + 120
+    while not (lock.exists() and lock.read_text()):  # the first sweep holds the folder (while its jobs start)
+        assert time.time() < deadline and proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    second = subprocess.run([*SWEEP, *command], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert_clean_error(second, f"sweep k is already running (pid {proc.pid})", "wait for it to end")
+    for point in points:
+        wait_for_episodes(point, proc, 1)
+
+    os.kill(proc.pid, signal.SIGKILL)  # mid-run: both scripts are training
+    proc.wait()
+    killed, deadline = time.time(), time.time() + 30
+    while sweep_processes(tmp_path):  # each job sees its sweep end: SIGTERM to its script, which saves and exits
+        assert time.time() < deadline, sweep_processes(tmp_path)
+        time.sleep(0.2)
+    print(f"nothing of the sweep left {time.time() - killed:.1f} s after SIGKILL")
+    for point in points:
+        assert json.loads((point / "state.json").read_text())["status"] == "stopped"
+
+    again = sweep(*command, cwd=tmp_path)  # the lock died with its holder: not refused
+    out, _ = again.communicate(timeout=600)
+    assert again.returncode == 0 and "(0 finished, 2 to resume, 0 to start)" in out and out.count(": done (") == 2, out
+    for point, row in zip(points, table(tmp_path, "k")):
+        log = (point / "train.log").read_text()
+        starts = re.findall(r"^\$ .*", log, re.M)  # the killed segment, then the rerun's resume of its checkpoint
+        assert len(starts) == 2 and " --resume " in starts[1] and log.count("SIGTERM received") == 1, log
+        assert row["status"] == "done" and row["steps"] == "10000", row
+    assert len(list((tmp_path / "runs").iterdir())) == 2  # one run per point: nothing trained twice
 
 
 @needs_slurm
