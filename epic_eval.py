@@ -66,6 +66,7 @@ from vlmrm_utils import (
     UserError,
     check_clip_args,
     check_goal_direction,
+    check_writable,
     load_clip,
     new_partial_folder,
     publish_folder,
@@ -222,17 +223,6 @@ def randomise_state(env: gym.Env, rng: np.random.Generator) -> np.ndarray:
     return np.array(base.state, dtype=np.float32)
 
 
-def check_output_folder(path: str, what: str, advice: str = "choose another path") -> None:
-    """A folder that exists or can be made: no file in the way, at the path or above it."""
-    here = os.path.abspath(path)
-    while not os.path.exists(here) and os.path.dirname(here) != here:
-        here = os.path.dirname(here)  # up to the nearest thing that exists
-    if not os.path.isdir(here):
-        raise UserError(f"{what} {path} cannot be a folder: {here} is a file; {advice}.")
-    if not os.access(here, os.W_OK):  # also a read-only mount, which root cannot write either
-        raise UserError(f"{what} {path} cannot be written: {here} is not a writable folder; {advice}.")
-
-
 def check_collect_args(args: Collect) -> Optional[dict]:
     """Validate the flags; returns the loaded --policy checkpoint (or None) and sets args.env_id."""
     for name in ["num_frames", "every", "episode_length", "render_size"]:
@@ -251,8 +241,9 @@ def check_collect_args(args: Collect) -> Optional[dict]:
             "(a dataset and its labels are never overwritten)."
         )
     if not empty_file:
-        check_output_folder(args.out, "--out")
-    check_output_folder(os.path.dirname(os.path.abspath(args.out)), "--out")  # the finished dataset is renamed into it
+        check_writable(args.out, "--out", "choose another path")
+    # the finished dataset is renamed into its parent folder
+    check_writable(os.path.dirname(os.path.abspath(args.out)), "--out", "choose another path")
     checkpoint = None
     if args.policy is not None:
         which = "the checkpoint.pt of vlmrm_dqn_classic.py or vlmrm_sac_humanoid.py --save-model"
@@ -744,7 +735,7 @@ def score(args: Score) -> str:
             "is undefined; label both successes and failures."
         )
     check_images(args.dataset, frames)
-    check_output_folder("runs", "the output folder", "move it away or run from another folder")
+    check_writable("runs", "the output folder", "move it away or run from another folder")
     binary = bool(np.isin(labels, (0.0, 1.0)).all())
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     run_dir = os.path.join("runs", f"{env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")  # made at the end

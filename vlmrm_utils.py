@@ -125,7 +125,8 @@ def check_writable(folder: str, what: str = "", advice: str = "run from another"
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK):  # os.access also sees a read-only mount
         where = f"{what} {os.path.abspath(folder)}/" if what else f"{os.path.abspath(folder)}/"
-        raise UserError(f"cannot write to {where} ({existing} is not a writable folder); {advice}.")
+        why = "is a file" if os.path.isfile(existing) else "is not a writable folder"
+        raise UserError(f"cannot write to {where} ({existing} {why}); {advice}.")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -498,7 +498,7 @@ def test_score_when_runs_is_a_file(cartpole_dataset, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs").write_text("not a folder")
     monkeypatch.setattr(epic_eval, "load_clip", lambda *a: pytest.fail("refused before a model is loaded"))
-    with pytest.raises(UserError, match="the output folder runs cannot be a folder: .*runs is a file"):
+    with pytest.raises(UserError, match="cannot write to the output folder .*runs/ .*runs is a file"):
         epic_eval.score(score_args(cartpole_dataset, labels="gt"))
     assert (tmp_path / "runs").read_text() == "not a folder"
 
@@ -529,7 +529,7 @@ def test_epic_on_two_labels_warns_that_the_interval_is_undefined(cartpole_datase
         (dict(render_size=8, env_id="Humanoid-v5"), "--render-size must be between 16 and 2048"),
         (dict(num_frames=0), "--num-frames must be a positive integer, got 0"),
         (dict(epsilon=1.5), r"--epsilon must be in \[0, 1\], got 1.5"),
-        (dict(out="a_file/ds"), "--out .*a_file/ds cannot be a folder: .*a_file is a file"),
+        (dict(out="a_file/ds"), "cannot write to --out .*a_file/ds/ .*a_file is a file"),
         (dict(out="a_file/sub/ds"), "a_file is a file"),
         (dict(out="dataset"), "--out .*dataset already exists and is not empty"),  # a dataset is never overwritten
     ],

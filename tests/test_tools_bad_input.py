@@ -147,10 +147,10 @@ CASES = {  # id: (command, the edit that breaks a good file, words the one sente
         ["folder.csv exists and is not a regular file"],
     ),
     "report-out-read-only": (REPORT[:-1] + [READ_ONLY], None, ["cannot write to --out", "not a writable folder"]),
-    "report-out-under-a-file": (REPORT[:-1] + ["a_file/success"], None, ["a_file is not a writable folder"]),
+    "report-out-under-a-file": (REPORT[:-1] + ["a_file/success"], None, ["a_file is a file"]),
     # rollout
     "rollout-out-read-only": (ROLLOUT + ["--out", READ_ONLY], None, ["cannot write to --out", "not a writable folder"]),
-    "rollout-out-under-a-file": (ROLLOUT + ["--out", "a_file/r"], None, ["a_file is not a writable folder"]),
+    "rollout-out-under-a-file": (ROLLOUT + ["--out", "a_file/r"], None, ["a_file is a file"]),
     "rollout-out-a-full-file": (ROLLOUT + ["--out", "a_file"], None, ["--out a_file already exists and is not empty"]),
     "rollout-checkpoint-a-folder": (ROLLOUT[:3] + ["runs/a"], None, ["runs/a is a folder"]),
     "rollout-checkpoint-empty-dict": (ROLLOUT, lambda root: torch.save({}, root / "runs/a/checkpoint.pt"), ["no policy"]),
@@ -343,7 +343,7 @@ def test_score_with_a_read_only_runs_folder_is_refused_before_scoring(files):
     (files / "runs").mkdir(exist_ok=True)
     script = f'mount -t tmpfs -o ro tmpfs {files / "runs"} && exec "$@"'
     result = run_tool(SCORE, files, ("unshare", "-rm", "sh", "-c", script, "sh"))
-    assert_clean_error(result, "the output folder runs cannot be written", "not a writable folder")
+    assert_clean_error(result, "cannot write to the output folder", "not a writable folder")
     assert "embedded" not in result.stdout  # no model was run
 
 
