@@ -1,4 +1,4 @@
-"""The humanoid learns "a humanoid robot with its arms raised" from the sentence alone, offline, on 2 CPU cores.
+"""Can the sentence "a humanoid robot with its arms raised" alone teach the humanoid, offline, on 2 CPU cores?
 
 One command: train a small CLIP on captioned frames of the textured humanoid (experiments/humanoid_clip.py), check the
 prompts are not training captions (words and embeddings), check the reward ranks arms-up frames above arms-down ones,
@@ -7,14 +7,16 @@ down") as the control, each as a user types it. Judged by the ground truth: the 
 above the head in stochastic rollouts of each checkpoint, against a random policy. Saves the learning curve and frames
 of the learned pose into docs/.
 
-    python experiments/humanoid_arms.py            # ~45 min on 2 idle CPU cores
-    python experiments/humanoid_arms.py --sac-steps 2000 --clip-frames 400 --clip-steps 60 --docs /tmp/h  # a smoke run
+    python experiments/humanoid_arms.py            # 50 min measured on 2 cores shared with 4 other jobs
+    python experiments/humanoid_arms.py --sac-steps 800 --learning-starts 400 --clip-frames 300 --clip-steps 40 \
+        --eval-episodes 3 --out /tmp/h --docs /tmp/h  # a smoke run of the pipeline (4 min under the same load)
 
 The paper's humanoid schedule, scaled to 2 cores (every change): 64 px frames instead of 480, rendering "fast" (no
-shadows or reflections), 2 envs instead of 32, SAC_STEPS steps instead of 10M, learning from step 2,000 instead of
-50,000, 4 gradient steps every 4 vector steps (1 per 2 env steps) instead of 100 every 100 (1 per 32), batch 256 instead
-of 512, a 100k buffer instead of 1M. Unchanged: gamma 0.95, tau 0.005, learning rates 6e-4, entropy autotuning,
-100-step episodes without early termination, the paper's camera and look, alpha 0 (the script's humanoid default).
+shadows or reflections), 2 envs instead of 32, 30,000 steps per run (--sac-steps) instead of 10M, learning from step
+2,000 instead of 50,000, 4 gradient steps every 4 vector steps (1 per 2 env steps) instead of 100 every 100 (1 per 32),
+batch 256 instead of 512, a 100k buffer instead of 1M. Unchanged: gamma 0.95, tau 0.005, learning rates 6e-4, entropy
+autotuning, 100-step episodes without early termination, the paper's camera and look, alpha 0 (the script's humanoid
+default).
 """
 
 import argparse
