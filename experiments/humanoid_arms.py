@@ -51,7 +51,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--clip-frames", type=int, default=humanoid_clip.NUM_FRAMES, help="captioned frames the CLIP learns from")
     p.add_argument("--clip-steps", type=int, default=humanoid_clip.STEPS, help="contrastive training steps of the CLIP")
     p.add_argument("--learning-starts", type=int, default=2000, help="random-action steps before SAC learns")
-    p.add_argument("--eval-episodes", type=int, default=20, help="stochastic episodes per policy for the final numbers")
+    p.add_argument("--eval-episodes", type=int, default=100, help="stochastic episodes per policy for the final numbers")
+    p.add_argument("--reuse-runs", action="store_true", help="evaluate the finished SAC runs in --out, do not train again")
     p.add_argument("--seed", type=int, default=1, help="seed of both SAC runs")
     p.add_argument("--out", default="runs/humanoid_arms", help="folder of the CLIP, the SAC runs and their logs")
     p.add_argument("--docs", default=str(ROOT / "docs"), help="folder of the curve and frame pictures")
@@ -161,14 +162,20 @@ def main() -> None:
         command = [sys.executable, script, "--goal", goal, "--baseline", BASELINE, *clip_flags, *RENDER, *SAC_FLAGS]
         command += [*every, "--seed", str(args.seed), "--exp-name", f"humanoid_arms_{name}"]
         print(f"sac {name}: python vlmrm_sac_humanoid.py {' '.join(repr(c) if ' ' in c else c for c in command[2:])}")
+        if args.reuse_runs:
+            runs[name] = (None, None, folder)
+            continue
         log = open(folder / "sac.log", "w")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         runs[name] = (subprocess.Popen(command, cwd=folder, stdout=log, stderr=subprocess.STDOUT, env=env), log, folder)
     for name, (process, log, folder) in runs.items():
-        if process.wait() != 0:
+        if process is not None and process.wait() != 0:
             sys.exit(f"error: the {name} SAC run failed; see {folder / 'sac.log'}")
-        log.close()
+        if log is not None:
+            log.close()
         done = [line for line in open(folder / "sac.log") if line.startswith("done:")]
+        if not done:
+            sys.exit(f"error: the {name} SAC run did not finish; see {folder / 'sac.log'}")
         print(f"sac {name}: {done[-1].strip()}")
     print(f"sac finished ({time.time() - start:.0f} s)")
 
