@@ -160,9 +160,9 @@ MOUNTAINCAR_CLASSES = [
     (
         -0.3,
         [
-            "the car sits at the lowest point of the valley",
-            "a red car at the bottom of the valley between two hills",
-            "the car is down in the valley, far from the flag",
+            "the car is down in the valley",
+            "a red car low in the valley between two hills",
+            "the car sits in the dip of the valley, far from the flag",
         ],
     ),
     (
@@ -187,6 +187,7 @@ MOUNTAINCAR_CLASSES = [
             "the car has reached the yellow flag on the hilltop",
             "a red car at the summit beside the flag",
             "the car stands next to the flag at the peak of the right hill",
+            "a red car parked on the highest point, by the yellow flag",
         ],
     ),
 ]

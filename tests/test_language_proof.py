@@ -1,5 +1,8 @@
 """A sentence teaches behaviour: a CLIP trained on captioned CartPole frames (tests/clip_trainer.py), loaded as a user's
-local model, turns a goal sentence it never saw into a reward that teaches DQN to keep the pole up.
+local model, turns a goal sentence into a reward that teaches DQN to keep the pole up. The goal is not a training
+caption, but it is an in-vocabulary paraphrase of one (a light edit of "the pole is balanced upright above the cart":
+every word of it is in the captions), so this proves the pipeline, not the zero-shot quality of a web-scale CLIP; whether
+an out-of-vocabulary paraphrase (e.g. "the pole stands erect on the cart") would learn is not measured here.
 
 Closes the loop text -> our reward -> our RL loop -> the behaviour the text describes, measured by the ground truth.
 A sign error, a wrong channel order, a preprocessing mismatch or a frame scored one step late passes every formula
@@ -19,7 +22,7 @@ import torch.nn.functional as F
 from conftest import ROOT, TINY_CLIP_FLAGS, read_scalars, run_script
 
 CONFIG = str(clip_trainer.CONFIG)
-# the RL prompts, as a user types them: none is a training caption (checked below)
+# the RL prompts, as a user types them: none is a training caption (checked below); both are in-vocabulary paraphrases
 GOAL = "the pole is standing upright on the cart"
 BASELINE = "the pole has fallen over flat"
 ALPHA = "0.5"
