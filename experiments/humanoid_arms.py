@@ -33,8 +33,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "tests"))  # clip_trainer: the training recipe of every small CLIP here
 os.environ.setdefault("MUJOCO_GL", "egl")
 
+import clip_trainer  # noqa: E402
 import humanoid_clip  # noqa: E402
 
 GOAL = "a humanoid robot with its arms raised"
@@ -60,7 +62,7 @@ def parse() -> argparse.Namespace:
 
 
 def load_model(path: str):
-    model, _, tokenizer = humanoid_clip.model_and_transform()
+    model, _, tokenizer = clip_trainer.model_and_transform(humanoid_clip.CONFIG)
     model.load_state_dict(torch.load(path, map_location="cpu"))
     return model.eval(), tokenizer
 

@@ -27,13 +27,14 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = Path(__file__).resolve().parent / "humanoid-clip.json"
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # clip_trainer: the training recipe of every small CLIP here
 os.environ.setdefault("MUJOCO_GL", "egl")
+
+import clip_trainer  # noqa: E402
 
 SEED = 0
 NUM_FRAMES = 2000
 STEPS = 400
-BATCH_SIZE = 128
-LEARNING_RATE = 2e-3
 EPISODE_STEPS = 60  # random-action steps per data episode (the humanoid falls after ~20-30)
 ARMS = ["right_shoulder1", "right_shoulder2", "right_elbow", "left_shoulder1", "left_shoulder2", "left_elbow"]
 
@@ -115,23 +116,9 @@ def render_dataset(num_frames: int, seed: int, render_size: int = 64, quality: s
     return np.stack(frames), np.array(hands), postures, captions
 
 
-def model_and_transform():
-    """open_clip's model of experiments/humanoid-clip.json (random init) and its standard PIL transform, squash mode."""
-    import open_clip
-
-    open_clip.add_model_config(str(CONFIG))
-    model = open_clip.create_model(CONFIG.stem, pretrained=None)
-    cfg = open_clip.get_model_preprocess_cfg(model)
-    transform = open_clip.image_transform(
-        cfg["size"], is_train=False, mean=cfg["mean"], std=cfg["std"], resize_mode="squash", interpolation="bicubic"
-    )
-    return model, transform, open_clip.get_tokenizer(CONFIG.stem)
-
-
 def train(path: str, num_frames: int = NUM_FRAMES, steps: int = STEPS, seed: int = SEED, render_size: int = 64,
           quality: str = "fast", verbose: bool = True) -> str:  # fmt: skip
     """Train the model and save its state dict to `path`; returns `path`."""
-    import open_clip
     from PIL import Image
 
     start = time.perf_counter()
@@ -139,7 +126,7 @@ def train(path: str, num_frames: int = NUM_FRAMES, steps: int = STEPS, seed: int
     np.random.seed(seed)
     torch.manual_seed(seed)
     frames, hands, postures, captions = render_dataset(num_frames, seed, render_size, quality)
-    model, transform, tokenizer = model_and_transform()
+    model, transform, tokenizer = clip_trainer.model_and_transform(CONFIG)
     images = torch.stack([transform(Image.fromarray(f)) for f in frames])  # preprocessed once: no augmentation
     texts = tokenizer(captions)
     if verbose:
@@ -147,33 +134,15 @@ def train(path: str, num_frames: int = NUM_FRAMES, steps: int = STEPS, seed: int
         kinds = {p: postures.count(p) for p in POSTURES}
         print(f"dataset: {len(images)} frames, hands above head {counts}, postures {kinds}, "
               f"{len(set(captions))} distinct captions, {time.perf_counter() - start:.0f} s")  # fmt: skip
-    loss_fn = open_clip.ClipLoss()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.05)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, LEARNING_RATE, total_steps=steps, pct_start=0.1)
-    generator = torch.Generator().manual_seed(seed)
-    model.train()
-    for step in range(steps):
-        batch = torch.randperm(len(images), generator=generator)[:BATCH_SIZE]
-        image_features, text_features, logit_scale = model(images[batch], texts[batch])
-        loss = loss_fn(image_features, text_features, logit_scale)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        if verbose and (step % 100 == 99 or step == steps - 1):
-            print(f"clip step {step + 1}: loss {loss.item():.3f}, {time.perf_counter() - start:.0f} s")
-    model.eval()
-    torch.save(model.state_dict(), path + ".tmp")
-    os.replace(path + ".tmp", path)
-    return path
+    return clip_trainer.fit(model, images, texts, steps, seed, path, start, every=100 if verbose else 0)
 
 
 def cache_key(**settings) -> str:
-    """Hash of what determines the weights: this file, the config, the env code, the settings, torch and open_clip."""
+    """Hash of what determines the weights: this file, the recipe, the config, the env code, the settings, the versions."""
     import open_clip
 
     h = hashlib.sha256()
-    for f in (Path(__file__), CONFIG, ROOT / "vlmrm_sac_humanoid.py"):
+    for f in (Path(__file__), Path(clip_trainer.__file__), CONFIG, ROOT / "vlmrm_sac_humanoid.py"):
         h.update(f.read_bytes())
     h.update(f"{sorted(settings.items())} {torch.__version__} {open_clip.__version__}".encode())
     return h.hexdigest()[:16]

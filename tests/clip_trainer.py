@@ -262,7 +262,6 @@ def train(
     path: str, task: Task = CARTPOLE, num_frames: int = NUM_FRAMES, steps: int = STEPS, seed: int = SEED, verbose: bool = True
 ) -> str:
     """Train the task's model and save its state dict to `path`; returns `path`."""
-    import open_clip
     from PIL import Image
 
     start = time.perf_counter()
@@ -277,6 +276,15 @@ def train(
     if verbose:
         print(f"dataset: {len(images)} frames, {len(set(captions))} distinct captions, {time.perf_counter() - start:.0f} s")
 
+    return fit(model, images, texts, steps, seed, path, start, every=50 if verbose else 0)
+
+
+def fit(model, images: torch.Tensor, texts: torch.Tensor, steps: int, seed: int, path: str, start: float, every: int) -> str:
+    """open_clip's contrastive loss, AdamW on a one-cycle schedule, seeded batches; saves the state dict to `path`.
+
+    Shared with experiments/humanoid_clip.py: one training recipe for every small CLIP trained here."""
+    import open_clip
+
     loss_fn = open_clip.ClipLoss()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.05)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, LEARNING_RATE, total_steps=steps, pct_start=0.1)
@@ -290,8 +298,8 @@ def train(
         loss.backward()
         optimizer.step()
         scheduler.step()
-        if verbose and (step % 50 == 49 or step == steps - 1):
-            print(f"step {step + 1}: loss {loss.item():.3f}, {time.perf_counter() - start:.0f} s")
+        if every and (step % every == every - 1 or step == steps - 1):
+            print(f"clip step {step + 1}: loss {loss.item():.3f}, {time.perf_counter() - start:.0f} s")
     model.eval()
     torch.save(model.state_dict(), path + ".tmp")
     os.replace(path + ".tmp", path)
