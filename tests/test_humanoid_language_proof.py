@@ -7,6 +7,7 @@ tests/test_sac_humanoid.py runs the SAC loop.
 
 import sys
 
+import clip_trainer
 import mujoco
 import numpy as np
 import pytest
@@ -36,7 +37,7 @@ def test_ground_truth_sees_raised_hands():
 
 
 def test_prompt_guard_refuses_training_captions_by_words():
-    model, _, tokenizer = humanoid_clip.model_and_transform()
+    model, _, tokenizer = clip_trainer.model_and_transform(humanoid_clip.CONFIG)
     caption = humanoid_clip.all_captions()[0]
     for prompt in (caption, caption.upper() + ".", caption.replace(" with ", ",  with ")):
         with pytest.raises(ValueError, match="is a training caption"):
