@@ -297,7 +297,7 @@ def available_memory() -> int:
 
 def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict:
     """A checkpoint of the script whose flags are `args_class` (resumable for --resume), or a one-sentence error."""
-    script = f"{args_class.__module__}.py"
+    script = os.path.basename(sys.modules[args_class.__module__].__file__)  # run directly, the module is __main__
     if not os.path.isfile(path):  # a folder, a named pipe (torch.load would wait on it forever), nothing at all
         what = "is a folder" if os.path.isdir(path) else "is not a regular file" if os.path.exists(path) else "does not exist"
         raise UserError(f"{flag} {path} {what}; pass a checkpoint.pt of {script}.")

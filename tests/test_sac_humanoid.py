@@ -280,6 +280,8 @@ def test_bad_input_on_the_command_line_exits_2_with_one_line_and_no_traceback(tm
     flags, words = BAD_INPUT["goal equals baseline"]
     assert_clean_error(run_script(SCRIPT, *flags, cwd=tmp_path), *words)
     assert not (tmp_path / "runs").exists()
+    # run as a script its module is __main__: the sentence still names the script's file
+    assert_clean_error(run_script(SCRIPT, "--resume", "nothere.pt", cwd=tmp_path), "a checkpoint.pt of vlmrm_sac_humanoid.py")
 
 
 def test_weights_that_cannot_be_downloaded(tmp_path):
