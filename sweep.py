@@ -424,7 +424,15 @@ def main(args: Args, fixed: list[str]) -> None:
         while waiting or running:
             while waiting and len(running) < limit:
                 point = waiting.pop(0)
-                running.append((point, executor.submit(point["job"])))
+                try:
+                    running.append((point, executor.submit(point["job"])))
+                except submitit.core.utils.FailedJobError as e:  # sbatch refused it: resources this cluster lacks
+                    why = next((line.strip() for line in reversed(str(e).splitlines()) if line.strip()), "no reason given")
+                    raise UserError(
+                        f"SLURM refused the job of {point['label']} ({why}); "
+                        + (f"the {len(running)} submitted before it keep running; " if running else "")
+                        + "set --gpus-per-job, --cpus-per-job and --mem-gb to what `sinfo` shows, then rerun."
+                    ) from None
                 if cluster == "slurm":
                     (point["folder"] / "slurm_job_id").write_text(running[-1][1].job_id)
             for point, job in [r for r in running if r[1].done()]:

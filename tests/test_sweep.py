@@ -307,3 +307,13 @@ def test_slurm_preempted_job_is_requeued_and_resumes_exactly(tmp_path):
 
     # the plain sweep is also the SLURM grid test: a grid of two points (the second one short), submitted together
     check_preemption_resumes_exactly(tmp_path, "slurm", preempt, plain_steps="1600,400")
+
+
+@needs_slurm
+def test_a_job_slurm_refuses_is_one_sentence_naming_the_resource_flags(tmp_path):
+    # more GPUs a job than any node has (the CI node has none): sbatch refuses the job when it is submitted
+    flags = ["--grid", "seed=1,2", "--cluster", "slurm", "--gpus-per-job", "999", "--", "--total-timesteps", "500"]
+    out, _ = sweep(*flags, cwd=tmp_path).communicate(timeout=120)
+    lines = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "SLURM refused the job of seed=1" in lines[0] and "--gpus-per-job" in lines[0], out
+    assert "Traceback" not in out
