@@ -57,8 +57,25 @@ def parse() -> argparse.Namespace:
     p.add_argument("--reuse-runs", action="store_true", help="evaluate the finished SAC runs in --out, do not train again")
     p.add_argument("--seed", type=int, default=1, help="seed of both SAC runs")
     p.add_argument("--out", default="runs/humanoid_arms", help="folder of the CLIP, the SAC runs and their logs")
-    p.add_argument("--docs", default=str(ROOT / "docs"), help="folder of the curve and frame pictures")
-    return p.parse_args()
+    p.add_argument(
+        "--docs", default=str(ROOT / "docs"), help="folder of the curve and frame pictures (default: the repo's docs/)"
+    )
+    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    args = p.parse_args()
+    # checked before minutes of CLIP training: each is one sentence, as the training scripts' own checks
+    small = [
+        f"--{k.replace('_', '-')}" for k in ("sac_steps", "clip_frames", "clip_steps", "eval_episodes") if getattr(args, k) < 1
+    ]
+    if small or not 0 <= args.learning_starts < args.sac_steps:
+        p.error(f"{', '.join(small) or '--learning-starts'} must be positive (learning starts below --sac-steps)")
+    if args.reuse_runs and not all((Path(args.out) / name / "sac.log").is_file() for name in ("goal", "swapped")):
+        p.error(f"--reuse-runs needs the finished runs of an earlier command in --out {args.out} (goal/ and swapped/)")
+    try:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        Path(args.docs).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"cannot make the output folder {e.filename}: {e.strerror}")
+    return args
 
 
 def load_model(path: str):
