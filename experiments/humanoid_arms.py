@@ -57,9 +57,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--reuse-runs", action="store_true", help="evaluate the finished SAC runs in --out, do not train again")
     p.add_argument("--seed", type=int, default=1, help="seed of both SAC runs")
     p.add_argument("--out", default="runs/humanoid_arms", help="folder of the CLIP, the SAC runs and their logs")
-    p.add_argument(
-        "--docs", default=str(ROOT / "docs"), help="folder of the curve and frame pictures (default: the repo's docs/)"
-    )
+    p.add_argument("--docs", default=str(ROOT / "docs"), help="folder of the curve and frame pictures")
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     args = p.parse_args()
     # checked before minutes of CLIP training: each is one sentence, as the training scripts' own checks
