@@ -9,6 +9,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import subprocess
 import threading
 from pathlib import Path
@@ -435,9 +436,16 @@ def start_server(folder: str, port: int = 0):
     return server
 
 
-def stop_server(server) -> None:
+def stop_server(server) -> socket.socket:
+    """Stops serving and keeps the port bound but not listening (connections are refused), so that no other test's
+    server, started meanwhile on a free port, can take it and answer (or hang) in the stopped server's place."""
+    port = server.server_port
     server.shutdown()
     server.server_close()
+    blocker = socket.socket()
+    blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    blocker.bind(("127.0.0.1", port))
+    return blocker
 
 
 @pytest.mark.skipif(
@@ -522,10 +530,11 @@ def test_episode_label_page_in_headless_chromium(runs, tmp_path):
         assert progress.startswith("3 of 4 episodes judged (2 success, 0 failure, 1 skipped)"), progress
 
         # the server stops mid-way: the page says the verdict was NOT saved, and nothing on disk changes
-        stop_server(server)
+        blocker = stop_server(server)
         press("0")
         wait_for(lambda: "NOT saved" in script("return document.getElementById('status').textContent"), what="NOT saved")
         assert labels_on_disk() == rows
+        blocker.close()
         # a restart resumes at the first episode without a verdict
         server = start_server(folder)
         open_page(server.server_port)
@@ -542,6 +551,6 @@ def test_episode_label_page_in_headless_chromium(runs, tmp_path):
                 pass
         driver.terminate()
         driver.wait(10)
-        stop_server(server)
+        stop_server(server).close()
     table = se.report(se.Report(rollouts=(folder,), judge="labels", out=str(tmp_path / "success")))
     assert (table[0]["n"], table[0]["successes"], table[0]["unjudged"]) == (3, 2, 1)
