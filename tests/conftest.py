@@ -1,5 +1,6 @@
 """Shared helpers: the tiny random CLIP config, running a script as a user would, reading TensorBoard."""
 
+import csv
 import os
 import subprocess
 import sys
@@ -28,6 +29,17 @@ def run_script(script: str, *args: str, cwd: Path, env: dict | None = None, time
     return subprocess.run(
         [sys.executable, str(ROOT / script), *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def only_run(cwd: Path) -> Path:
+    """The one run folder a test's command wrote under cwd/runs."""
+    (run_dir,) = (cwd / "runs").iterdir()
+    return run_dir
 
 
 def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:

@@ -9,7 +9,6 @@ A sign error, a wrong channel order, a preprocessing mismatch or a frame scored 
 test and fails here. Numbers quoted in docs/language_proof.md come from these tests.
 """
 
-import csv
 import math
 import os
 from pathlib import Path
@@ -19,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, TINY_CLIP_FLAGS, read_scalars, run_script
+from conftest import ROOT, TINY_CLIP_FLAGS, only_run, read_csv, read_scalars, run_script
 
 CONFIG = str(clip_trainer.CONFIG)
 # the RL prompts, as a user types them: none is a training caption (checked below); both are in-vocabulary paraphrases
@@ -42,16 +41,6 @@ def test_rl_prompts_are_not_training_captions():
     captions = clip_trainer.all_captions()
     for prompt in (GOAL, BASELINE):
         assert not any(prompt in c for c in captions), prompt
-
-
-def read_csv(path: Path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def only_run(cwd: Path) -> Path:
-    (run_dir,) = (cwd / "runs").iterdir()
-    return run_dir
 
 
 # ---------------------------------------------------------------------------- the tools agree

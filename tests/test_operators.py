@@ -8,17 +8,12 @@ import threading
 
 import pytest
 import torch
-from conftest import TINY_CLIP, assert_refused, read_scalars, run_script
+from conftest import TINY_CLIP, assert_refused, only_run, read_scalars, run_script
 
 import vlmrm_dqn_classic as classic
 import vlmrm_utils
 
 GT_RUN = dict(reward="gt", episodes="fixed", episode_length=100, learning_starts=100, save_model=True)
-
-
-def only_run(folder) -> "os.PathLike":
-    (run,) = (folder / "runs").iterdir()
-    return run
 
 
 def test_a_larger_total_timesteps_extends_a_finished_run_in_place(in_tmp):

@@ -5,7 +5,6 @@ the drawn pole's orientation, so the true reward peak is known (the upright pole
 setting states, rendering, batching, scoring or reporting moves the reported argmax.
 """
 
-import csv
 import math
 import os
 import runpy
@@ -24,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "reward_shape.py"
 TINY = str(ROOT / "tests" / "vlmrm-tiny-test.json")
 sys.path.insert(0, str(ROOT))
-from conftest import assert_refused  # noqa: E402
+from conftest import assert_refused, read_csv  # noqa: E402
 
 import reward_shape  # noqa: E402
 
@@ -85,11 +84,6 @@ def fake_clip(monkeypatch, encoder_factory=PoleTiltEncoder) -> list[PoleTiltEnco
 
     monkeypatch.setattr(reward_shape, "load_clip", load)
     return made
-
-
-def read_csv(path: Path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def cartpole_args(**kwargs) -> "reward_shape.Args":

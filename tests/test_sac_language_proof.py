@@ -7,14 +7,12 @@ not yet learn to reach the flag from this reward at a CI scale (docs/language_pr
 so there is no learning test here yet. Numbers quoted in docs/language_proof.md come from these tests.
 """
 
-import csv
 import re
-from pathlib import Path
 
 import clip_trainer
 import pytest
 import torch
-from conftest import run_script
+from conftest import only_run, read_csv, run_script
 
 TASK = clip_trainer.MOUNTAINCAR
 CONFIG = str(TASK.config)
@@ -91,13 +89,3 @@ def test_regularisation_shapes_the_reward_towards_the_flag(mountaincar_clip, tmp
     print(f"shape_score (Spearman with closeness to the flag) per alpha: {shape}; argmax x: {argmax}")
     assert all(x >= 0.39 for x in argmax.values()), argmax  # the peak is at the flag (within 2 sweep steps of 0.03)
     assert shape["0.5"] > shape["0"] + 0.2 and shape["1"] > shape["0"] + 0.2, shape  # 0.41 -> 0.80, 0.84 when measured
-
-
-def read_csv(path: Path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def only_run(cwd: Path) -> Path:
-    (run_dir,) = (cwd / "runs").iterdir()
-    return run_dir
