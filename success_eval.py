@@ -239,7 +239,8 @@ def run_episode(envs, act, seed: int, device: torch.device) -> tuple[list[np.nda
         done = bool(terminations[0] or truncations[0])
         gt_return += float(rewards[0])
         frames.append(envs.call("render")[0])
-        states.append(np.array(base.state, dtype=np.float64) if hasattr(base, "state") else None)
+        # in the env's own precision: MountainCarContinuous clips x to float32(0.45), below 0.45 as a float64
+        states.append(np.array(base.state) if hasattr(base, "state") else None)
     return frames, states, gt_return
 
 
