@@ -208,8 +208,8 @@ def env_state(env: gym.Env) -> tuple[list[str], list[float], Optional[int]]:
     state = [float(v) for v in base.state]
     if base.spec.id == "CartPole-v1":  # the same test as FixedLengthCartPole's reward
         success = abs(state[2]) < base.theta_threshold_radians and abs(state[0]) < base.x_threshold
-    else:  # MountainCar: at the flag in this frame (FixedLengthMountainCar's per-step reward)
-        success = state[0] >= MOUNTAINCAR_GOAL
+    else:  # MountainCar: at the flag in this frame (FixedLengthMountainCar's per-step reward), in the state's precision
+        success = np.asarray(base.state)[0] >= MOUNTAINCAR_GOAL  # float32(0.45), the clipped flag, is below 0.45
     return STATE_COLUMNS[base.spec.id], state, int(success)
 
 

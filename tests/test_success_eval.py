@@ -214,7 +214,10 @@ def test_mountaincarcontinuous_success_at_the_flag_clipped_in_float32():
     """The SAC env keeps x in float32 and clips it to float32(0.45) at the flag, 0.44999998 as a float64: still the flag."""
     args = sac.Args(env_id="MountainCarContinuous-v0", reward="gt", episodes="fixed", episode_length=200)
     envs = se.make_envs(sac, args, 0)
-    push_along_velocity = lambda obs: np.where(obs[:, 1:].numpy() < 0, -1.0, 1.0)  # pumps energy: reaches the flag
+
+    def push_along_velocity(obs):  # pumps energy: reaches the flag
+        return np.where(obs[:, 1:].numpy() < 0, -1.0, 1.0)
+
     _, states, gt_return = se.run_episode(envs, push_along_velocity, 0, torch.device("cpu"))
     envs.close()
     assert gt_return > 0 and min(abs(s[0] - 0.45) for s in states) < 1e-6  # steps at the clipped flag
