@@ -142,18 +142,18 @@ def render_dataset(num_frames: int, seed: int) -> tuple[np.ndarray, np.ndarray, 
 # x = -0.52, the paper's flag at 0.45), each with several phrasings
 MOUNTAINCAR_CLASSES = [
     (
-        -0.95,
+        -1.0,
         [
-            "the car is high up on the left slope, far from the flag",
-            "a red car near the top of the left hill, far from the yellow flag",
-            "the car climbs high on the left side of the valley",
+            "the car is high up near the top of the left hill, far from the flag",
+            "a red car high on the left slope, far from the yellow flag",
+            "the car climbs high up the left side of the valley",
         ],
     ),
     (
-        -0.7,
+        -0.75,
         [
-            "the car is low on the left slope",
-            "a red car on the lower left hillside, far from the flag",
+            "the car is halfway up the left slope",
+            "a red car on the left hillside, far from the flag",
             "the car rolls down the left side towards the valley",
         ],
     ),
@@ -162,23 +162,31 @@ MOUNTAINCAR_CLASSES = [
         [
             "the car is down in the valley",
             "a red car low in the valley between two hills",
-            "the car sits in the dip of the valley, far from the flag",
+            "the car sits at the bottom of the valley, far from the flag",
         ],
     ),
     (
-        0.1,
+        0.0,
         [
             "the car is low on the right slope, far from the flag",
             "a red car starting up the right hill",
-            "the car is on the lower right hillside",
+            "the car is at the foot of the right hillside",
         ],
     ),
     (
-        0.38,
+        0.25,
         [
-            "the car is high on the right slope, near the flag",
-            "a red car climbing close to the yellow flag",
-            "the car is almost at the top of the right hill",
+            "the car is halfway up the right slope",
+            "a red car climbing the right hill towards the yellow flag",
+            "the car is high on the right hillside, below the flag",
+        ],
+    ),
+    (
+        0.42,
+        [
+            "the car is high up near the top of the right hill, close to the flag",
+            "a red car almost at the yellow flag",
+            "the car is just below the peak of the right hill",
         ],
     ),
     (

@@ -1,11 +1,11 @@
 """The paper's MountainCarContinuous-v0 prompts scored by a small CLIP trained on captioned frames of the SAC script's own
-MountainCar (tests/clip_trainer.py, task "mountaincar"), loaded as a user's local model.
+MountainCar (tests/clip_trainer.py, task "mountaincar"), loaded as a user's local model, and a short SAC run on it.
 
 The prompts are in-vocabulary paraphrases of training captions, not captions (checked by words and by text embeddings):
-this tests the reward pipeline, not the zero-shot quality of a web-scale CLIP. SAC through `vlmrm_sac_humanoid.py` did
-not yet learn to reach the flag from this reward at a CI scale (docs/language_proof.md: what was run and what it did),
-so there is no learning test here yet. Numbers quoted in docs/language_proof.md come from these tests.
-"""
+this tests the reward pipeline, not the zero-shot quality of a web-scale CLIP. SAC needs about 14k steps (4-5 minutes
+of one core per run) to reach the flag from this reward, too long for CI's budget: whether it does, with the valley
+control and alpha 0 against 0.5 over three seeds, is `python experiments/mountaincar_sac.py` (docs/language_proof.md).
+Numbers quoted in docs/language_proof.md come from these tests and that command."""
 
 import re
 
@@ -87,5 +87,43 @@ def test_regularisation_shapes_the_reward_towards_the_flag(mountaincar_clip, tmp
     shape = {a: float(summary[str(float(a))]["shape_score"]) for a in alphas}
     argmax = {a: float(summary[str(float(a))]["argmax_state"]) for a in alphas}
     print(f"shape_score (Spearman with closeness to the flag) per alpha: {shape}; argmax x: {argmax}")
-    assert all(x >= 0.39 for x in argmax.values()), argmax  # the peak is at the flag (within 2 sweep steps of 0.03)
-    assert shape["0.5"] > shape["0"] + 0.2 and shape["1"] > shape["0"] + 0.2, shape  # 0.41 -> 0.80, 0.84 when measured
+    # with regularisation the peak is at the flag (within 2 sweep steps of 0.03); at alpha 0 it is on the left hill
+    # (-0.96 when measured): the goal's plain cosine ranks the car high on either hill above the valley
+    assert all(argmax[a] >= 0.39 for a in ("0.5", "0.75", "1")), argmax
+    assert shape["0.5"] > shape["0"] + 0.15 and shape["1"] > shape["0"] + 0.15, shape  # 0.04 -> 0.32, 0.47 when measured
+
+
+def test_sac_stores_the_trained_clips_score_of_the_frame_after_each_step(mountaincar_clip, tmp_path):
+    """A short SAC run on MountainCar with the paper's prompts, as a user types them: each stored reward is the trained
+    CLIP's score of the frame after its step, not of the frame before (re-rendered from the run's own replay buffer; the
+    car's observation is its state). A reward one frame early may still learn, so only this check catches it."""
+    import numpy as np
+
+    import vlmrm_sac_humanoid as sac
+
+    command = ["--env-id", "MountainCarContinuous-v0", "--clip-model", CONFIG, "--clip-checkpoint", mountaincar_clip]
+    command += ["--goal", GOAL, "--baseline", BASELINE, "--alpha", "0.5", "--num-envs", "2", "--total-timesteps", "800"]
+    command += ["--learning-starts", "300", "--batch-size", "64", "--train-frequency", "1", "--gradient-steps", "1"]
+    command += ["--save-model", "--save-buffer", "--checkpoint-frequency", "800", "--no-cuda"]  # ends at an episode end
+    result = run_script("vlmrm_sac_humanoid.py", *command, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    saved = torch.load(only_run(tmp_path) / "checkpoint.pt", map_location="cpu", weights_only=False)
+    reward_model = sac.make_reward_model(sac.Args(**saved["args"]), torch.device("cpu"))
+    buffer = {k: v.numpy() for k, v in saved["replay_buffer"].items() if torch.is_tensor(v)}
+    index = np.random.default_rng(0).choice(len(buffer["rewards"]), 64, replace=False)
+    env = sac.make_env("MountainCarContinuous-v0", 0, 0, 200, 64, "fast", True)()
+    env.reset(seed=0)  # the env renders only after a reset
+
+    def scores(states: np.ndarray) -> np.ndarray:
+        frames = []
+        for state in states:
+            env.unwrapped.state = state.copy()
+            frames.append(env.render())
+        return reward_model(np.stack(frames))
+
+    stored, after, before = buffer["rewards"][index], scores(buffer["next_obs"][index]), scores(buffer["obs"][index])
+    env.close()
+    error_after, error_before = np.abs(stored - after).max(), np.abs(stored - before).mean()
+    print(f"stored rewards vs the frame after the step: max |diff| {error_after:.2e}; before: mean {error_before:.2e}")
+    assert error_after < 1e-4, (error_after, error_before)
+    assert error_before > 100 * error_after + 1e-4, (error_after, error_before)  # the sample tells the two apart
