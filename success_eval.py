@@ -13,6 +13,7 @@
     python success_eval.py study --epic runs/*/epic.csv --success runs/success.csv
 """
 
+import contextlib
 import csv
 import glob
 import io
@@ -21,6 +22,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import sys
 import warnings
 from dataclasses import dataclass, fields
@@ -255,6 +257,20 @@ def clip_return(reward_model, frames: list[np.ndarray]) -> float:
 EPISODE_COLUMNS = ["episode", "video", "seed", "steps", "clip_return", "gt_return", "gt_success"]
 
 
+@contextlib.contextmanager
+def ctrl_c_after_the_block():
+    """A Ctrl-C inside imageio's ffmpeg writer can be swallowed by its generator's cleanup (the rollout then runs on) or
+    leave ffmpeg writing into the partial folder already removed: it takes effect when the video is complete."""
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda *_: received.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
+
+
 def rollout(args: Rollout) -> str:
     """Writes <out>/{episodes.csv, policy.json, videos/episode-NNN.mp4}; returns the folder."""
     if args.episodes < 1:
@@ -289,14 +305,14 @@ def rollout(args: Rollout) -> str:
         for episode in range(args.episodes):
             frames, states, gt_return = run_episode(envs, act, seed + episode, device)
             video = f"episode-{episode:03d}.mp4"
-            # faststart: the browser can play it before the whole file arrived
-            imageio.mimwrite(
-                os.path.join(partial, "videos", video),
-                frames,
-                fps=fps,
-                macro_block_size=8,
-                ffmpeg_params=["-movflags", "+faststart"],
-            )
+            with ctrl_c_after_the_block():  # faststart: the browser can play it before the whole file arrived
+                imageio.mimwrite(
+                    os.path.join(partial, "videos", video),
+                    frames,
+                    fps=fps,
+                    macro_block_size=8,
+                    ffmpeg_params=["-movflags", "+faststart"],
+                )
             success = gt_success(run.env_id, states)
             rows.append(
                 {
