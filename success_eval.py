@@ -13,7 +13,6 @@
     python success_eval.py study --epic runs/*/epic.csv --success runs/success.csv
 """
 
-import contextlib
 import csv
 import glob
 import io
@@ -257,18 +256,18 @@ def clip_return(reward_model, frames: list[np.ndarray]) -> float:
 EPISODE_COLUMNS = ["episode", "video", "seed", "steps", "clip_return", "gt_return", "gt_success"]
 
 
-@contextlib.contextmanager
-def ctrl_c_after_the_block():
-    """A Ctrl-C inside imageio's ffmpeg writer can be swallowed by its generator's cleanup (the rollout then runs on) or
-    leave ffmpeg writing into the partial folder already removed: it takes effect when the video is complete."""
-    received = []
-    previous = signal.signal(signal.SIGINT, lambda *_: received.append(True))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if received:
-        raise KeyboardInterrupt
+def ctrl_c_between_episodes() -> tuple[list, object]:
+    """First Ctrl-C: stop before the next episode (raised inside imageio's ffmpeg writer or a finaliser, a
+    KeyboardInterrupt can be swallowed, the rollout running on, or leave ffmpeg writing into the removed folder).
+    Second: at once. Returns the flag and the handler it replaced."""
+    requested = []
+
+    def handler(signum, frame) -> None:
+        if requested:
+            raise KeyboardInterrupt
+        requested.append(True)
+
+    return requested, signal.signal(signal.SIGINT, handler)
 
 
 def rollout(args: Rollout) -> str:
@@ -299,20 +298,22 @@ def rollout(args: Rollout) -> str:
     act = make_policy(args.checkpoint, checkpoint, script, run, envs, args.deterministic, device)
     fps = 50 if script is dqn else 30  # the training scripts' video rates
     partial = new_partial_folder(out)  # renamed to --out once complete: a rollout folder is whole or absent
-    rows = []
+    rows, (ctrl_c, previous_handler) = [], ctrl_c_between_episodes()
     try:
         os.makedirs(os.path.join(partial, "videos"))
         for episode in range(args.episodes):
+            if ctrl_c:
+                raise KeyboardInterrupt
             frames, states, gt_return = run_episode(envs, act, seed + episode, device)
             video = f"episode-{episode:03d}.mp4"
-            with ctrl_c_after_the_block():  # faststart: the browser can play it before the whole file arrived
-                imageio.mimwrite(
-                    os.path.join(partial, "videos", video),
-                    frames,
-                    fps=fps,
-                    macro_block_size=8,
-                    ffmpeg_params=["-movflags", "+faststart"],
-                )
+            # faststart: the browser can play it before the whole file arrived
+            imageio.mimwrite(
+                os.path.join(partial, "videos", video),
+                frames,
+                fps=fps,
+                macro_block_size=8,
+                ffmpeg_params=["-movflags", "+faststart"],
+            )
             success = gt_success(run.env_id, states)
             rows.append(
                 {
@@ -355,6 +356,8 @@ def rollout(args: Rollout) -> str:
         if isinstance(e, OSError):  # e.g. the disk filled up
             raise UserError(f"could not write the rollouts ({e.strerror or e}); nothing was written to {out}.") from None
         raise
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
     publish_folder(partial, out, "--out")
     judged = [r["gt_success"] for r in rows if r["gt_success"] != ""]
     print(

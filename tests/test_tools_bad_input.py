@@ -385,13 +385,23 @@ def test_ctrl_c_of_a_rollout_is_one_line_and_leaves_nothing(files):
     checkpoint = crafted(files)
     command = [sys.executable, str(ROOT / "success_eval.py"), "rollout", "--checkpoint", checkpoint]
     command += ["--episodes", "1000", "--no-clip-return", "--out", "r3", "--no-cuda"]
+
+    def as_from_a_terminal() -> None:  # the test runner's SIGINT may be ignored or blocked: a child inherits both
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
     proc = subprocess.Popen(command, cwd=files, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=as_from_a_terminal)  # fmt: skip
     for line in proc.stdout:
         if line.startswith("episode 1:"):
             proc.send_signal(signal.SIGINT)
             break
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        runner = f"runner's SIGINT {signal.getsignal(signal.SIGINT)}, blocked {signal.pthread_sigmask(signal.SIG_BLOCK, [])}"
+        raise AssertionError(f"still running 60 s after Ctrl-C ({runner}); stderr: {proc.communicate()[1][-2000:]}") from None
     assert proc.returncode == 130 and "Traceback" not in err, err
     assert err.strip().startswith("stopped by Ctrl-C after") and len(err.strip().splitlines()) == 1, err
     assert not (files / "r3").exists() and not [p for p in os.listdir(files) if ".partial-" in p]
