@@ -90,7 +90,7 @@ def test_regularisation_shapes_the_reward_towards_the_flag(mountaincar_clip, tmp
     # with regularisation the peak is at the flag (within 2 sweep steps of 0.03); at alpha 0 it is on the left hill
     # (-0.96 when measured): the goal's plain cosine ranks the car high on either hill above the valley
     assert all(argmax[a] >= 0.39 for a in ("0.5", "0.75", "1")), argmax
-    assert shape["0.5"] > shape["0"] + 0.15 and shape["1"] > shape["0"] + 0.15, shape  # 0.04 -> 0.32, 0.47 when measured
+    assert shape["0.5"] > shape["0"] + 0.1 and shape["1"] > shape["0"] + 0.1, shape  # 0.04 -> 0.32, 0.47 when measured
 
 
 def test_sac_stores_the_trained_clips_score_of_the_frame_after_each_step(mountaincar_clip, tmp_path):
