@@ -7,7 +7,7 @@ goal (the valley, same baseline, alpha 0.5, seed 1) as the control. Each final c
 by `success_eval.py rollout` and judged by the ground truth (the flag x >= 0.45 reached), the success rates with Wilson
 intervals by `success_eval.py report`, against uniformly random actions in the same env.
 
-    python experiments/mountaincar_sac.py                 # about 45 minutes on 2 idle cores
+    python experiments/mountaincar_sac.py                 # 27 minutes measured on 2 lightly shared cores
     python experiments/mountaincar_sac.py --steps 2000 --episodes 2 --seeds 1 --out /tmp/mc  # a smoke run
 
 The paper's schedule, scaled to 2 cores (every change): 4 envs instead of 32, 20,000 steps per run instead of 10M,

@@ -127,3 +127,17 @@ def test_sac_stores_the_trained_clips_score_of_the_frame_after_each_step(mountai
     print(f"stored rewards vs the frame after the step: max |diff| {error_after:.2e}; before: mean {error_before:.2e}")
     assert error_after < 1e-4, (error_after, error_before)
     assert error_before > 100 * error_after + 1e-4, (error_after, error_before)  # the sample tells the two apart
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [(["--steps", "1000"], "--steps must be above 1000"), (["--episodes", "0"], "--episodes and --seeds positive")],
+)
+def test_the_experiments_bad_flags_are_one_sentence_before_any_training(tmp_path, flags, says):
+    """experiments/mountaincar_sac.py refuses bad flags and an existing --out before the CLIP or any run starts."""
+    result = run_script("experiments/mountaincar_sac.py", *flags, "--out", str(tmp_path / "new"), cwd=tmp_path, timeout=60)
+    assert result.returncode == 2 and says in result.stderr and "Traceback" not in result.stderr, result.stderr
+    (tmp_path / "old").mkdir()
+    result = run_script("experiments/mountaincar_sac.py", "--out", str(tmp_path / "old"), cwd=tmp_path, timeout=60)
+    assert result.returncode == 2 and "already exists" in result.stderr, result.stderr
+    assert not (tmp_path / "new").exists() and not list((tmp_path / "old").iterdir())
