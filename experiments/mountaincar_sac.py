@@ -51,6 +51,10 @@ def parse() -> argparse.Namespace:
         p.error("--steps must be above 1000 (learning starts there), --episodes and --seeds positive")
     if Path(args.out).exists():
         p.error(f"--out {args.out} already exists: each experiment gets a new folder")
+    try:  # before minutes of CLIP training and SAC
+        Path(args.out).mkdir(parents=True)
+    except OSError as e:
+        p.error(f"cannot make the output folder {e.filename}: {e.strerror}")
     return args
 
 
@@ -82,7 +86,6 @@ def first_success_step(run: Path) -> str:
 def main() -> None:
     args = parse()
     out = Path(args.out).resolve()
-    out.mkdir(parents=True)
     start = time.time()
     checkpoint = clip_trainer.cached_checkpoint(task=clip_trainer.MOUNTAINCAR)
     print(f"CLIP: {checkpoint} ({time.time() - start:.0f} s)", flush=True)
@@ -109,11 +112,13 @@ def main() -> None:
             checkpoint_pt = next((out / name).glob("runs/*/checkpoint.pt"))
             command = [sys.executable, str(ROOT / "success_eval.py"), "rollout", "--checkpoint", str(checkpoint_pt)]
             command += ["--episodes", str(args.episodes), "--no-clip-return", "--out", str(out / name / "rollouts")]
-            subprocess.run(command, cwd=out / name, check=True, capture_output=True, env=env)
+            if subprocess.run(command, cwd=out / name, capture_output=True, env=env).returncode:
+                sys.exit(f"the rollout of {name} failed: run it again with {' '.join(command[1:])}")
             print(f"{name}: done at {time.time() - start:.0f} s; first training episode at the flag: step "
                   f"{first_success_step(out / name)}", flush=True)  # fmt: skip
     command = [sys.executable, str(ROOT / "success_eval.py"), "report", "--out", str(out / "success"), "--rollouts"]
-    subprocess.run(command + [str(out / name / "rollouts") for name in runs], check=True, capture_output=True)
+    if subprocess.run(command + [str(out / name / "rollouts") for name in runs], capture_output=True).returncode:
+        sys.exit(f"the success report failed: run it again with {' '.join(command[1:])} <the rollouts folders>")
     random = random_policy_successes(args.episodes)
     print(f"\nsuccess rate of {args.episodes} stochastic episodes of each final checkpoint (ground truth, 95% Wilson):")
     with open(out / "success.csv") as f:
@@ -134,4 +139,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # the SAC runs got the same Ctrl-C: each saves its checkpoint and stops
+        sys.exit("stopped by Ctrl-C; the finished runs and rollouts stay in --out")

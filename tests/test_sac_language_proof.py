@@ -141,3 +141,6 @@ def test_the_experiments_bad_flags_are_one_sentence_before_any_training(tmp_path
     result = run_script("experiments/mountaincar_sac.py", "--out", str(tmp_path / "old"), cwd=tmp_path, timeout=60)
     assert result.returncode == 2 and "already exists" in result.stderr, result.stderr
     assert not (tmp_path / "new").exists() and not list((tmp_path / "old").iterdir())
+    (tmp_path / "file").write_text("")  # an output folder that cannot be made: one sentence, not a traceback
+    result = run_script("experiments/mountaincar_sac.py", "--out", str(tmp_path / "file" / "out"), cwd=tmp_path, timeout=60)
+    assert result.returncode == 2 and "cannot make the output folder" in result.stderr, result.stderr
