@@ -14,6 +14,7 @@ import random
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,7 @@ class Args:  # the help of each flag is the comment after it
     clip_checkpoint: Optional[str] = None  # local weights file for --clip-model (overrides --clip-pretrained)
     clip_cache_dir: Optional[str] = None  # where downloaded CLIP weights are cached (default: the Hugging Face cache)
     reward_batch_size: int = 256  # frames scored per CLIP forward pass
+    clip_dtype: Literal["float16", "bfloat16", "float32"] = "float16"  # CUDA: the image tower, cast once; CPU: float32
     reward_devices: tuple[str, ...] = ()  # e.g. `cuda:0 cuda:1`: one CLIP replica each, in parallel; default: --cuda's device
     reward_family: Literal["projection", "softmax"] = "projection"  # softmax: 1 if the goal beats --negatives, else 0
     negatives: Optional[tuple[str, ...]] = None  # softmax: prompts the goal is contrasted with (defaults for the default goal)
@@ -187,7 +189,7 @@ class CLIPReward(nn.Module):
 
     def __init__(self, model: nn.Module, tokenizer, goal: tuple, baseline: tuple, alpha: float, batch_size: int, device,
                  family="projection", negatives=(), temperature=0.01, threshold=0.5, soft=False, antialias=False,
-                 replicas=()):  # fmt: skip
+                 replicas=(), dtype=torch.float32):  # fmt: skip
         super().__init__()
         import open_clip
 
@@ -209,6 +211,9 @@ class CLIPReward(nn.Module):
         self.register_buffer("goal_embeddings", embed(goal))
         self.register_buffer("baseline_embeddings", embed(baseline or goal))
         self.register_buffer("negative_embeddings", embed(negatives) if negatives else embed(goal)[:0])
+        self.dtype = dtype  # the image tower's, cast once: prompts are embedded above and rewards computed in float32
+        for replica, _ in self.replicas:
+            replica.visual.to(dtype)
 
     @torch.no_grad()
     def preprocess(self, frames: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
@@ -223,9 +228,7 @@ class CLIPReward(nn.Module):
     def embed_images(self, frames: torch.Tensor, replica: int = 0) -> torch.Tensor:
         """uint8 (N, H, W, 3) -> raw image embeddings (N, D), on the device of `replicas[replica]`."""
         model, device = self.replicas[replica]
-        x = self.preprocess(frames, device)
-        with torch.autocast(device_type=device.type, dtype=torch.float16, enabled=device.type == "cuda"):
-            return model.encode_image(x)
+        return model.encode_image(self.preprocess(frames, device).to(self.dtype))
 
     def rewards(self, image_embeddings: torch.Tensor) -> torch.Tensor:
         """The chosen family's rewards (N,) of raw image embeddings (N, D)."""
@@ -255,8 +258,9 @@ def make_reward_model(args: Args, device: torch.device) -> CLIPReward:
     model, tokenizer = utils.load_clip(args, devices[0])
     replicas = [(copy.deepcopy(model).to(d), d) for d in devices[1:]]  # copies: the same weights (even random test ones)
     family = [args.reward_family, args.negatives or (), args.temperature, args.threshold, args.soft, args.antialias]
+    dtype = getattr(torch, args.clip_dtype) if devices[0].type == "cuda" else torch.float32  # CPUs gain nothing from half
     reward_model = CLIPReward(
-        model, tokenizer, args.goal, args.baseline, args.alpha, args.reward_batch_size, devices[0], *family, replicas
+        model, tokenizer, args.goal, args.baseline, args.alpha, args.reward_batch_size, devices[0], *family, replicas, dtype
     )
     if args.reward_family == "projection":
         utils.check_goal_direction(reward_model.goal_embeddings, reward_model.baseline_embeddings, args.alpha)
@@ -566,6 +570,50 @@ class ReplayBuffer:
         return tuple(torch.from_numpy(self.data[k][idx]).to(self.device) for k in keys)
 
 
+class RewardQueue:
+    """Transitions wait here for the CLIP score of their frame (the one rendered after their step). A full chunk per
+    reward device is scored in a background thread while the envs step on (torch's kernels release the GIL, CUDA's run
+    asynchronously); `scored(wait)` hands chunks back oldest first, every one when `wait` is set (before a gradient
+    step, a checkpoint, the end), so the replay buffer receives what the serial loop gave it, in the same order."""
+
+    def __init__(self, reward_model, chunk: int, in_flight: int = 2):
+        self.reward_model, self.chunk, self.in_flight = reward_model, chunk, in_flight  # in flight: bounds memory
+        self.pending = {k: [] for k in ("obs", "next_obs", "actions", "terminations", "dones", "gt", "frames")}
+        self.scoring: deque = deque()  # (transitions, step, future of their CLIP rewards), oldest first
+        self.pool = ThreadPoolExecutor(1) if reward_model is not None else None
+        self.busy = self.waited = 0.0  # seconds the reward model worked (overlapped) and the loop waited for it
+
+    def add(self, step: int, wait: bool, **transition) -> list[tuple[dict, np.ndarray]]:
+        for k, v in transition.items():
+            self.pending[k].append(v)
+        if wait or len(self.pending["obs"]) * len(transition["obs"]) >= self.chunk:
+            batch = {k: np.concatenate(v) for k, v in self.pending.items() if v}
+            frames = batch.pop("frames", None)
+            self.scoring.append((batch, step, self.pool.submit(self.score, frames) if self.pool else None))
+            self.pending = {k: [] for k in self.pending}
+        return self.scored(wait)
+
+    def score(self, frames: np.ndarray) -> np.ndarray:  # in the scoring thread
+        start = time.perf_counter()
+        rewards = self.reward_model(frames)
+        self.busy += time.perf_counter() - start
+        return rewards
+
+    def scored(self, wait: bool) -> list[tuple[dict, np.ndarray]]:
+        """The chunks whose rewards are ready, oldest first: all when `wait`, else the done ones and any past in_flight."""
+        out, start = [], time.perf_counter()
+        while self.scoring and (wait or len(self.scoring) > self.in_flight or not self.pool or self.scoring[0][2].done()):
+            batch, step, future = self.scoring.popleft()
+            clip_rewards = future.result() if future else np.zeros(len(batch["gt"]), np.float32)
+            out.append(({**batch, "step": step}, clip_rewards))
+        self.waited += time.perf_counter() - start
+        return out
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+
 def evaluate(actor, eval_envs, device, reward_model, episodes, seed):
     """Deterministic episodes of the policy: the frames, ground-truth return and CLIP return of each."""
     results = []
@@ -617,13 +665,15 @@ def main(args: Args) -> None:
     reward_model = utils.reward_model_before_envs(args, device, make_reward_model)
     # autoreset off: we reset finished envs ourselves, so no reset frame or observation is ever stored as a transition
     vector_env = gym.vector.SyncVectorEnv if args.reward == "gt" else gym.vector.AsyncVectorEnv  # gt renders nothing
-    envs = utils.make_vector_env(vector_env, [make_env(args.env_id, args.seed, i, *opts) for i in range(args.num_envs)])
-    writer = None
+    frame_shape = (400, 600, 3) if args.env_id == "MountainCarContinuous-v0" else (args.render_size, args.render_size, 3)
+    env_fns = [make_env(args.env_id, args.seed, i, *opts) for i in range(args.num_envs)]
+    envs = utils.make_vector_env(vector_env, env_fns, frame_shape if args.reward == "clip" else None)
+    writer = queue = None
     try:  # every exit closes the env processes: they ignore SIGTERM, so a process exiting under them would hang
         if args.reward == "clip" and reward_model is None:  # on CUDA: built after the env processes were forked
             reward_model = make_reward_model(args, device)
         if reward_model is not None:
-            utils.warn_if_slow_on_cpu(reward_model, args, (args.render_size, args.render_size, 3))
+            utils.say_reward_model_cost(reward_model, args, frame_shape)
         eval_envs = gym.vector.SyncVectorEnv(eval_env_fns) if args.capture_video else None
         num_iterations, start_iteration = args.total_timesteps // args.num_envs, checkpoint["iteration"] if checkpoint else 0
         run_name, writer = utils.start_run(args, run_name, checkpoint, device)
@@ -647,19 +697,19 @@ def main(args: Args) -> None:
         low, high = envs.single_action_space.low, envs.single_action_space.high
         action_scale, action_bias = (high - low) / 2.0, (high + low) / 2.0  # as the actor's, on the host: no device sync
 
-        # transitions wait here until their frames are scored in one batch, always before the next gradient step
-        pending = {k: [] for k in ("obs", "next_obs", "actions", "terminations", "dones", "gt", "frames")}
+        # transitions wait for their frames' CLIP scores, which go to the buffer before the next gradient step
+        queue = RewardQueue(reward_model, args.reward_batch_size * max(1, len(args.reward_devices)))
         components: list[str] = []  # the env's own reward terms (e.g. reward_forward), logged as diagnostics
         success = "flag" if args.env_id == "MountainCarContinuous-v0" else None  # charts/gt_success: the flag reached
         episodes = utils.EpisodeLog(args.num_envs, checkpoint["episodes"] if checkpoint else None, success)
         render = args.reward == "clip"
-        timing = {"env": 0.0, "render": 0.0, "reward_model": 0.0, "learning": 0.0}
+        timing = {"env": 0.0, "render": 0.0, "reward_model": 0.0, "reward_wait": 0.0, "learning": 0.0}
 
         obs, _ = envs.reset(seed=args.seed)
         if checkpoint is not None:
             obs = utils.restore_run(checkpoint, learner, envs, rb)
             log_ent_coef.data.copy_(checkpoint["log_ent_coef"])
-            pending, components = checkpoint["pending"], checkpoint["components"]
+            components = checkpoint["components"]
             if args.episodes == "stock":  # saved mid-episode: the episodes in flight restarted, so drop their partial sums
                 episodes.restart()
         ent_coef = log_ent_coef.exp().detach()  # a tensor: no host-device sync per gradient step
@@ -678,9 +728,9 @@ def main(args: Args) -> None:
             t0 = time.perf_counter()
             env_actions = (actions * action_scale + action_bias).astype(np.float32)
             next_obs, gt_rewards, terminations, truncations, infos = envs.step(env_actions)
-            t1 = time.perf_counter()
-            frames = np.stack(envs.call("render")) if render else None  # the frame *after* the step scores it
-            timing["env"], timing["render"] = timing["env"] + t1 - t0, timing["render"] + time.perf_counter() - t1
+            frames = infos.get("frames")  # rendered in the env processes *after* the step: it scores the transition
+            render_s = infos["render_s"] if render else 0.0  # of the step's round trip (envs in processes render in parallel)
+            timing["env"], timing["render"] = timing["env"] + time.perf_counter() - t0 - render_s, timing["render"] + render_s
             dones = terminations | truncations
             # checkpoints where fixed-length episodes all end (a small run state); stock ones when due (episodes restart)
             stopping = stop["requested"]  # read once: a signal arriving after this is handled at the next step
@@ -691,25 +741,19 @@ def main(args: Args) -> None:
             components = components or sorted(k for k in infos if k.startswith("reward_"))
             success = infos.get("success", np.zeros(args.num_envs))  # MountainCar: the flag reached in this episode so far
             gt = np.stack([gt_rewards, success] + [infos[k] for k in components], axis=1)
-            for k, value in zip(pending, (obs, next_obs, actions, terminations, dones, gt, frames)):
-                if value is not None:  # no frames without the CLIP reward
-                    pending[k].append(value)
-
             train_now = global_step >= args.learning_starts and iteration % args.train_frequency == 0
-            # scored for training, when each reward device has a full chunk, at the end, before a checkpoint (its CLIP return)
-            full = len(pending["obs"]) * args.num_envs >= args.reward_batch_size * max(1, len(args.reward_devices))
-            if train_now or full or iteration == num_iterations - 1 or save_now:
-                t0 = time.perf_counter()
-                batch = {k: np.concatenate(v) for k, v in pending.items() if v}
-                clip_rewards = reward_model(batch["frames"]) if render else np.zeros(len(batch["gt"]))
-                timing["reward_model"] += time.perf_counter() - t0
+            # rewards are needed before a gradient step, at the end and before a checkpoint (its CLIP return)
+            wait = train_now or iteration == num_iterations - 1 or save_now
+            transition = dict(obs=obs, next_obs=next_obs, actions=actions, terminations=terminations, dones=dones, gt=gt)
+            for batch, clip_rewards in queue.add(global_step, wait, **transition, **({"frames": frames} if render else {})):
                 rewards = clip_rewards if render else batch["gt"][:, 0]
                 if not np.all(np.isfinite(rewards)):  # never let a NaN into the buffer: it would poison every Q-value
-                    bad = f"{np.sum(~np.isfinite(rewards))} of {len(rewards)} frames at step {global_step}"
-                    last_finite.stop(f"the {args.reward} reward is not finite for {bad}", networks())
+                    bad = f"{np.sum(~np.isfinite(rewards))} of {len(rewards)} frames at step {batch['step']}"
+                    hint = "; on a GPU, --clip-dtype bfloat16 has float32's range" if args.reward == "clip" else ""
+                    last_finite.stop(f"the {args.reward} reward is not finite for {bad}", networks(), hint)
                 rb.add(batch["obs"], batch["next_obs"], batch["actions"], rewards, batch["terminations"])
-                episodes.log(args, writer, progress, batch, rewards, clip_rewards, global_step, components)
-                pending = {k: [] for k in pending}
+                episodes.log(args, writer, progress, batch, rewards, clip_rewards, batch["step"], components)
+            timing["reward_model"], timing["reward_wait"] = queue.busy, queue.waited
 
             if train_now:
                 t0 = time.perf_counter()
@@ -769,7 +813,7 @@ def main(args: Args) -> None:
                 utils.record_video(writer, run_name, next_step, result, fps=30)
             if save_now:  # the whole run state; with periodic, also the paper's checkpoints/step-<N>.pt (networks, all kept)
                 state, kept = dict(log_ent_coef=log_ent_coef.detach().cpu(), components=components), periodic and networks()
-                utils.save_run(args, run_name, learner, envs, rb, episodes, pending, iteration + 1, kept or None, state)
+                utils.save_run(args, run_name, learner, envs, rb, episodes, queue.pending, iteration + 1, kept or None, state)
                 last_save = next_step
             if boundary and stopping:
                 print(f"stopped; continue with: python {os.path.basename(__file__)} --resume runs/{run_name}/checkpoint.pt")
@@ -780,6 +824,7 @@ def main(args: Args) -> None:
             obs = next_obs
             progress.update(next_step)
     finally:
+        queue = queue and queue.close()
         utils.close_run(writer, envs)  # flushes TensorBoard, also on an error or a second Ctrl-C
 
     # a run that ended mid-episode (fixed-length episodes) keeps no resumable state: only its final networks, to evaluate

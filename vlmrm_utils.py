@@ -486,9 +486,20 @@ def can_reach(url: str, timeout: float = 5.0) -> Optional[str]:
     return None
 
 
-def warn_if_slow_on_cpu(reward_model: nn.Module, args, frame_shape: tuple[int, int, int]) -> None:
-    """A real-size CLIP on CPU takes seconds per frame: time it once and say what to do instead."""
-    if reward_model.device.type != "cpu":
+def say_reward_model_cost(reward_model: nn.Module, args, frame_shape: tuple[int, int, int]) -> None:
+    """What the reward model costs, measured once before training: on CPU the time per frame (a real-size CLIP takes
+    seconds: say what to do instead); on a GPU the memory of each replica while it scores a full chunk."""
+    if reward_model.device.type == "cuda":
+        devices = [device for _, device in reward_model.replicas]
+        for device in devices:
+            torch.cuda.reset_peak_memory_stats(device)
+        reward_model(np.zeros((args.reward_batch_size * len(devices), *frame_shape), dtype=np.uint8))  # a chunk each
+        for device in devices:
+            peak, total = torch.cuda.max_memory_allocated(device), torch.cuda.get_device_properties(device).total_memory
+            print(
+                f"memory: the reward model on {device} peaks at {peak / 2**30:.1f} GiB of {total / 2**30:.0f} GiB "
+                f"while scoring --reward-batch-size {args.reward_batch_size} frames ({args.clip_dtype} image tower)"
+            )
         return
     frames = np.zeros((8, *frame_shape), dtype=np.uint8)
     reward_model(frames[:1])  # warm-up: the first call pays one-off allocation costs
@@ -808,15 +819,61 @@ def evaluated_args(args):
     return args
 
 
-def make_vector_env(vector_env: type, env_fns: list) -> gym.vector.VectorEnv:
-    """The training envs, autoreset off (the loop resets finished envs itself). Env processes ignore Ctrl-C and
+def make_vector_env(vector_env: type, env_fns: list, frame_shape: Optional[tuple] = None) -> gym.vector.VectorEnv:
+    """The training envs, autoreset off (the loop resets finished envs itself). With `frame_shape`, each step also
+    returns the frame rendered after it, in infos["frames"] (see FrameAfterStep). Env processes ignore Ctrl-C and
     SIGTERM, so that the main process decides when to stop (and closes them on every exit)."""
+    if frame_shape is not None:
+        env_fns = [lambda fn=fn: FrameAfterStep(fn(), frame_shape) for fn in env_fns]
     handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        return vector_env(env_fns, autoreset_mode=gym.vector.AutoresetMode.DISABLED)
+        envs = vector_env(env_fns, autoreset_mode=gym.vector.AutoresetMode.DISABLED)
     finally:
         signal.signal(signal.SIGINT, handlers[0])
         signal.signal(signal.SIGTERM, handlers[1])
+    return envs if frame_shape is None else FramesInInfo(envs)
+
+
+class FrameAfterStep(gym.Wrapper):
+    """An env whose step renders the frame after it and returns it with the observation: one round trip to an env
+    process per vector step, and the frame travels through the vector env's shared memory, never pickled. A reset's
+    frame is blank: no reset frame ever scores a transition."""
+
+    def __init__(self, env: gym.Env, frame_shape: tuple):
+        super().__init__(env)
+        self.observation_space = gym.spaces.Tuple((env.observation_space, gym.spaces.Box(0, 255, frame_shape, np.uint8)))
+        self.blank = np.zeros(frame_shape, np.uint8)
+
+    def reset(self, **kwargs):
+        obs, info = self.env.reset(**kwargs)
+        return (obs, self.blank), info
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        start = time.perf_counter()
+        frame = self.env.render()
+        info["render_s"] = time.perf_counter() - start  # the loop times one round trip: this says how much was rendering
+        return (obs, frame), reward, terminated, truncated, info
+
+
+class FramesInInfo(gym.vector.VectorWrapper):
+    """The vector side of FrameAfterStep: the envs' own observations, and each step's frames in infos["frames"]."""
+
+    def __init__(self, envs: gym.vector.VectorEnv):
+        super().__init__(envs)
+        self.single_observation_space, self.observation_space = envs.single_observation_space[0], envs.observation_space[0]
+
+    def reset(self, **kwargs):
+        (obs, _), info = self.env.reset(**kwargs)
+        return obs, info
+
+    def step(self, actions):
+        (obs, frames), rewards, terminations, truncations, info = self.env.step(actions)
+        render_s = info["render_s"].sum() if isinstance(self.env, gym.vector.SyncVectorEnv) else info["render_s"].max()
+        return obs, rewards, terminations, truncations, {**info, "frames": frames, "render_s": float(render_s)}
+
+    def __getattr__(self, name: str):  # call, get_attr, set_attr: the wrapped vector env's
+        return getattr(self.env, name)
 
 
 class LastFinite:

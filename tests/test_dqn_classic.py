@@ -91,7 +91,7 @@ def test_realistic_mountaincar_is_a_landscape_that_shows_the_car_position():
 # ---------------------------------------------------------------------------- reward-frame alignment
 def stamped_render(self: CartPoleEnv) -> np.ndarray:
     """Instrumented renderer: the frame carries the float32 pole angle of the state it shows."""
-    frame = np.zeros((8, 8, 3), dtype=np.uint8)
+    frame = np.zeros((400, 600, 3), dtype=np.uint8)  # the size CartPole draws
     frame[0, :4, 0] = np.frombuffer(np.float32(self.state[2]).tobytes(), dtype=np.uint8)
     return frame
 
@@ -104,7 +104,7 @@ def decoding_forward(self, frames: np.ndarray) -> np.ndarray:
 def test_reward_belongs_to_the_frame_after_the_step_across_autoresets(in_tmp, monkeypatch):
     monkeypatch.setattr(CartPoleEnv, "render", stamped_render)
     monkeypatch.setattr(classic.CLIPReward, "forward", decoding_forward)
-    monkeypatch.setattr(vlmrm_utils, "warn_if_slow_on_cpu", lambda *a: None)
+    monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
     added = []
     original_add = classic.ReplayBuffer.add
 

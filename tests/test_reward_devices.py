@@ -97,6 +97,7 @@ def test_dqn_run_on_two_cpu_replicas_logs_exactly_what_one_device_logs(in_tmp, m
                 reward_batch_size=3,
                 reward_devices=devices,
                 exp_name=f"devices{len(devices)}",
+                cuda=False,  # both runs on the CPU (on a GPU machine the default device would be the GPU)
             )
         )
         (run_dir,) = (in_tmp / "runs").glob(f"*devices{len(devices)}*")

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU numbers in one call (about 8 minutes on one H100): the reward path against the bare image encoder in float16,
+# bfloat16 and float32; rendering of the textured humanoid (sizes, qualities, 1/16/32 envs) and what a frame's parts
+# cost; end to end at the paper's settings and at 224 px fast; the tests that touch the GPU paths.
+#
+#   benchmarks/gpu_check.sh            # on the GPU machine, from the repository root; output in $OUT or gpu_check/
+#   benchmarks/gpu_check.sh --smoke    # the same steps at toy sizes on any machine (checks this script, measures nothing)
+#
+# A bare GPU machine with PyTorch may lack this project's other packages and the GL loader libraries: bring them along
+# as wheels in .whl/ and Debian packages in .gl/ (both git-ignored; docs/benchmarks.md says how to fetch them).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu_check}
+mkdir -p "$out"
+smoke=${1:-}
+if compgen -G ".gl/*.deb" >/dev/null; then
+  for f in .gl/*.deb; do dpkg -x "$f" /; done
+  ldconfig
+fi
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export MUJOCO_GL=egl PYOPENGL_PLATFORM=egl PYTHONUNBUFFERED=1
+start=$SECONDS
+step() {  # name, time limit (s), command...: each step's output in $out/<name>.txt, a slow step cannot eat the rest
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s, at ${SECONDS}s)"
+  timeout "$limit" "$@" 2>&1 | tee "$out/$name.txt" | grep -E "^(summary|machine|\|)" || echo "($name: no summary)"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$out/nvidia-smi.txt"
+
+if [ "$smoke" = "--smoke" ]; then
+  big=tests/vlmrm-tiny-test.json
+  step reward_scoring 300 python3 benchmarks/bench_reward_scoring.py --models $big --batch-sizes 4 --frame-sizes 64 --repeats 1
+  step render 300 python3 benchmarks/bench_render.py --sizes 64 --qualities fast high --num-envs 1 2 --frames 3 --repeats 1
+  step frame_cost 300 python3 benchmarks/bench_frame_cost.py --size 64 --states 3 --repeats 1 --clips $big
+  e2e="--clip-models $big --num-envs 2 --total-timesteps 120 --learning-starts 60 --train-frequency 20 --gradient-steps 2"
+  e2e="$e2e --batch-size 32 --reward-batch-size 8 --repeats 1"
+  step e2e_paper 300 python3 benchmarks/bench_end_to_end.py $e2e --render-size 64 --render-quality high
+  step e2e_224_fast 300 python3 benchmarks/bench_end_to_end.py $e2e --render-size 64 --render-quality fast
+  step tests 300 python3 -m pytest -q -x tests/test_reward_overlap.py -k queue
+else
+  step reward_scoring 120 python3 benchmarks/bench_reward_scoring.py --models ViT-bigG-14 --batch-sizes 256 --frame-sizes 480 --repeats 2
+  step render 60 python3 benchmarks/bench_render.py --sizes 224 480 --qualities fast high --num-envs 1 32 --frames 30 --repeats 1
+  step frame_cost 70 python3 benchmarks/bench_frame_cost.py --size 480 --states 24 --repeats 2 --clips ViT-L-14
+  # the paper's settings: ViT-bigG-14, 32 envs, 480 px high, reward batch 256, batch 512, 100 gradient steps every 100
+  # vector steps; learning from the 100th vector step, so that two training phases are timed
+  e2e="--clip-models ViT-bigG-14 --num-envs 32 --total-timesteps 9600 --learning-starts 3200 --train-frequency 100"
+  e2e="$e2e --gradient-steps 100 --batch-size 512 --reward-batch-size 256 --repeats 1"
+  step e2e_paper 140 python3 benchmarks/bench_end_to_end.py $e2e --render-size 480 --render-quality high
+  step e2e_224_fast 90 python3 benchmarks/bench_end_to_end.py $e2e --render-size 224 --render-quality fast
+  step tests 80 python3 -m pytest -q -n 8 tests/test_vlm_reward.py tests/test_reward_devices.py tests/test_reward_overlap.py
+fi
+echo "=== done in $((SECONDS - start)) s; outputs in $out/"

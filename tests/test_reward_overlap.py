@@ -1,0 +1,122 @@
+"""CLIP scores while the environments step: chunks go to the reward model in a background thread, and every reward is
+in the replay buffer before whatever needs it (a gradient step, a checkpoint, the end of the run)."""
+
+import importlib
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY_CLIP
+
+import vlmrm_utils
+
+SMALL = {  # 2 envs: 3 vector steps fill a chunk of 6 frames; a gradient step every 20 vector steps, so chunks overlap
+    "vlmrm_sac_humanoid": dict(
+        num_envs=2, render_size=32, render_quality="fast", episode_length=20, total_timesteps=240, learning_starts=80,
+        train_frequency=20, gradient_steps=2, batch_size=16, buffer_size=1000,
+    ),
+    "vlmrm_dqn_classic": dict(num_envs=2, episode_length=20, total_timesteps=240, learning_starts=80, train_frequency=20),
+}  # fmt: skip
+DELAY = 0.15  # seconds each chunk takes in the reward model: as long as several vector steps
+
+
+@pytest.mark.parametrize("devices", [(), ("cpu", "cpu")], ids=["one-device", "two-replicas"])
+@pytest.mark.parametrize("name", SMALL)
+def test_rewards_that_complete_late_are_in_the_buffer_before_anything_uses_them(name, devices, in_tmp, monkeypatch):
+    script = importlib.import_module(name)
+    steps, encoded, stored, checks = [], [], [0], []  # env step times; (replica, start, end) per chunk; rewards stored
+
+    def slow_reward_model(*a):  # the real CLIP reward, each replica's encoder made slow, as a busy GPU would be
+        reward_model = make_reward_model(*a)
+        for i, (model, _) in enumerate(reward_model.replicas):
+
+            def encode(x, encode=model.encode_image, i=i):
+                start = time.perf_counter()
+                time.sleep(DELAY)  # holds the "device", not a core
+                out = encode(x)
+                encoded.append((i, start, time.perf_counter()))
+                return out
+
+            model.encode_image = encode
+        return reward_model
+
+    def timed_step(self, actions):
+        steps.append(time.perf_counter())
+        return frames_step(self, actions)
+
+    def counted_add(self, obs, *rest):
+        stored[0] += len(obs)
+        add(self, obs, *rest)
+
+    def all_stored(what):  # every transition stepped so far has its reward in the buffer
+        def check(*a, **k):
+            checks.append((what, stored[0], len(steps) * SMALL[name]["num_envs"]))
+            return original[what](*a, **k)
+
+        return check
+
+    make_reward_model, frames_step, add = script.make_reward_model, vlmrm_utils.FramesInInfo.step, script.ReplayBuffer.add
+    original = {"sample": script.ReplayBuffer.sample, "save_run": vlmrm_utils.save_run, "finish_run": vlmrm_utils.finish_run}
+    monkeypatch.setattr(script, "make_reward_model", slow_reward_model)
+    monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
+    monkeypatch.setattr(vlmrm_utils.FramesInInfo, "step", timed_step)
+    monkeypatch.setattr(script.ReplayBuffer, "add", counted_add)
+    monkeypatch.setattr(script.ReplayBuffer, "sample", all_stored("sample"))
+    monkeypatch.setattr(vlmrm_utils, "save_run", all_stored("save_run"))
+    monkeypatch.setattr(vlmrm_utils, "finish_run", all_stored("finish_run"))
+    torch.manual_seed(0)
+    flags = dict(clip_model=TINY_CLIP, clip_pretrained="none", reward_batch_size=6 // max(1, len(devices)), alpha=0.0)
+    script.main(script.Args(**flags, **SMALL[name], reward_devices=devices, save_model=True, checkpoint_frequency=100))
+
+    assert {what for what, _, _ in checks} == {"sample", "save_run", "finish_run"}
+    for what, have, stepped in checks:
+        assert have == stepped, f"at a {what}, {stepped - have} of {stepped} transitions had no reward yet"
+    # the envs stepped while each replica was scoring: the chunks overlapped the stepping, they did not block it
+    for replica in range(max(1, len(devices))):
+        busy = [(start, end) for i, start, end in encoded if i == replica and start < steps[-1]]  # not the evaluation
+        overlapped = sum(any(start < t < end for t in steps) for start, end in busy)
+        assert overlapped >= len(busy) // 2, (replica, overlapped, len(busy))
+    assert threading.active_count() < 10  # the scoring thread ends with the run (a new one per run would pile up)
+
+
+@pytest.mark.parametrize("name", SMALL)
+def test_a_failing_reward_model_stops_the_run_with_its_error(name, in_tmp, monkeypatch):
+    """An error in the scoring thread reaches the loop (never a silent hang or a missing reward)."""
+    script = importlib.import_module(name)
+    make_reward_model = script.make_reward_model
+
+    def failing(*a):
+        reward_model = make_reward_model(*a)
+        reward_model.model.encode_image = lambda x: (_ for _ in ()).throw(RuntimeError("CUDA out of memory (a test)"))
+        return reward_model
+
+    monkeypatch.setattr(script, "make_reward_model", failing)
+    monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        script.main(script.Args(clip_model=TINY_CLIP, clip_pretrained="none", reward_batch_size=6, **SMALL[name]))
+    assert len(list((in_tmp / "runs").iterdir())) == 1
+
+
+def test_the_reward_queue_hands_chunks_back_in_order_and_bounds_what_is_in_flight():
+    sac = importlib.import_module("vlmrm_sac_humanoid")
+    release, calls = threading.Event(), []
+
+    def reward_model(frames):  # waits until released: a device that is still busy
+        calls.append(len(frames))
+        release.wait(10)
+        return frames[:, 0, 0, 0].astype(np.float32)
+
+    queue = sac.RewardQueue(reward_model, chunk=4, in_flight=2)
+    transition = lambda t: dict(obs=np.full((2, 1), t), frames=np.full((2, 1, 1, 1), t, np.uint8), gt=np.zeros((2, 2)))  # noqa: E731
+    out = [queue.add(t, False, **transition(t)) for t in range(5)]  # 2 chunks in flight (steps 0-1, 2-3), the device busy
+    assert out == [[]] * 5  # nothing is handed back before it is scored
+    threading.Timer(0.2, release.set).start()
+    third = queue.add(5, False, **transition(5))  # a 3rd chunk: the loop waits for the oldest
+    assert third[0][0]["step"] == 1 and len(queue.scoring) <= 2 and queue.waited >= 0.1
+    rest = queue.add(6, True, **transition(6))  # wait: everything, oldest first
+    assert [b["step"] for b, _ in third + rest] == [1, 3, 5, 6]
+    np.testing.assert_array_equal(np.concatenate([r for _, r in third + rest]), np.repeat(np.arange(7), 2))
+    assert calls == [4, 4, 4, 2] and queue.busy > 0
+    queue.close()
