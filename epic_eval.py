@@ -64,8 +64,10 @@ from vlmrm_sac_humanoid import Actor
 from vlmrm_sac_humanoid import make_env as make_humanoid_env
 from vlmrm_utils import (
     UserError,
+    all_finite,
     check_clip_args,
     check_goal_direction,
+    check_new_folder,
     check_writable,
     load_clip,
     new_partial_folder,
@@ -234,16 +236,10 @@ def check_collect_args(args: Collect) -> Optional[dict]:
         raise UserError(f"--epsilon must be in [0, 1], got {args.epsilon}.")
     if args.env_id is not None and args.env_id not in ENV_IDS:
         raise UserError(f"--env-id {args.env_id} is not supported; choose one of: {', '.join(ENV_IDS)}.")
-    empty_file = os.path.isfile(args.out) and os.path.getsize(args.out) == 0  # e.g. made by mktemp: replaced
-    if os.path.lexists(args.out) and not empty_file and (not os.path.isdir(args.out) or os.listdir(args.out)):
-        raise UserError(
-            f"--out {args.out} already exists and is not empty; choose a new folder "
-            "(a dataset and its labels are never overwritten)."
-        )
-    if not empty_file:
+    if not os.path.isfile(args.out):  # first: the error names --out itself when a folder above it is a file
         check_writable(args.out, "--out", "choose another path")
-    # the finished dataset is renamed into its parent folder
-    check_writable(os.path.dirname(os.path.abspath(args.out)), "--out", "choose another path")
+    # absent, an empty folder or an empty file (e.g. made by mktemp: replaced), in a writable folder
+    check_new_folder(args.out, "--out", "a dataset and its labels are never overwritten")
     checkpoint = None
     if args.policy is not None:
         which = "the checkpoint.pt of vlmrm_dqn_classic.py or vlmrm_sac_humanoid.py --save-model"
@@ -255,6 +251,12 @@ def check_collect_args(args: Collect) -> Optional[dict]:
             raise UserError(f"--policy {args.policy} could not be read ({type(e).__name__}); pass {which}.") from None
         if not isinstance(checkpoint, dict) or not ({"q_network", "actor"} & checkpoint.keys()) or "args" not in checkpoint:
             raise UserError(f"--policy {args.policy} holds no policy (no 'q_network' or 'actor', or no 'args'); pass {which}.")
+        name = "q_network" if "q_network" in checkpoint else "actor"
+        if not all_finite(checkpoint[name]):  # NaN actions: NaN states in states.csv, or argmax 0 every step
+            raise UserError(
+                f"--policy {args.policy}: its {name} holds NaN or infinite weights, so it cannot act; pass a checkpoint "
+                "saved before its run diverged."
+            )
         trained_on = checkpoint["args"].get("env_id")
         if args.env_id is not None and args.env_id != trained_on:
             raise UserError(f"--policy {args.policy} was trained on {trained_on}, not --env-id {args.env_id}.")

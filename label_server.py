@@ -211,6 +211,8 @@ def make_label_server(folder: str, port: int, task: str, items: list[str], media
     """A server for the label page over `items` (files in <folder>/<media.subfolder>/), bound to 127.0.0.1; `port` 0
     picks a free one (see server.server_port). Bad names, a missing file, an empty listing or an unwritable
     labels.csv are refused here, before anything is served."""
+    if not 0 <= port <= 65535:  # the socket would raise an OverflowError
+        raise UserError(f"--port {port} is not a port number (0 to 65535; 0 = any free port).")
     check_items(folder, items, media)
     item_set = set(items)
     labels_path = os.path.join(folder, "labels.csv")

@@ -45,6 +45,7 @@ from label_server import SKIP, VIDEOS, make_label_server, read_labels, serve
 from vlmrm_dqn_classic import MOUNTAINCAR_GOAL
 from vlmrm_utils import (
     UserError,
+    all_finite,
     check_clip_args,
     check_new_folder,
     check_output_file,
@@ -165,6 +166,12 @@ def load_checkpoint(path: str) -> tuple[dict, object, object]:
     if not policy_keys or not isinstance(checkpoint.get("args"), dict):
         raise UserError(f"{path} holds no policy (no 'q_network' or 'actor' with its 'args'); pass {which}.")
     script = dqn if "q_network" in checkpoint else sac
+    name = "q_network" if script is dqn else "actor"
+    if not all_finite(checkpoint[name]):  # it would roll out NaN actions (or argmax 0 every step) with exit 0
+        raise UserError(
+            f"{path}: its {name} holds NaN or infinite weights, so it cannot act; pass a checkpoint saved before its run "
+            "diverged (e.g. runs/<run>/checkpoints/step-<N>.pt)."
+        )
     known = {f.name for f in fields(script.Args)}
     args = script.Args(**{"episodes": "fixed", **{k: v for k, v in checkpoint["args"].items() if k in known}})
     if script is sac and args.episode_length is None:
@@ -389,13 +396,17 @@ def read_policy(path: str) -> dict:
     run = policy.get("args") if isinstance(policy, dict) else None
     if not isinstance(run, dict) or policy.get("mode") not in ("stochastic", "deterministic"):
         raise UserError(f"{path} has no 'mode' (stochastic or deterministic) or no run 'args'; write it with `rollout`.")
-    types = {"env_id": str, "seed": int, "reward": str}  # what the report and the label page read
+    types = {"env_id": str, "seed": int, "reward": str, "goal": (list, type(None))}  # what the report and the page read
     if run.get("reward") == "clip":
-        types.update(clip_model=str, clip_pretrained=str, alpha=(int, float, type(None)), goal=(list, type(None)))
-        types.update(clip_checkpoint=(str, type(None)))
+        types.update(clip_model=str, clip_pretrained=str, alpha=(int, float, type(None)), clip_checkpoint=(str, type(None)))
     for key, kind in types.items():
         value = run.get(key)
-        if not isinstance(value, kind) or isinstance(value, bool) or key == "reward" and value not in ("clip", "gt"):
+        if (
+            not isinstance(value, kind)
+            or isinstance(value, bool)
+            or (key == "reward" and value not in ("clip", "gt"))
+            or (key == "goal" and not all(isinstance(g, str) for g in value or []))  # joined into the task's name
+        ):
             raise UserError(f"{path}: args.{key} is {value!r}, which `rollout` never writes; roll the checkpoint out again.")
     return policy
 
@@ -407,7 +418,7 @@ def read_episodes(path: str) -> list[dict]:
 
     def problem(row: dict) -> Optional[str]:
         for key in ("episode", "seed", "steps"):
-            if not row[key].strip().isdigit():
+            if not is_whole_number(row[key]):
                 return f"{key} {row[key]!r} is not a whole number of at least 0"
         for key in ("clip_return", "gt_return"):
             if (row[key] != "" or key == "gt_return") and not is_finite_number(row[key]):
@@ -416,13 +427,25 @@ def read_episodes(path: str) -> list[dict]:
             return f"gt_success {row['gt_success']!r} is not 0, 1 or blank"
         return None  # the video names: label_server checks them where they are served
 
+    first_line = {}  # video -> its line: a row copied by hand would count its episode twice
     for line, row in rows:
         reason = problem(row)
         if reason is not None:
             raise UserError(f"{path} line {line}: {reason}; fix that line or roll the checkpoint out again.")
+        if first_line.setdefault(row["video"], line) != line:
+            raise UserError(
+                f"{path} line {line} lists {row['video']} again (first on line {first_line[row['video']]}), so its episode "
+                "would count twice; remove that line."
+            )
     if len({row["gt_success"] == "" for _, row in rows}) > 1:
         raise UserError(f"{path} has a ground-truth success on some lines and none on others; roll the checkpoint out again.")
     return [row for _, row in rows]
+
+
+def is_whole_number(text: str, most: Optional[int] = None) -> bool:
+    """0, 1, 2... in ASCII digits ('²'.isdigit() holds, but int() refuses it), at most `most`."""
+    text = text.strip()
+    return text.isascii() and text.isdigit() and (most is None or int(text) <= most)
 
 
 def is_finite_number(text: str) -> bool:
@@ -531,9 +554,23 @@ def judge_folder(folder: str, judge: str) -> dict:
     }
 
 
+def check_each_once(paths: tuple[str, ...], flag: str, what: str) -> None:
+    """One folder or file given twice (R and R/, a symbolic or hard link to it) would count its episodes twice."""
+    seen: dict[tuple[int, int], str] = {}
+    for path in filter(os.path.exists, paths):  # a missing one is named by its reader
+        status = os.stat(path)
+        key = (status.st_dev, status.st_ino)
+        if key in seen:
+            raise UserError(
+                f"{flag} {path} is the same {what} as {seen[key]}, so it would count twice; list each {what} once."
+            )
+        seen[key] = path
+
+
 def report(args: Report) -> list[dict]:
     if not args.rollouts:
         raise UserError("--rollouts needs at least one folder written by `success_eval.py rollout`.")
+    check_each_once(args.rollouts, "--rollouts", "folder")
     for ext in (".csv", ".md"):
         check_output_file(args.out + ext, "--out")
     table = [judge_folder(folder, args.judge) for folder in args.rollouts]
@@ -688,10 +725,9 @@ def model_parameters(names: set[str], given: tuple[str, ...], configs: tuple[str
     params = {}
     for entry in given:
         name, _, count = entry.partition("=")
-        try:
-            params[name] = float(count)
-        except ValueError:
-            raise UserError(f"--model-params {entry!r} is not NAME=COUNT, e.g. RN50=102e6.") from None
+        params[name] = float(count) if is_finite_number(count) else math.nan
+        if not name or not params[name] >= 1:  # nan, inf: a traceback; 0 or below: no point on the log axis
+            raise UserError(f"--model-params {entry!r} is not NAME=COUNT with a count of at least 1, e.g. RN50=102e6.")
     missing = sorted(names - params.keys())
     if missing:
         import open_clip
@@ -735,10 +771,6 @@ def _number(text: str, low: float = -math.inf, high: float = math.inf) -> bool:
     return is_finite_number(text) and low <= float(text) <= high  # nan and inf are never finite
 
 
-def _count(text: str) -> bool:
-    return text.strip().isdigit()
-
-
 EPIC_CHECKS = {
     "model": (lambda r: r["model"].strip() != "", "a model name"),
     "alpha": (lambda r: _number(r["alpha"], 0, 1), "a number in [0, 1]"),
@@ -751,8 +783,9 @@ EPIC_CHECKS = {
 SUCCESS_CHECKS = {
     "model": (lambda r: r["model"].strip() != "", "a model name"),
     "alpha": (lambda r: _number(r["alpha"], 0, 1), "a number in [0, 1]"),
-    "n": (lambda r: _count(r["n"]), "a count of episodes"),
-    "successes": (lambda r: _count(r["successes"]) and int(r["successes"]) <= int(r["n"]), "a count of at most n"),
+    # at most 10^12: a count of 400 digits is an object to numpy, and scipy's binomial test fails on it
+    "n": (lambda r: is_whole_number(r["n"], 10**12), "a count of episodes (0 to 10^12)"),
+    "successes": (lambda r: is_whole_number(r["successes"]) and int(r["successes"]) <= int(r["n"]), "a count of at most n"),
 }
 
 
@@ -761,6 +794,8 @@ def study(args: Study) -> list[dict]:
         raise UserError("pass --epic (epic.csv of `epic_eval.py score`) and/or --success (CSV of `success_eval.py report`).")
     for ext in (".csv", ".png"):
         check_output_file(args.out + ext, "--out")
+    check_each_once(args.epic, "--epic", "file")
+    check_each_once(args.success, "--success", "file")
     epic_rows = read_csvs(args.epic, ["model", "alpha", "epic"], "--epic", EPIC_CHECKS)
     success_rows = read_csvs(args.success, ["model", "alpha", "n", "successes"], "--success", SUCCESS_CHECKS)
     table = []

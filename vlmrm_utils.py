@@ -199,6 +199,10 @@ def read_csv(path: str, needed: list[str], what: str = "") -> list[tuple[int, di
 
 def check_new_folder(path: str, flag: str, why: str) -> None:
     """An output folder written whole or not at all: absent, an empty folder or an empty file, in a writable folder."""
+    if os.path.islink(path):  # the finished folder is renamed onto it, which a link (even to an empty folder) refuses
+        raise UserError(
+            f"{flag} {path} is a symbolic link (to {os.readlink(path)}); pass a new path or the folder it points to."
+        )
     empty = os.path.isdir(path) and not os.listdir(path) or os.path.isfile(path) and os.path.getsize(path) == 0
     if os.path.lexists(path) and not empty:
         raise UserError(f"{flag} {path} already exists and is not empty; pass a new {flag} ({why}).")

@@ -246,6 +246,9 @@ def test_collect_policy_problems_are_one_sentence_errors(saved_policies, tmp_pat
     torch.save({"actor": sac["actor"], "args": dict(sac["args"], env_id="InvertedPendulum-v5")}, tmp_path / "pendulum.pt")
     dqn = torch.load(saved_policies["dqn"], map_location="cpu", weights_only=False)
     torch.save({"q_network": dqn["q_network"], "args": dict(dqn["args"], env_id="MountainCar-v0")}, tmp_path / "relabelled.pt")
+    diverged = {k: v.clone() for k, v in sac["actor"].items()}
+    next(v for v in diverged.values() if v.is_floating_point())[0] = float("inf")  # one weight of a diverged run
+    torch.save({"actor": diverged, "args": sac["args"]}, tmp_path / "diverged.pt")
     problems = {
         str(tmp_path / "missing.pt"): "no such file; pass the checkpoint.pt of vlmrm_dqn_classic.py",
         str(tmp_path / "text.pt"): "could not be read",
@@ -255,6 +258,7 @@ def test_collect_policy_problems_are_one_sentence_errors(saved_policies, tmp_pat
         ),
         # CartPole's Q-network (4 inputs) under MountainCar's name (2 inputs): shapes do not fit
         str(tmp_path / "relabelled.pt"): "its q_network does not fit MountainCar-v0 .*size mismatch",
+        str(tmp_path / "diverged.pt"): "its actor holds NaN or infinite weights, so it cannot act",  # it collected NaN states
     }
     for path, message in problems.items():
         with pytest.raises(UserError, match=message):

@@ -109,6 +109,14 @@ def both(*edits):
     return lambda root: [edit(root) for edit in edits]
 
 
+def nan_weights(path: str):
+    def edit(root: Path) -> None:
+        checkpoint = torch.load(root / path, weights_only=False)
+        torch.save({**checkpoint, "q_network": {"network.0.weight": torch.full((2, 4), float("nan"))}}, root / path)
+
+    return edit
+
+
 NO_GT = replace("r/episodes.csv", ",1\n", ",\n")  # then every gt_success must be blank: see the label cases
 BLANK_GT = write("r/episodes.csv", HEADER + ROWS.replace(",1\n", ",\n").replace(",0\n", ",\n"))
 LABELS = "frame,label,time\nepisode-000.mp4,1,t\n"
@@ -131,12 +139,29 @@ CASES = {  # id: (command, the edit that breaks a good file, words the one sente
     "episodes-mixed-gt": (REPORT, NO_GT, ["ground-truth success on some lines"]),
     "episodes-binary": (REPORT, write("r/episodes.csv", (HEADER + ROWS).encode() + b"\xff\xfe\n"), ["line 5", "not UTF-8"]),
     "episodes-missing": (REPORT, lambda root: os.remove(root / "r/episodes.csv"), ["r is not a folder written by"]),
+    # the same episode, folder or file twice would count twice (issue 32: 100,000 copies of a row gave a rate of 1.0)
+    "episodes-same-video-twice": (
+        REPORT,
+        replace("r/episodes.csv", "\n1,", "\n0,episode-000.mp4,10001,30,-3.5,30.0,1\n1,"),
+        ["r/episodes.csv line 3 lists episode-000.mp4 again (first on line 2)"],
+    ),
+    "report-same-folder-twice": (REPORT[:4] + ["r/"] + REPORT[4:], None, ["--rollouts r/ is the same folder as r"]),
+    "report-same-folder-via-a-link": (
+        REPORT[:4] + ["r-link"] + REPORT[4:],
+        lambda root: os.symlink("r", root / "r-link"),
+        ["--rollouts r-link is the same folder as r"],
+    ),
     # policy.json
     "policy-empty-object": (REPORT, write("r/policy.json", "{}"), ["r/policy.json has no 'mode'"]),
     "policy-truncated": (REPORT, write("r/policy.json", '{"mode": "stochastic",\n "args": {'), ["policy.json line 2", "JSON"]),
     "policy-0-bytes": (REPORT, write("r/policy.json", ""), ["r/policy.json line 1 is not valid JSON"]),
     "policy-env-id-number": (REPORT, replace("r/policy.json", '"CartPole-v1"', "5"), ["args.env_id is 5"]),
     "policy-a-list": (REPORT, write("r/policy.json", "[1, 2]"), ["r/policy.json has no 'mode'"]),
+    "policy-goal-not-strings": (
+        REPORT,
+        replace("r/policy.json", '"goal": null', '"goal": [1, null]'),
+        ["args.goal is [1, None]"],
+    ),
     # labels.csv verdicts the page never writes (human-judged episodes)
     "labels-banana": (REPORT, both(BLANK_GT, write("r/labels.csv", LABELS + "episode-001.mp4,banana,t\n")), ["'banana'"]),
     "labels-two": (REPORT, both(BLANK_GT, write("r/labels.csv", LABELS + "episode-002.mp4,2,t\n")), ["label '2'", "line 3"]),
@@ -155,6 +180,17 @@ CASES = {  # id: (command, the edit that breaks a good file, words the one sente
     "rollout-checkpoint-a-folder": (ROLLOUT[:3] + ["runs/a"], None, ["runs/a is a folder"]),
     "rollout-checkpoint-empty-dict": (ROLLOUT, lambda root: torch.save({}, root / "runs/a/checkpoint.pt"), ["no policy"]),
     "rollout-checkpoint-text": (ROLLOUT, write("runs/a/checkpoint.pt", "hello"), ["could not be read"]),
+    "rollout-nan-weights": (ROLLOUT, nan_weights("runs/a/checkpoint.pt"), ["its q_network holds NaN or infinite weights"]),
+    "rollout-out-a-link-to-an-empty-folder": (  # was refused only after every episode had run
+        ROLLOUT + ["--out", "link"],
+        lambda root: ((root / "empty").mkdir(), os.symlink("empty", root / "link")),
+        ["--out link is a symbolic link (to empty)"],
+    ),
+    "rollout-out-a-dangling-link": (
+        ROLLOUT + ["--out", "link"],
+        lambda root: os.symlink("nowhere", root / "link"),
+        ["--out link is a symbolic link (to nowhere)"],
+    ),
     # best
     "best-none": (BEST[:-1] + ["nothing"], None, ["no checkpoint"]),
     "best-episodes-0": (BEST + ["--episodes", "0"], None, ["--episodes must be a positive integer"]),
@@ -182,6 +218,26 @@ CASES = {  # id: (command, the edit that breaks a good file, words the one sente
     "study-success-word": (STUDY, replace("success.csv", ",10,4", ",ten,4"), ["--success success.csv line 2", "n 'ten'"]),
     "study-success-above-n": (STUDY, replace("success.csv", ",10,4", ",10,11"), ["line 2", "successes '11'"]),
     "study-success-alpha-word": (STUDY, replace("success.csv", ",0.0,1,", ",a,1,"), ["line 2", "alpha 'a'"]),
+    "study-success-unicode-digit": (STUDY, replace("success.csv", ",10,4", ",\u00b2,4"), ["line 2", "n '\u00b2'"]),
+    "study-success-400-digits": (STUDY, replace("success.csv", ",10,4", "," + "9" * 400 + ",4"), ["line 2", "n '999"]),
+    "study-same-success-file-twice": (
+        STUDY[:5] + ["success.csv"] + STUDY[5:],
+        None,
+        ["--success success.csv is the same file as success.csv"],
+    ),
+    "study-same-epic-file-via-a-link": (
+        STUDY[:3] + ["epic.csv", "epic-link.csv"] + STUDY[4:],
+        lambda root: os.symlink("epic.csv", root / "epic-link.csv"),
+        ["--epic epic-link.csv is the same file as epic.csv"],
+    ),
+    **{
+        f"study-model-params-{count}": (
+            [f"RN50={count}" if arg == "RN50=1e8" else arg for arg in STUDY],
+            None,
+            [f"--model-params 'RN50={count}'", "a count of at least 1"],
+        )
+        for count in ("nan", "inf", "1e400", "0", "-5")  # nan, inf: tracebacks; 0, -5: a broken log axis
+    },
     "study-missing": (STUDY[:3] + ["nope.csv"] + STUDY[5:], None, ["--epic nope.csv: no such file"]),
     "study-out-png-a-folder": (
         STUDY[:-1] + ["folder"],
@@ -204,6 +260,23 @@ CASES = {  # id: (command, the edit that breaks a good file, words the one sente
         ["runs is a file"],
     ),
     "collect-out-read-only": (["epic_eval.py", "collect", "--out", READ_ONLY], None, ["not a writable folder"]),
+    "collect-out-a-link-to-an-empty-folder": (  # was refused only after every frame had been collected
+        ["epic_eval.py", "collect", "--out", "link"],
+        lambda root: ((root / "empty").mkdir(), os.symlink("empty", root / "link")),
+        ["--out link is a symbolic link (to empty)"],
+    ),
+    "collect-out-a-dangling-link": (
+        ["epic_eval.py", "collect", "--out", "link"],
+        lambda root: os.symlink("nowhere", root / "link"),
+        ["--out link is a symbolic link (to nowhere)"],
+    ),
+    # the label pages' --port (a 21-line OverflowError)
+    "label-port-above-65535": (
+        ["success_eval.py", "label", "--rollouts", "r", "--port", "99999"],
+        None,
+        ["--port 99999 is not a port number (0 to 65535"],
+    ),
+    "label-port-negative": (["epic_eval.py", "label", "--dataset", "ds", "--port", "-1"], None, ["--port -1 is not a port"]),
 }
 
 
