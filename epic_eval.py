@@ -487,10 +487,17 @@ def label(args: Label) -> None:
 # ----------------------------------------------------------------------------------------------
 # Metrics: EPIC distance and its bootstrap interval (hand-written: no package has them), ROC AUC (scipy), PR AUC
 # ----------------------------------------------------------------------------------------------
+def unit_scaled(x: np.ndarray) -> np.ndarray:
+    """x / max|x|, in [-1, 1]: a correlation ignores the scale, and graded labels may be any finite numbers, whose
+    squares (1e200) or differences (-1.7e308 and 1.7e308) overflow, or (1e-310) underflow to 0."""
+    x = np.asarray(x, dtype=np.float64)
+    top = np.abs(x).max() if len(x) else 0.0
+    return x / top if 0 < top < math.inf else x
+
+
 def is_constant(x: np.ndarray) -> bool:
     """Constant up to float32 round-off (relative), where a correlation would only measure noise."""
-    x = np.asarray(x, dtype=np.float64)
-    return bool(np.ptp(x) <= 1e-6 * np.abs(x).max()) if len(x) else True
+    return bool(np.ptp(unit_scaled(x)) <= 1e-6) if len(x) else True
 
 
 def epic_distance(rewards: np.ndarray, labels: np.ndarray) -> float:
@@ -509,7 +516,7 @@ def epic_distance(rewards: np.ndarray, labels: np.ndarray) -> float:
         raise ValueError("the labels are all the same, so their correlation with the reward (and EPIC) is undefined")
     if is_constant(r):
         raise ValueError("the rewards are all the same, so their correlation with the labels (and EPIC) is undefined")
-    rho = float(np.clip(pearsonr(r, h).statistic, -1.0, 1.0))
+    rho = float(np.clip(pearsonr(unit_scaled(r), unit_scaled(h)).statistic, -1.0, 1.0))
     return math.sqrt((1.0 - rho) / 2.0)
 
 
@@ -521,14 +528,14 @@ def bootstrap_epic(
     Resamples in which the labels or rewards happen to be constant (EPIC undefined) are left out; (nan, nan) when
     most are, and for fewer than 3 states (any 2 points correlate +1 or -1).
     """
-    r, h = np.asarray(rewards, dtype=np.float64), np.asarray(labels, dtype=np.float64)
+    r, h = unit_scaled(rewards), unit_scaled(labels)
     n, values = len(r), []
     if n < 3:  # every resample of 2 states correlates +1, -1 or not at all: no interval to speak of
         return float("nan"), float("nan")
     for start in range(0, samples, 256):  # chunks keep memory at 256 x n
         idx = rng.integers(0, n, size=(min(256, samples - start), n))
         rs, hs = r[idx], h[idx]
-        defined = (np.ptp(rs, axis=1) > 1e-6 * np.abs(r).max()) & (np.ptp(hs, axis=1) > 1e-6 * np.abs(h).max())
+        defined = (np.ptp(rs, axis=1) > 1e-6) & (np.ptp(hs, axis=1) > 1e-6)  # as is_constant: r and h are unit-scaled
         rs, hs = rs - rs.mean(1, keepdims=True), hs - hs.mean(1, keepdims=True)
         rho = (rs * hs).sum(1)[defined] / np.sqrt((rs * rs).sum(1) * (hs * hs).sum(1))[defined]
         values.append(np.sqrt((1.0 - np.clip(rho, -1.0, 1.0)) / 2.0))

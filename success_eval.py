@@ -434,8 +434,8 @@ def read_episodes(path: str) -> list[dict]:
             raise UserError(f"{path} line {line}: {reason}; fix that line or roll the checkpoint out again.")
         if first_line.setdefault(row["video"], line) != line:
             raise UserError(
-                f"{path} line {line} lists {row['video']} again (first on line {first_line[row['video']]}), so its episode "
-                "would count twice; remove that line."
+                f"{path} lists {row['video']} more than once (lines {first_line[row['video']]} and {line}), so its episode "
+                "would count twice; remove one of them."
             )
     if len({row["gt_success"] == "" for _, row in rows}) > 1:
         raise UserError(f"{path} has a ground-truth success on some lines and none on others; roll the checkpoint out again.")
@@ -536,7 +536,9 @@ def judge_folder(folder: str, judge: str) -> dict:
     low, high = wilson(k, n)
 
     def mean(key: str) -> str:  # blank when any episode has none (e.g. no CLIP return for a --reward gt run)
-        return f"{np.mean([float(r[key]) for r in rows]):.4f}" if rows and all(r[key] != "" for r in rows) else ""
+        if not rows or any(r[key] == "" for r in rows):
+            return ""
+        return f"{np.sum([float(r[key]) / len(rows) for r in rows]):.4f}"  # divided first: a sum can overflow to inf
 
     return {
         **run_columns(policy["args"]),

@@ -79,6 +79,22 @@ def test_epic_is_invariant_to_positive_affine_maps_of_either_side(scale, shift):
     assert epic_distance(-scale * rewards + shift, labels) == pytest.approx(math.sqrt(1 - reference**2), abs=1e-9)
 
 
+@pytest.mark.parametrize("scale", [1e200, 1.7e308, -1.7e308, 1e-310])
+def test_epic_and_its_interval_of_graded_labels_near_the_float_limits(scale, capsys):
+    """Graded labels are any finite numbers: 1e200 made the interval [0.7071, 0.7071] (not containing EPIC), 1.7e308
+    wrote EPIC=nan with exit 0 (squares overflowed). Pearson ignores the scale, so both equal those of 0/1 labels;
+    near 0 (subnormal) too, and a label of -1.7e308 beside +1.7e308 (their difference overflows)."""
+    rng = np.random.default_rng(1)
+    labels = (rng.random(80) < 0.4).astype(float)
+    rewards = labels + rng.normal(scale=0.8, size=80)
+    graded = labels * scale if scale > 0 else np.where(labels == 1, -scale, scale)  # {-1.7e308, 1.7e308}
+    assert np.isfinite(graded).all() and not epic_eval.is_constant(graded)
+    assert epic_distance(rewards, graded) == pytest.approx(epic_distance(rewards, labels), abs=1e-9)
+    interval = bootstrap_epic(rewards, labels, 300, 0.95, np.random.default_rng(0))
+    assert bootstrap_epic(rewards, graded, 300, 0.95, np.random.default_rng(0)) == pytest.approx(interval, abs=1e-9)
+    assert "overflow" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "scores, labels, auc, ap",
     [

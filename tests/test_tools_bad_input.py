@@ -143,7 +143,7 @@ CASES = {  # id: (command, the edit that breaks a good file, words the one sente
     "episodes-same-video-twice": (
         REPORT,
         replace("r/episodes.csv", "\n1,", "\n0,episode-000.mp4,10001,30,-3.5,30.0,1\n1,"),
-        ["r/episodes.csv line 3 lists episode-000.mp4 again (first on line 2)"],
+        ["r/episodes.csv lists episode-000.mp4 more than once (lines 2 and 3)", "count twice"],
     ),
     "report-same-folder-twice": (REPORT[:4] + ["r/"] + REPORT[4:], None, ["--rollouts r/ is the same folder as r"]),
     "report-same-folder-via-a-link": (
@@ -334,6 +334,14 @@ def test_the_good_files_pass(files, capsys):
     assert se.best(se.Best(runs="runs")) == os.path.join("runs", "a", "checkpoint.pt")
     assert len(se.study(se.Study(epic=("epic.csv",), success=("success.csv",), model_params=("RN50=1e8",), out="o"))) == 2
     assert epic_eval.label_values("ds", "gt")[1].tolist() == [0, 1, 0, 1]
+
+
+def test_returns_near_the_float_limit_average_without_overflow(files):
+    """Finite returns whose sum overflows: the mean was inf in the report's table."""
+    (files / "r/episodes.csv").write_text(HEADER + ROWS.replace("-3.5", "1.7e308").replace(",30.0,1", ",-1.7e308,1"))
+    row = se.report(se.Report(rollouts=("r",), out="out/success"))[0]
+    assert float(row["mean_clip_return"]) == pytest.approx(1.7e308)
+    assert float(row["mean_gt_return"]) == pytest.approx((-1.7e308 + 20 + 10) / 3)
 
 
 def test_wilson_lower_bound_of_no_success_is_exactly_0(files):
