@@ -612,7 +612,9 @@ def model_label(clip: ClipArgs) -> str:
     return f"{name}/{Path(clip.clip_checkpoint).name if clip.clip_checkpoint else clip.clip_pretrained}"
 
 
-def clip_args_list(models: tuple[str, ...], pretrained: tuple[str, ...], checkpoints, cache_dir) -> list[ClipArgs]:
+def clip_args_list(
+    models: tuple[str, ...], pretrained: tuple[str, ...], checkpoints, cache_dir, checkpoint_flag: str
+) -> list[ClipArgs]:
     """One ClipArgs per --clip-models entry (one --clip-pretrained tag for all, or one each), all checked up front."""
     if not models:
         raise UserError("--clip-models needs at least one model, e.g. --clip-models ViT-bigG-14.")
@@ -628,7 +630,7 @@ def clip_args_list(models: tuple[str, ...], pretrained: tuple[str, ...], checkpo
     if len(set(labels)) != len(labels):
         raise UserError(f"--clip-models/--clip-pretrained name the same model twice ({', '.join(labels)}); list each once.")
     for clip in clips:  # every model is checked before the first one is loaded
-        check_clip_args(clip)
+        check_clip_args(clip, "--clip-models", checkpoint_flag)
     return clips
 
 
@@ -680,7 +682,8 @@ def check_score_args(args: Score) -> list[ClipArgs]:
             f"--clip-checkpoints needs one entry per model ({n}; 'none' for a model without one), "
             f"got {len(args.clip_checkpoints)}."
         )
-    return clip_args_list(args.clip_models, args.clip_pretrained, args.clip_checkpoints or (None,) * n, args.clip_cache_dir)
+    checkpoints = args.clip_checkpoints or (None,) * n
+    return clip_args_list(args.clip_models, args.clip_pretrained, checkpoints, args.clip_cache_dir, "--clip-checkpoints")
 
 
 def plot_epic(table: list[dict], path: str, title: str) -> None:

@@ -393,6 +393,8 @@ def test_both_reward_families_side_by_side(cartpole_dataset, tmp_path, monkeypat
         (dict(clip_pretrained=("none",) * 2), r"one per --clip-models entry \(1\), got 2"),
         (dict(clip_checkpoints=("none", "none")), "--clip-checkpoints needs one entry per model"),
         (dict(clip_models=(TINY, TINY)), "name the same model twice"),
+        (dict(clip_models=("NoSuchNet",)), "^--clip-models NoSuchNet is not an open_clip architecture"),  # its flags' names
+        (dict(clip_checkpoints=("nothing.pt",)), "^--clip-checkpoints nothing.pt: no such file"),
     ],
 )
 def test_score_refuses_bad_flags_before_loading_a_model(cartpole_dataset, tmp_path, monkeypatch, kwargs, message):
