@@ -14,6 +14,7 @@
 """
 
 import csv
+import errno
 import glob
 import io
 import json
@@ -277,6 +278,22 @@ def ctrl_c_between_episodes() -> tuple[list, object]:
     return requested, signal.signal(signal.SIGINT, handler)
 
 
+def write_video(path: str, frames: list[np.ndarray], fps: int) -> None:
+    """An episode's MP4; faststart: the browser can play it before the whole file arrived. On a full disk ffmpeg printed
+    five lines of its own and imageio raised "Broken pipe" with ffmpeg's command line (or, failing only as ffmpeg
+    closes the file, nothing: imageio does not check its exit status), so ffmpeg is kept quiet and the cause is found
+    here, by the space left."""
+    try:
+        imageio.mimwrite(
+            path, frames, fps=fps, macro_block_size=8, ffmpeg_log_level="quiet", ffmpeg_params=["-movflags", "+faststart"]
+        )
+    except OSError as e:
+        if shutil.disk_usage(os.path.dirname(path)).free >= 2**20:
+            raise OSError(f"ffmpeg stopped writing {os.path.basename(path)}: {str(e).splitlines()[0]}") from None
+    if shutil.disk_usage(os.path.dirname(path)).free < 2**20:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
 def rollout(args: Rollout) -> str:
     """Writes <out>/{episodes.csv, policy.json, videos/episode-NNN.mp4}; returns the folder."""
     if args.episodes < 1:
@@ -313,14 +330,7 @@ def rollout(args: Rollout) -> str:
                 raise KeyboardInterrupt
             frames, states, gt_return = run_episode(envs, act, seed + episode, device)
             video = f"episode-{episode:03d}.mp4"
-            # faststart: the browser can play it before the whole file arrived
-            imageio.mimwrite(
-                os.path.join(partial, "videos", video),
-                frames,
-                fps=fps,
-                macro_block_size=8,
-                ffmpeg_params=["-movflags", "+faststart"],
-            )
+            write_video(os.path.join(partial, "videos", video), frames, fps)
             success = gt_success(run.env_id, states)
             rows.append(
                 {

@@ -428,6 +428,36 @@ def test_score_with_a_read_only_runs_folder_is_refused_before_scoring(files):
     assert "embedded" not in result.stdout  # no model was run
 
 
+@pytest.mark.skipif(not can_mount_read_only(), reason="needs `unshare -rm` (a private mount namespace) for a small tmpfs")
+def test_a_full_disk_during_a_rollout_video_is_one_sentence(files):
+    """ffmpeg writes the videos: on a full disk it printed its own five lines, and imageio's error was 'Broken pipe'
+    with ffmpeg's whole command line, not the cause. Here a tmpfs filled to the last byte before the rollout starts."""
+    checkpoint = crafted(files)
+    (files / "full").mkdir()
+    full = files / "full"
+    fill = f"mount -t tmpfs -o size=64k tmpfs {full} && (head -c 1M /dev/zero > {full}/filler 2>/dev/null; true)"
+    argv = ["success_eval.py", "rollout", "--checkpoint", checkpoint, "--episodes", "2", "--no-clip-return", "--no-cuda"]
+    result = run_tool([*argv, "--out", "full/r"], files, ("unshare", "-rm", "sh", "-c", fill + ' && exec "$@"', "sh"))
+    assert_clean_error(result, "could not write the rollouts", "no space left on device", "nothing was written to full/r")
+    assert result.returncode == 2 and not left_running(files)
+
+
+def test_ffmpeg_failing_with_disk_space_left_is_one_sentence(files, monkeypatch):
+    """Any other ffmpeg failure (killed, a codec missing): imageio's first line, not its command line."""
+
+    def broken(*args, **kwargs):
+        raise OSError("[Errno 32] Broken pipe\n\nFFMPEG COMMAND:\n/usr/bin/ffmpeg -y -f rawvideo ...\n\nFFMPEG STDERR:\n")
+
+    monkeypatch.setattr(se.imageio, "mimwrite", broken)
+    with pytest.raises(UserError) as error:
+        se.rollout(se.Rollout(checkpoint=crafted(files), episodes=2, clip_return=False, out="r4", cuda=False))
+    assert str(error.value) == (
+        "could not write the rollouts (ffmpeg stopped writing episode-000.mp4: [Errno 32] Broken pipe); "
+        "nothing was written to r4."
+    )
+    assert not (files / "r4").exists() and not [p for p in os.listdir(files) if ".partial-" in p]
+
+
 # ---------------------------------------------------------------------------------------------- what is accepted
 def test_an_empty_file_as_out_is_replaced_by_the_folder(files):
     (files / "made-by-mktemp").write_bytes(b"")
