@@ -134,6 +134,7 @@ CASES = {  # id: (command, the edit that breaks a good file, words the one sente
     "episodes-short-row": (REPORT, replace("r/episodes.csv", "-3.5,10.0,", "-3.5,"), ["line 4 has 6 fields", "has 7"]),
     "episodes-long-row": (REPORT, replace("r/episodes.csv", ",30.0,1\n", ",30.0,1,extra\n"), ["line 2 has 8 fields"]),
     "episodes-word-for-number": (REPORT, replace("r/episodes.csv", ",30,-3.5,30.0", ",ten,-3.5,30.0"), ["line 2", "steps"]),
+    "episodes-unicode-digit": (REPORT, replace("r/episodes.csv", ",30,-3.5,30.0", ",\u00b30,-3.5,30.0"), ["line 2", "steps"]),
     "episodes-nan-return": (REPORT, replace("r/episodes.csv", "30.0,1", "nan,1"), ["line 2", "gt_return 'nan'"]),
     "episodes-odd-success": (REPORT, replace("r/episodes.csv", "30.0,1", "30.0,yes"), ["line 2", "gt_success 'yes'"]),
     "episodes-mixed-gt": (REPORT, NO_GT, ["ground-truth success on some lines"]),
@@ -205,6 +206,7 @@ CASES = {  # id: (command, the edit that breaks a good file, words the one sente
         lambda root: write_checkpoint(root / "runs/b/checkpoint.pt", clip_return=-1.0, seed=2),
         ["random CLIP weights", "seed (1, 2)", "--by rollouts"],
     ),
+    "best-nan-weights": (BEST, nan_weights("runs/b/checkpoint.pt"), ["runs/b/checkpoint.pt: its q_network holds NaN"]),
     "best-gt-run": (BEST, lambda root: write_checkpoint(root / "runs/a/checkpoint.pt", reward="gt"), ["--reward gt"]),
     # study
     "study-epic-0-bytes": (STUDY, write("epic.csv", ""), ["--epic epic.csv is empty"]),
