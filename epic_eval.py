@@ -64,8 +64,10 @@ from vlmrm_sac_humanoid import Actor
 from vlmrm_sac_humanoid import make_env as make_humanoid_env
 from vlmrm_utils import (
     UserError,
+    all_finite,
     check_clip_args,
     check_goal_direction,
+    check_new_folder,
     check_writable,
     load_clip,
     new_partial_folder,
@@ -234,16 +236,10 @@ def check_collect_args(args: Collect) -> Optional[dict]:
         raise UserError(f"--epsilon must be in [0, 1], got {args.epsilon}.")
     if args.env_id is not None and args.env_id not in ENV_IDS:
         raise UserError(f"--env-id {args.env_id} is not supported; choose one of: {', '.join(ENV_IDS)}.")
-    empty_file = os.path.isfile(args.out) and os.path.getsize(args.out) == 0  # e.g. made by mktemp: replaced
-    if os.path.lexists(args.out) and not empty_file and (not os.path.isdir(args.out) or os.listdir(args.out)):
-        raise UserError(
-            f"--out {args.out} already exists and is not empty; choose a new folder "
-            "(a dataset and its labels are never overwritten)."
-        )
-    if not empty_file:
+    if not os.path.isfile(args.out):  # first: the error names --out itself when a folder above it is a file
         check_writable(args.out, "--out", "choose another path")
-    # the finished dataset is renamed into its parent folder
-    check_writable(os.path.dirname(os.path.abspath(args.out)), "--out", "choose another path")
+    # absent, an empty folder or an empty file (e.g. made by mktemp: replaced), in a writable folder
+    check_new_folder(args.out, "--out", "a dataset and its labels are never overwritten")
     checkpoint = None
     if args.policy is not None:
         which = "the checkpoint.pt of vlmrm_dqn_classic.py or vlmrm_sac_humanoid.py --save-model"
@@ -255,6 +251,12 @@ def check_collect_args(args: Collect) -> Optional[dict]:
             raise UserError(f"--policy {args.policy} could not be read ({type(e).__name__}); pass {which}.") from None
         if not isinstance(checkpoint, dict) or not ({"q_network", "actor"} & checkpoint.keys()) or "args" not in checkpoint:
             raise UserError(f"--policy {args.policy} holds no policy (no 'q_network' or 'actor', or no 'args'); pass {which}.")
+        name = "q_network" if "q_network" in checkpoint else "actor"
+        if not all_finite(checkpoint[name]):  # NaN actions: NaN states in states.csv, or argmax 0 every step
+            raise UserError(
+                f"--policy {args.policy}: its {name} holds NaN or infinite weights, so it cannot act; pass a checkpoint "
+                "saved before its run diverged."
+            )
         trained_on = checkpoint["args"].get("env_id")
         if args.env_id is not None and args.env_id != trained_on:
             raise UserError(f"--policy {args.policy} was trained on {trained_on}, not --env-id {args.env_id}.")
@@ -485,10 +487,17 @@ def label(args: Label) -> None:
 # ----------------------------------------------------------------------------------------------
 # Metrics: EPIC distance and its bootstrap interval (hand-written: no package has them), ROC AUC (scipy), PR AUC
 # ----------------------------------------------------------------------------------------------
+def unit_scaled(x: np.ndarray) -> np.ndarray:
+    """x / max|x|, in [-1, 1]: a correlation ignores the scale, and graded labels may be any finite numbers, whose
+    squares (1e200) or differences (-1.7e308 and 1.7e308) overflow, or (1e-310) underflow to 0."""
+    x = np.asarray(x, dtype=np.float64)
+    top = np.abs(x).max() if len(x) else 0.0
+    return x / top if 0 < top < math.inf else x
+
+
 def is_constant(x: np.ndarray) -> bool:
     """Constant up to float32 round-off (relative), where a correlation would only measure noise."""
-    x = np.asarray(x, dtype=np.float64)
-    return bool(np.ptp(x) <= 1e-6 * np.abs(x).max()) if len(x) else True
+    return bool(np.ptp(unit_scaled(x)) <= 1e-6) if len(x) else True
 
 
 def epic_distance(rewards: np.ndarray, labels: np.ndarray) -> float:
@@ -507,7 +516,7 @@ def epic_distance(rewards: np.ndarray, labels: np.ndarray) -> float:
         raise ValueError("the labels are all the same, so their correlation with the reward (and EPIC) is undefined")
     if is_constant(r):
         raise ValueError("the rewards are all the same, so their correlation with the labels (and EPIC) is undefined")
-    rho = float(np.clip(pearsonr(r, h).statistic, -1.0, 1.0))
+    rho = float(np.clip(pearsonr(unit_scaled(r), unit_scaled(h)).statistic, -1.0, 1.0))
     return math.sqrt((1.0 - rho) / 2.0)
 
 
@@ -519,14 +528,14 @@ def bootstrap_epic(
     Resamples in which the labels or rewards happen to be constant (EPIC undefined) are left out; (nan, nan) when
     most are, and for fewer than 3 states (any 2 points correlate +1 or -1).
     """
-    r, h = np.asarray(rewards, dtype=np.float64), np.asarray(labels, dtype=np.float64)
+    r, h = unit_scaled(rewards), unit_scaled(labels)
     n, values = len(r), []
     if n < 3:  # every resample of 2 states correlates +1, -1 or not at all: no interval to speak of
         return float("nan"), float("nan")
     for start in range(0, samples, 256):  # chunks keep memory at 256 x n
         idx = rng.integers(0, n, size=(min(256, samples - start), n))
         rs, hs = r[idx], h[idx]
-        defined = (np.ptp(rs, axis=1) > 1e-6 * np.abs(r).max()) & (np.ptp(hs, axis=1) > 1e-6 * np.abs(h).max())
+        defined = (np.ptp(rs, axis=1) > 1e-6) & (np.ptp(hs, axis=1) > 1e-6)  # as is_constant: r and h are unit-scaled
         rs, hs = rs - rs.mean(1, keepdims=True), hs - hs.mean(1, keepdims=True)
         rho = (rs * hs).sum(1)[defined] / np.sqrt((rs * rs).sum(1) * (hs * hs).sum(1))[defined]
         values.append(np.sqrt((1.0 - np.clip(rho, -1.0, 1.0)) / 2.0))
@@ -603,7 +612,9 @@ def model_label(clip: ClipArgs) -> str:
     return f"{name}/{Path(clip.clip_checkpoint).name if clip.clip_checkpoint else clip.clip_pretrained}"
 
 
-def clip_args_list(models: tuple[str, ...], pretrained: tuple[str, ...], checkpoints, cache_dir) -> list[ClipArgs]:
+def clip_args_list(
+    models: tuple[str, ...], pretrained: tuple[str, ...], checkpoints, cache_dir, checkpoint_flag: str
+) -> list[ClipArgs]:
     """One ClipArgs per --clip-models entry (one --clip-pretrained tag for all, or one each), all checked up front."""
     if not models:
         raise UserError("--clip-models needs at least one model, e.g. --clip-models ViT-bigG-14.")
@@ -619,7 +630,7 @@ def clip_args_list(models: tuple[str, ...], pretrained: tuple[str, ...], checkpo
     if len(set(labels)) != len(labels):
         raise UserError(f"--clip-models/--clip-pretrained name the same model twice ({', '.join(labels)}); list each once.")
     for clip in clips:  # every model is checked before the first one is loaded
-        check_clip_args(clip)
+        check_clip_args(clip, "--clip-models", checkpoint_flag)
     return clips
 
 
@@ -671,7 +682,8 @@ def check_score_args(args: Score) -> list[ClipArgs]:
             f"--clip-checkpoints needs one entry per model ({n}; 'none' for a model without one), "
             f"got {len(args.clip_checkpoints)}."
         )
-    return clip_args_list(args.clip_models, args.clip_pretrained, args.clip_checkpoints or (None,) * n, args.clip_cache_dir)
+    checkpoints = args.clip_checkpoints or (None,) * n
+    return clip_args_list(args.clip_models, args.clip_pretrained, checkpoints, args.clip_cache_dir, "--clip-checkpoints")
 
 
 def plot_epic(table: list[dict], path: str, title: str) -> None:

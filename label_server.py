@@ -73,7 +73,7 @@ def is_number(text: str) -> bool:
 # ----------------------------------------------------------------------------------------------
 # labels.csv: append-only, read back line by line
 # ----------------------------------------------------------------------------------------------
-def read_labels(folder: str, items: set[str], media: Media, graded: bool = False) -> dict[str, str]:
+def read_labels(folder: str, items: set[str], media: Media, graded: bool = False, warn: bool = True) -> dict[str, str]:
     """The last label given to each item in <folder>/labels.csv (raw strings: '1', '0', 'skip'); {} if none yet.
 
     `graded` also accepts any finite number (epic_eval's hand-written graded labels). Excel's UTF-8 BOM and CRLF line
@@ -111,7 +111,8 @@ def read_labels(folder: str, items: set[str], media: Media, graded: bool = False
         except csv.Error:
             raise UserError(f"{path} line {line_number} is not a CSV line of labels: fix or remove it.") from None
         if len(row) < 3 or not row[2]:  # a write cut short by a crash before the time: never acknowledged
-            print(f"warning: ignoring the incomplete line {line_number} of {path}: {','.join(row)!r}")
+            if warn:
+                print(f"warning: ignoring the incomplete line {line_number} of {path}: {','.join(row)!r}")
             continue
         item, label = row[0], row[1].strip()
         if item not in items:
@@ -211,6 +212,8 @@ def make_label_server(folder: str, port: int, task: str, items: list[str], media
     """A server for the label page over `items` (files in <folder>/<media.subfolder>/), bound to 127.0.0.1; `port` 0
     picks a free one (see server.server_port). Bad names, a missing file, an empty listing or an unwritable
     labels.csv are refused here, before anything is served."""
+    if not 0 <= port <= 65535:  # the socket would raise an OverflowError
+        raise UserError(f"--port {port} is not a port number (0 to 65535; 0 = any free port).")
     check_items(folder, items, media)
     item_set = set(items)
     labels_path = os.path.join(folder, "labels.csv")
@@ -309,7 +312,11 @@ def make_label_server(folder: str, port: int, task: str, items: list[str], media
                 return 400, f"unknown {media.noun} or label (labels: 1, 0, {SKIP})\n".encode()
             try:
                 with lock:
+                    # a line edited in by hand meanwhile would make the next start refuse the file: not saved after it
+                    read_labels(folder, item_set, media, media is FRAMES, warn=False)
                     append_label(labels_path, item, label)
+            except UserError as e:
+                return 409, f"{e} This label was not saved.\n".encode()
             except OSError as e:  # a full disk: say so on the page, keep serving
                 why = e.strerror or type(e).__name__
                 return 507, (

@@ -127,7 +127,7 @@ def check_args(args: Args) -> list[ClipArgs]:
             "run once per checkpoint."
         )
     checkpoints = (args.clip_checkpoint,) * len(args.clip_models)
-    return clip_args_list(args.clip_models, args.clip_pretrained, checkpoints, args.clip_cache_dir)
+    return clip_args_list(args.clip_models, args.clip_pretrained, checkpoints, args.clip_cache_dir, "--clip-checkpoint")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@
 """
 
 import csv
+import errno
 import glob
 import io
 import json
@@ -45,6 +46,7 @@ from label_server import SKIP, VIDEOS, make_label_server, read_labels, serve
 from vlmrm_dqn_classic import MOUNTAINCAR_GOAL
 from vlmrm_utils import (
     UserError,
+    all_finite,
     check_clip_args,
     check_new_folder,
     check_output_file,
@@ -165,6 +167,12 @@ def load_checkpoint(path: str) -> tuple[dict, object, object]:
     if not policy_keys or not isinstance(checkpoint.get("args"), dict):
         raise UserError(f"{path} holds no policy (no 'q_network' or 'actor' with its 'args'); pass {which}.")
     script = dqn if "q_network" in checkpoint else sac
+    name = "q_network" if script is dqn else "actor"
+    if not all_finite(checkpoint[name]):  # it would roll out NaN actions (or argmax 0 every step) with exit 0
+        raise UserError(
+            f"{path}: its {name} holds NaN or infinite weights, so it cannot act; pass a checkpoint saved before its run "
+            "diverged (e.g. runs/<run>/checkpoints/step-<N>.pt)."
+        )
     known = {f.name for f in fields(script.Args)}
     args = script.Args(**{"episodes": "fixed", **{k: v for k, v in checkpoint["args"].items() if k in known}})
     if script is sac and args.episode_length is None:
@@ -270,6 +278,22 @@ def ctrl_c_between_episodes() -> tuple[list, object]:
     return requested, signal.signal(signal.SIGINT, handler)
 
 
+def write_video(path: str, frames: list[np.ndarray], fps: int) -> None:
+    """An episode's MP4; faststart: the browser can play it before the whole file arrived. On a full disk ffmpeg printed
+    five lines of its own and imageio raised "Broken pipe" with ffmpeg's command line (or, failing only as ffmpeg
+    closes the file, nothing: imageio does not check its exit status), so ffmpeg is kept quiet and the cause is found
+    here, by the space left."""
+    try:
+        imageio.mimwrite(
+            path, frames, fps=fps, macro_block_size=8, ffmpeg_log_level="quiet", ffmpeg_params=["-movflags", "+faststart"]
+        )
+    except OSError as e:
+        if shutil.disk_usage(os.path.dirname(path)).free >= 2**20:
+            raise OSError(f"ffmpeg stopped writing {os.path.basename(path)}: {str(e).splitlines()[0]}") from None
+    if shutil.disk_usage(os.path.dirname(path)).free < 2**20:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
 def rollout(args: Rollout) -> str:
     """Writes <out>/{episodes.csv, policy.json, videos/episode-NNN.mp4}; returns the folder."""
     if args.episodes < 1:
@@ -306,14 +330,7 @@ def rollout(args: Rollout) -> str:
                 raise KeyboardInterrupt
             frames, states, gt_return = run_episode(envs, act, seed + episode, device)
             video = f"episode-{episode:03d}.mp4"
-            # faststart: the browser can play it before the whole file arrived
-            imageio.mimwrite(
-                os.path.join(partial, "videos", video),
-                frames,
-                fps=fps,
-                macro_block_size=8,
-                ffmpeg_params=["-movflags", "+faststart"],
-            )
+            write_video(os.path.join(partial, "videos", video), frames, fps)
             success = gt_success(run.env_id, states)
             rows.append(
                 {
@@ -389,13 +406,17 @@ def read_policy(path: str) -> dict:
     run = policy.get("args") if isinstance(policy, dict) else None
     if not isinstance(run, dict) or policy.get("mode") not in ("stochastic", "deterministic"):
         raise UserError(f"{path} has no 'mode' (stochastic or deterministic) or no run 'args'; write it with `rollout`.")
-    types = {"env_id": str, "seed": int, "reward": str}  # what the report and the label page read
+    types = {"env_id": str, "seed": int, "reward": str, "goal": (list, type(None))}  # what the report and the page read
     if run.get("reward") == "clip":
-        types.update(clip_model=str, clip_pretrained=str, alpha=(int, float, type(None)), goal=(list, type(None)))
-        types.update(clip_checkpoint=(str, type(None)))
+        types.update(clip_model=str, clip_pretrained=str, alpha=(int, float, type(None)), clip_checkpoint=(str, type(None)))
     for key, kind in types.items():
         value = run.get(key)
-        if not isinstance(value, kind) or isinstance(value, bool) or key == "reward" and value not in ("clip", "gt"):
+        if (
+            not isinstance(value, kind)
+            or isinstance(value, bool)
+            or (key == "reward" and value not in ("clip", "gt"))
+            or (key == "goal" and not all(isinstance(g, str) for g in value or []))  # joined into the task's name
+        ):
             raise UserError(f"{path}: args.{key} is {value!r}, which `rollout` never writes; roll the checkpoint out again.")
     return policy
 
@@ -407,7 +428,7 @@ def read_episodes(path: str) -> list[dict]:
 
     def problem(row: dict) -> Optional[str]:
         for key in ("episode", "seed", "steps"):
-            if not row[key].strip().isdigit():
+            if not is_whole_number(row[key]):
                 return f"{key} {row[key]!r} is not a whole number of at least 0"
         for key in ("clip_return", "gt_return"):
             if (row[key] != "" or key == "gt_return") and not is_finite_number(row[key]):
@@ -416,13 +437,25 @@ def read_episodes(path: str) -> list[dict]:
             return f"gt_success {row['gt_success']!r} is not 0, 1 or blank"
         return None  # the video names: label_server checks them where they are served
 
+    first_line = {}  # video -> its line: a row copied by hand would count its episode twice
     for line, row in rows:
         reason = problem(row)
         if reason is not None:
             raise UserError(f"{path} line {line}: {reason}; fix that line or roll the checkpoint out again.")
+        if first_line.setdefault(row["video"], line) != line:
+            raise UserError(
+                f"{path} lists {row['video']} more than once (lines {first_line[row['video']]} and {line}), so its episode "
+                "would count twice; remove one of them."
+            )
     if len({row["gt_success"] == "" for _, row in rows}) > 1:
         raise UserError(f"{path} has a ground-truth success on some lines and none on others; roll the checkpoint out again.")
     return [row for _, row in rows]
+
+
+def is_whole_number(text: str, most: Optional[int] = None) -> bool:
+    """0, 1, 2... in ASCII digits ('²'.isdigit() holds, but int() refuses it), at most `most`."""
+    text = text.strip()
+    return text.isascii() and text.isdigit() and (most is None or int(text) <= most)
 
 
 def is_finite_number(text: str) -> bool:
@@ -513,7 +546,9 @@ def judge_folder(folder: str, judge: str) -> dict:
     low, high = wilson(k, n)
 
     def mean(key: str) -> str:  # blank when any episode has none (e.g. no CLIP return for a --reward gt run)
-        return f"{np.mean([float(r[key]) for r in rows]):.4f}" if rows and all(r[key] != "" for r in rows) else ""
+        if not rows or any(r[key] == "" for r in rows):
+            return ""
+        return f"{np.sum([float(r[key]) / len(rows) for r in rows]):.4f}"  # divided first: a sum can overflow to inf
 
     return {
         **run_columns(policy["args"]),
@@ -531,9 +566,23 @@ def judge_folder(folder: str, judge: str) -> dict:
     }
 
 
+def check_each_once(paths: tuple[str, ...], flag: str, what: str) -> None:
+    """One folder or file given twice (R and R/, a symbolic or hard link to it) would count its episodes twice."""
+    seen: dict[tuple[int, int], str] = {}
+    for path in filter(os.path.exists, paths):  # a missing one is named by its reader
+        status = os.stat(path)
+        key = (status.st_dev, status.st_ino)
+        if key in seen:
+            raise UserError(
+                f"{flag} {path} is the same {what} as {seen[key]}, so it would count twice; list each {what} once."
+            )
+        seen[key] = path
+
+
 def report(args: Report) -> list[dict]:
     if not args.rollouts:
         raise UserError("--rollouts needs at least one folder written by `success_eval.py rollout`.")
+    check_each_once(args.rollouts, "--rollouts", "folder")
     for ext in (".csv", ".md"):
         check_output_file(args.out + ext, "--out")
     table = [judge_folder(folder, args.judge) for folder in args.rollouts]
@@ -688,10 +737,9 @@ def model_parameters(names: set[str], given: tuple[str, ...], configs: tuple[str
     params = {}
     for entry in given:
         name, _, count = entry.partition("=")
-        try:
-            params[name] = float(count)
-        except ValueError:
-            raise UserError(f"--model-params {entry!r} is not NAME=COUNT, e.g. RN50=102e6.") from None
+        params[name] = float(count) if is_finite_number(count) else math.nan
+        if not name or not params[name] >= 1:  # nan, inf: a traceback; 0 or below: no point on the log axis
+            raise UserError(f"--model-params {entry!r} is not NAME=COUNT with a count of at least 1, e.g. RN50=102e6.")
     missing = sorted(names - params.keys())
     if missing:
         import open_clip
@@ -735,10 +783,6 @@ def _number(text: str, low: float = -math.inf, high: float = math.inf) -> bool:
     return is_finite_number(text) and low <= float(text) <= high  # nan and inf are never finite
 
 
-def _count(text: str) -> bool:
-    return text.strip().isdigit()
-
-
 EPIC_CHECKS = {
     "model": (lambda r: r["model"].strip() != "", "a model name"),
     "alpha": (lambda r: _number(r["alpha"], 0, 1), "a number in [0, 1]"),
@@ -751,8 +795,9 @@ EPIC_CHECKS = {
 SUCCESS_CHECKS = {
     "model": (lambda r: r["model"].strip() != "", "a model name"),
     "alpha": (lambda r: _number(r["alpha"], 0, 1), "a number in [0, 1]"),
-    "n": (lambda r: _count(r["n"]), "a count of episodes"),
-    "successes": (lambda r: _count(r["successes"]) and int(r["successes"]) <= int(r["n"]), "a count of at most n"),
+    # at most 10^12: a count of 400 digits is an object to numpy, and scipy's binomial test fails on it
+    "n": (lambda r: is_whole_number(r["n"], 10**12), "a count of episodes (0 to 10^12)"),
+    "successes": (lambda r: is_whole_number(r["successes"]) and int(r["successes"]) <= int(r["n"]), "a count of at most n"),
 }
 
 
@@ -761,6 +806,8 @@ def study(args: Study) -> list[dict]:
         raise UserError("pass --epic (epic.csv of `epic_eval.py score`) and/or --success (CSV of `success_eval.py report`).")
     for ext in (".csv", ".png"):
         check_output_file(args.out + ext, "--out")
+    check_each_once(args.epic, "--epic", "file")
+    check_each_once(args.success, "--success", "file")
     epic_rows = read_csvs(args.epic, ["model", "alpha", "epic"], "--epic", EPIC_CHECKS)
     success_rows = read_csvs(args.success, ["model", "alpha", "n", "successes"], "--success", SUCCESS_CHECKS)
     table = []

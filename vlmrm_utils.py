@@ -199,6 +199,10 @@ def read_csv(path: str, needed: list[str], what: str = "") -> list[tuple[int, di
 
 def check_new_folder(path: str, flag: str, why: str) -> None:
     """An output folder written whole or not at all: absent, an empty folder or an empty file, in a writable folder."""
+    if os.path.islink(path):  # the finished folder is renamed onto it, which a link (even to an empty folder) refuses
+        raise UserError(
+            f"{flag} {path} is a symbolic link (to {os.readlink(path)}); pass a new path or the folder it points to."
+        )
     empty = os.path.isdir(path) and not os.listdir(path) or os.path.isfile(path) and os.path.getsize(path) == 0
     if os.path.lexists(path) and not empty:
         raise UserError(f"{flag} {path} already exists and is not empty; pass a new {flag} ({why}).")
@@ -343,35 +347,36 @@ def resumed_args(args, checkpoint: dict):
     return args_class(**{"episodes": "fixed", **saved, "resume": args.resume, "total_timesteps": total})  # older: fixed
 
 
-def check_clip_args(args) -> None:
-    """Refuse an unknown CLIP architecture, pretrained tag, config file or weights file before anything is loaded."""
+def check_clip_args(args, model_flag: str = "--clip-model", checkpoint_flag: str = "--clip-checkpoint") -> None:
+    """Refuse an unknown CLIP architecture, pretrained tag, config file or weights file before anything is loaded; the
+    flags named as the calling tool names them (epic_eval.py: --clip-models, --clip-checkpoints)."""
     import json
 
     import open_clip
 
     if args.clip_model.endswith(".json"):
         if not os.path.isfile(args.clip_model):
-            raise UserError(f"--clip-model {args.clip_model}: no such model config file.")
+            raise UserError(f"{model_flag} {args.clip_model}: no such model config file.")
         try:
             with open(args.clip_model, encoding="utf-8") as f:
                 config = json.load(f)
         except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
-            raise UserError(f"--clip-model {args.clip_model} is not a readable JSON file ({type(e).__name__}).") from None
+            raise UserError(f"{model_flag} {args.clip_model} is not a readable JSON file ({type(e).__name__}).") from None
         required = {"embed_dim": int, "vision_cfg": dict, "text_cfg": dict}  # open_clip skips a config without them, silently
         if not isinstance(config, dict) or not all(isinstance(config.get(k), t) for k, t in required.items()):
             raise UserError(
-                f"--clip-model {args.clip_model} is not an open_clip model config (it needs an integer embed_dim, "
+                f"{model_flag} {args.clip_model} is not an open_clip model config (it needs an integer embed_dim, "
                 "vision_cfg and text_cfg, as in tests/vlmrm-tiny-test.json)."
             )
     elif args.clip_model not in open_clip.list_models():
-        raise UserError(f"--clip-model {args.clip_model} is not an open_clip architecture (see open_clip.list_models()).")
+        raise UserError(f"{model_flag} {args.clip_model} is not an open_clip architecture (see open_clip.list_models()).")
     elif args.clip_checkpoint is None:
         tags = ["none", *open_clip.list_pretrained_tags_by_model(args.clip_model)]
         if args.clip_pretrained not in tags:  # the default tag is ViT-bigG-14's: name the model's own, not what was not typed
             given = "" if args.clip_pretrained == "laion2b_s39b_b160k" else f" ({args.clip_pretrained} is not one of them)"
-            raise UserError(f"--clip-model {args.clip_model} needs --clip-pretrained, one of: {', '.join(tags)}{given}.")
+            raise UserError(f"{model_flag} {args.clip_model} needs --clip-pretrained, one of: {', '.join(tags)}{given}.")
     if args.clip_checkpoint is not None and not os.path.isfile(args.clip_checkpoint):
-        raise UserError(f"--clip-checkpoint {args.clip_checkpoint}: no such file.")
+        raise UserError(f"{checkpoint_flag} {args.clip_checkpoint}: no such file.")
 
 
 def same_prompts(goal: tuple[str, ...], baseline: tuple[str, ...]) -> bool:

@@ -79,6 +79,22 @@ def test_epic_is_invariant_to_positive_affine_maps_of_either_side(scale, shift):
     assert epic_distance(-scale * rewards + shift, labels) == pytest.approx(math.sqrt(1 - reference**2), abs=1e-9)
 
 
+@pytest.mark.parametrize("scale", [1e200, 1.7e308, -1.7e308, 1e-310])
+def test_epic_and_its_interval_of_graded_labels_near_the_float_limits(scale, capsys):
+    """Graded labels are any finite numbers: 1e200 made the interval [0.7071, 0.7071] (not containing EPIC), 1.7e308
+    wrote EPIC=nan with exit 0 (squares overflowed). Pearson ignores the scale, so both equal those of 0/1 labels;
+    near 0 (subnormal) too, and a label of -1.7e308 beside +1.7e308 (their difference overflows)."""
+    rng = np.random.default_rng(1)
+    labels = (rng.random(80) < 0.4).astype(float)
+    rewards = labels + rng.normal(scale=0.8, size=80)
+    graded = labels * scale if scale > 0 else np.where(labels == 1, -scale, scale)  # {-1.7e308, 1.7e308}
+    assert np.isfinite(graded).all() and not epic_eval.is_constant(graded)
+    assert epic_distance(rewards, graded) == pytest.approx(epic_distance(rewards, labels), abs=1e-9)
+    interval = bootstrap_epic(rewards, labels, 300, 0.95, np.random.default_rng(0))
+    assert bootstrap_epic(rewards, graded, 300, 0.95, np.random.default_rng(0)) == pytest.approx(interval, abs=1e-9)
+    assert "overflow" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "scores, labels, auc, ap",
     [
@@ -246,6 +262,9 @@ def test_collect_policy_problems_are_one_sentence_errors(saved_policies, tmp_pat
     torch.save({"actor": sac["actor"], "args": dict(sac["args"], env_id="InvertedPendulum-v5")}, tmp_path / "pendulum.pt")
     dqn = torch.load(saved_policies["dqn"], map_location="cpu", weights_only=False)
     torch.save({"q_network": dqn["q_network"], "args": dict(dqn["args"], env_id="MountainCar-v0")}, tmp_path / "relabelled.pt")
+    diverged = {k: v.clone() for k, v in sac["actor"].items()}
+    next(v for v in diverged.values() if v.is_floating_point())[0] = float("inf")  # one weight of a diverged run
+    torch.save({"actor": diverged, "args": sac["args"]}, tmp_path / "diverged.pt")
     problems = {
         str(tmp_path / "missing.pt"): "no such file; pass the checkpoint.pt of vlmrm_dqn_classic.py",
         str(tmp_path / "text.pt"): "could not be read",
@@ -255,6 +274,7 @@ def test_collect_policy_problems_are_one_sentence_errors(saved_policies, tmp_pat
         ),
         # CartPole's Q-network (4 inputs) under MountainCar's name (2 inputs): shapes do not fit
         str(tmp_path / "relabelled.pt"): "its q_network does not fit MountainCar-v0 .*size mismatch",
+        str(tmp_path / "diverged.pt"): "its actor holds NaN or infinite weights, so it cannot act",  # it collected NaN states
     }
     for path, message in problems.items():
         with pytest.raises(UserError, match=message):
@@ -373,6 +393,8 @@ def test_both_reward_families_side_by_side(cartpole_dataset, tmp_path, monkeypat
         (dict(clip_pretrained=("none",) * 2), r"one per --clip-models entry \(1\), got 2"),
         (dict(clip_checkpoints=("none", "none")), "--clip-checkpoints needs one entry per model"),
         (dict(clip_models=(TINY, TINY)), "name the same model twice"),
+        (dict(clip_models=("NoSuchNet",)), "^--clip-models NoSuchNet is not an open_clip architecture"),  # its flags' names
+        (dict(clip_checkpoints=("nothing.pt",)), "^--clip-checkpoints nothing.pt: no such file"),
     ],
 )
 def test_score_refuses_bad_flags_before_loading_a_model(cartpole_dataset, tmp_path, monkeypatch, kwargs, message):

@@ -439,6 +439,33 @@ def test_a_full_disk_is_a_507_with_one_sentence_and_nothing_half_written(tmp_pat
     assert labels_rows(folder) == [["episode-000.mp4", "1"], ["episode-001.mp4", "0"]]
 
 
+def test_no_label_is_saved_after_a_line_the_next_start_would_refuse(tmp_path):
+    """labels.csv edited by hand while the page serves: the page answered saved: true, then the next start refused the
+    file. Now the label is not saved, the page says why (the same sentence the start gives), and it saves again once
+    the line is fixed."""
+    folder = make_rollouts(tmp_path / "r")
+    labels_csv = os.path.join(folder, "labels.csv")
+    server = Server(success_eval.make_episode_server(folder, 0))
+    try:
+        assert http(server.url + "/api/label", {"frame": "episode-000.mp4", "label": "1"})[0] == 200
+        with open(labels_csv, "a") as f:
+            f.write("episode-001.mp4,maybe,2024-01-01T00:00:00+00:00\n")
+        before = open(labels_csv, "rb").read()
+        status, answer = http(server.url + "/api/label", {"frame": "episode-002.mp4", "label": "0"})
+        assert status == 409, answer
+        with pytest.raises(UserError) as start:
+            success_eval.make_episode_server(folder, 0)
+        assert answer.decode().strip() == f"{start.value} This label was not saved."
+        assert "'maybe'" in str(start.value) and "line 3" in str(start.value)
+        assert open(labels_csv, "rb").read() == before
+        with open(labels_csv, "wb") as f:  # fixed by hand: the same server saves again
+            f.write(before.replace(b",maybe,", b",skip,"))
+        assert http(server.url + "/api/label", {"frame": "episode-002.mp4", "label": "0"})[0] == 200
+    finally:
+        server.close()
+    assert labels_rows(folder) == [["episode-000.mp4", "1"], ["episode-001.mp4", "skip"], ["episode-002.mp4", "0"]]
+
+
 # ---------------------------------------------------------------------------------------------- labels.csv as saved elsewhere
 def test_labels_csv_saved_by_excel_or_notepad_is_read_and_appended_to(tmp_path):
     folder = make_rollouts(tmp_path / "r")

@@ -357,11 +357,14 @@ def nothing_expensive(monkeypatch, tmp_path):
             ["one per --clip-models entry (2), got 3"],
         ),
         (["--clip-models", "RN50", "RN50", "--clip-pretrained", "openai"], ["the same model twice"]),
-        (["--clip-models", "NoSuchNet"], ["not an open_clip architecture"]),
+        # the flags as named here (--clip-models), not as in the training scripts (--clip-model)
+        (["--clip-models", "NoSuchNet"], ["--clip-models NoSuchNet is not an open_clip architecture"]),
+        (["--clip-models", "nothing.json"], ["--clip-models nothing.json: no such model config file"]),
         (
             ["--clip-models", "RN50", "--clip-pretrained", "nosuchtag"],
-            ["--clip-model RN50 needs --clip-pretrained", "nosuchtag is not one of them"],
+            ["--clip-models RN50 needs --clip-pretrained", "nosuchtag is not one of them"],
         ),
+        (["--clip-models", "RN50", "--clip-checkpoint", "nothing.pt"], ["--clip-checkpoint nothing.pt: no such file"]),
         (["--clip-models", "RN50", "ViT-B-32", "--clip-checkpoint", "w.pt"], ["--clip-checkpoint is a weights file for one"]),
         (["--reward-families"], ["--reward-families needs at least one of: projection, softmax"]),
         (["--reward-families", "softmax", "--goal", "a pole"], ["needs at least one non-empty --negatives prompt"]),

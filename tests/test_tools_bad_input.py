@@ -109,6 +109,14 @@ def both(*edits):
     return lambda root: [edit(root) for edit in edits]
 
 
+def nan_weights(path: str):
+    def edit(root: Path) -> None:
+        checkpoint = torch.load(root / path, weights_only=False)
+        torch.save({**checkpoint, "q_network": {"network.0.weight": torch.full((2, 4), float("nan"))}}, root / path)
+
+    return edit
+
+
 NO_GT = replace("r/episodes.csv", ",1\n", ",\n")  # then every gt_success must be blank: see the label cases
 BLANK_GT = write("r/episodes.csv", HEADER + ROWS.replace(",1\n", ",\n").replace(",0\n", ",\n"))
 LABELS = "frame,label,time\nepisode-000.mp4,1,t\n"
@@ -126,17 +134,35 @@ CASES = {  # id: (command, the edit that breaks a good file, words the one sente
     "episodes-short-row": (REPORT, replace("r/episodes.csv", "-3.5,10.0,", "-3.5,"), ["line 4 has 6 fields", "has 7"]),
     "episodes-long-row": (REPORT, replace("r/episodes.csv", ",30.0,1\n", ",30.0,1,extra\n"), ["line 2 has 8 fields"]),
     "episodes-word-for-number": (REPORT, replace("r/episodes.csv", ",30,-3.5,30.0", ",ten,-3.5,30.0"), ["line 2", "steps"]),
+    "episodes-unicode-digit": (REPORT, replace("r/episodes.csv", ",30,-3.5,30.0", ",\u00b30,-3.5,30.0"), ["line 2", "steps"]),
     "episodes-nan-return": (REPORT, replace("r/episodes.csv", "30.0,1", "nan,1"), ["line 2", "gt_return 'nan'"]),
     "episodes-odd-success": (REPORT, replace("r/episodes.csv", "30.0,1", "30.0,yes"), ["line 2", "gt_success 'yes'"]),
     "episodes-mixed-gt": (REPORT, NO_GT, ["ground-truth success on some lines"]),
     "episodes-binary": (REPORT, write("r/episodes.csv", (HEADER + ROWS).encode() + b"\xff\xfe\n"), ["line 5", "not UTF-8"]),
     "episodes-missing": (REPORT, lambda root: os.remove(root / "r/episodes.csv"), ["r is not a folder written by"]),
+    # the same episode, folder or file twice would count twice (issue 32: 100,000 copies of a row gave a rate of 1.0)
+    "episodes-same-video-twice": (
+        REPORT,
+        replace("r/episodes.csv", "\n1,", "\n0,episode-000.mp4,10001,30,-3.5,30.0,1\n1,"),
+        ["r/episodes.csv lists episode-000.mp4 more than once (lines 2 and 3)", "count twice"],
+    ),
+    "report-same-folder-twice": (REPORT[:4] + ["r/"] + REPORT[4:], None, ["--rollouts r/ is the same folder as r"]),
+    "report-same-folder-via-a-link": (
+        REPORT[:4] + ["r-link"] + REPORT[4:],
+        lambda root: os.symlink("r", root / "r-link"),
+        ["--rollouts r-link is the same folder as r"],
+    ),
     # policy.json
     "policy-empty-object": (REPORT, write("r/policy.json", "{}"), ["r/policy.json has no 'mode'"]),
     "policy-truncated": (REPORT, write("r/policy.json", '{"mode": "stochastic",\n "args": {'), ["policy.json line 2", "JSON"]),
     "policy-0-bytes": (REPORT, write("r/policy.json", ""), ["r/policy.json line 1 is not valid JSON"]),
     "policy-env-id-number": (REPORT, replace("r/policy.json", '"CartPole-v1"', "5"), ["args.env_id is 5"]),
     "policy-a-list": (REPORT, write("r/policy.json", "[1, 2]"), ["r/policy.json has no 'mode'"]),
+    "policy-goal-not-strings": (
+        REPORT,
+        replace("r/policy.json", '"goal": null', '"goal": [1, null]'),
+        ["args.goal is [1, None]"],
+    ),
     # labels.csv verdicts the page never writes (human-judged episodes)
     "labels-banana": (REPORT, both(BLANK_GT, write("r/labels.csv", LABELS + "episode-001.mp4,banana,t\n")), ["'banana'"]),
     "labels-two": (REPORT, both(BLANK_GT, write("r/labels.csv", LABELS + "episode-002.mp4,2,t\n")), ["label '2'", "line 3"]),
@@ -155,6 +181,17 @@ CASES = {  # id: (command, the edit that breaks a good file, words the one sente
     "rollout-checkpoint-a-folder": (ROLLOUT[:3] + ["runs/a"], None, ["runs/a is a folder"]),
     "rollout-checkpoint-empty-dict": (ROLLOUT, lambda root: torch.save({}, root / "runs/a/checkpoint.pt"), ["no policy"]),
     "rollout-checkpoint-text": (ROLLOUT, write("runs/a/checkpoint.pt", "hello"), ["could not be read"]),
+    "rollout-nan-weights": (ROLLOUT, nan_weights("runs/a/checkpoint.pt"), ["its q_network holds NaN or infinite weights"]),
+    "rollout-out-a-link-to-an-empty-folder": (  # was refused only after every episode had run
+        ROLLOUT + ["--out", "link"],
+        lambda root: ((root / "empty").mkdir(), os.symlink("empty", root / "link")),
+        ["--out link is a symbolic link (to empty)"],
+    ),
+    "rollout-out-a-dangling-link": (
+        ROLLOUT + ["--out", "link"],
+        lambda root: os.symlink("nowhere", root / "link"),
+        ["--out link is a symbolic link (to nowhere)"],
+    ),
     # best
     "best-none": (BEST[:-1] + ["nothing"], None, ["no checkpoint"]),
     "best-episodes-0": (BEST + ["--episodes", "0"], None, ["--episodes must be a positive integer"]),
@@ -169,6 +206,7 @@ CASES = {  # id: (command, the edit that breaks a good file, words the one sente
         lambda root: write_checkpoint(root / "runs/b/checkpoint.pt", clip_return=-1.0, seed=2),
         ["random CLIP weights", "seed (1, 2)", "--by rollouts"],
     ),
+    "best-nan-weights": (BEST, nan_weights("runs/b/checkpoint.pt"), ["runs/b/checkpoint.pt: its q_network holds NaN"]),
     "best-gt-run": (BEST, lambda root: write_checkpoint(root / "runs/a/checkpoint.pt", reward="gt"), ["--reward gt"]),
     # study
     "study-epic-0-bytes": (STUDY, write("epic.csv", ""), ["--epic epic.csv is empty"]),
@@ -182,6 +220,26 @@ CASES = {  # id: (command, the edit that breaks a good file, words the one sente
     "study-success-word": (STUDY, replace("success.csv", ",10,4", ",ten,4"), ["--success success.csv line 2", "n 'ten'"]),
     "study-success-above-n": (STUDY, replace("success.csv", ",10,4", ",10,11"), ["line 2", "successes '11'"]),
     "study-success-alpha-word": (STUDY, replace("success.csv", ",0.0,1,", ",a,1,"), ["line 2", "alpha 'a'"]),
+    "study-success-unicode-digit": (STUDY, replace("success.csv", ",10,4", ",\u00b2,4"), ["line 2", "n '\u00b2'"]),
+    "study-success-400-digits": (STUDY, replace("success.csv", ",10,4", "," + "9" * 400 + ",4"), ["line 2", "n '999"]),
+    "study-same-success-file-twice": (
+        STUDY[:5] + ["success.csv"] + STUDY[5:],
+        None,
+        ["--success success.csv is the same file as success.csv"],
+    ),
+    "study-same-epic-file-via-a-link": (
+        STUDY[:3] + ["epic.csv", "epic-link.csv"] + STUDY[4:],
+        lambda root: os.symlink("epic.csv", root / "epic-link.csv"),
+        ["--epic epic-link.csv is the same file as epic.csv"],
+    ),
+    **{
+        f"study-model-params-{count}": (
+            [f"RN50={count}" if arg == "RN50=1e8" else arg for arg in STUDY],
+            None,
+            [f"--model-params 'RN50={count}'", "a count of at least 1"],
+        )
+        for count in ("nan", "inf", "1e400", "0", "-5")  # nan, inf: tracebacks; 0, -5: a broken log axis
+    },
     "study-missing": (STUDY[:3] + ["nope.csv"] + STUDY[5:], None, ["--epic nope.csv: no such file"]),
     "study-out-png-a-folder": (
         STUDY[:-1] + ["folder"],
@@ -204,6 +262,23 @@ CASES = {  # id: (command, the edit that breaks a good file, words the one sente
         ["runs is a file"],
     ),
     "collect-out-read-only": (["epic_eval.py", "collect", "--out", READ_ONLY], None, ["not a writable folder"]),
+    "collect-out-a-link-to-an-empty-folder": (  # was refused only after every frame had been collected
+        ["epic_eval.py", "collect", "--out", "link"],
+        lambda root: ((root / "empty").mkdir(), os.symlink("empty", root / "link")),
+        ["--out link is a symbolic link (to empty)"],
+    ),
+    "collect-out-a-dangling-link": (
+        ["epic_eval.py", "collect", "--out", "link"],
+        lambda root: os.symlink("nowhere", root / "link"),
+        ["--out link is a symbolic link (to nowhere)"],
+    ),
+    # the label pages' --port (a 21-line OverflowError)
+    "label-port-above-65535": (
+        ["success_eval.py", "label", "--rollouts", "r", "--port", "99999"],
+        None,
+        ["--port 99999 is not a port number (0 to 65535"],
+    ),
+    "label-port-negative": (["epic_eval.py", "label", "--dataset", "ds", "--port", "-1"], None, ["--port -1 is not a port"]),
 }
 
 
@@ -261,6 +336,14 @@ def test_the_good_files_pass(files, capsys):
     assert se.best(se.Best(runs="runs")) == os.path.join("runs", "a", "checkpoint.pt")
     assert len(se.study(se.Study(epic=("epic.csv",), success=("success.csv",), model_params=("RN50=1e8",), out="o"))) == 2
     assert epic_eval.label_values("ds", "gt")[1].tolist() == [0, 1, 0, 1]
+
+
+def test_returns_near_the_float_limit_average_without_overflow(files):
+    """Finite returns whose sum overflows: the mean was inf in the report's table."""
+    (files / "r/episodes.csv").write_text(HEADER + ROWS.replace("-3.5", "1.7e308").replace(",30.0,1", ",-1.7e308,1"))
+    row = se.report(se.Report(rollouts=("r",), out="out/success"))[0]
+    assert float(row["mean_clip_return"]) == pytest.approx(1.7e308)
+    assert float(row["mean_gt_return"]) == pytest.approx((-1.7e308 + 20 + 10) / 3)
 
 
 def test_wilson_lower_bound_of_no_success_is_exactly_0(files):
@@ -345,6 +428,36 @@ def test_score_with_a_read_only_runs_folder_is_refused_before_scoring(files):
     result = run_tool(SCORE, files, ("unshare", "-rm", "sh", "-c", script, "sh"))
     assert_clean_error(result, "cannot write to the output folder", "not a writable folder")
     assert "embedded" not in result.stdout  # no model was run
+
+
+@pytest.mark.skipif(not can_mount_read_only(), reason="needs `unshare -rm` (a private mount namespace) for a small tmpfs")
+def test_a_full_disk_during_a_rollout_video_is_one_sentence(files):
+    """ffmpeg writes the videos: on a full disk it printed its own five lines, and imageio's error was 'Broken pipe'
+    with ffmpeg's whole command line, not the cause. Here a tmpfs filled to the last byte before the rollout starts."""
+    checkpoint = crafted(files)
+    (files / "full").mkdir()
+    full = files / "full"
+    fill = f"mount -t tmpfs -o size=64k tmpfs {full} && (head -c 1M /dev/zero > {full}/filler 2>/dev/null; true)"
+    argv = ["success_eval.py", "rollout", "--checkpoint", checkpoint, "--episodes", "2", "--no-clip-return", "--no-cuda"]
+    result = run_tool([*argv, "--out", "full/r"], files, ("unshare", "-rm", "sh", "-c", fill + ' && exec "$@"', "sh"))
+    assert_clean_error(result, "could not write the rollouts", "no space left on device", "nothing was written to full/r")
+    assert result.returncode == 2 and not left_running(files)
+
+
+def test_ffmpeg_failing_with_disk_space_left_is_one_sentence(files, monkeypatch):
+    """Any other ffmpeg failure (killed, a codec missing): imageio's first line, not its command line."""
+
+    def broken(*args, **kwargs):
+        raise OSError("[Errno 32] Broken pipe\n\nFFMPEG COMMAND:\n/usr/bin/ffmpeg -y -f rawvideo ...\n\nFFMPEG STDERR:\n")
+
+    monkeypatch.setattr(se.imageio, "mimwrite", broken)
+    with pytest.raises(UserError) as error:
+        se.rollout(se.Rollout(checkpoint=crafted(files), episodes=2, clip_return=False, out="r4", cuda=False))
+    assert str(error.value) == (
+        "could not write the rollouts (ffmpeg stopped writing episode-000.mp4: [Errno 32] Broken pipe); "
+        "nothing was written to r4."
+    )
+    assert not (files / "r4").exists() and not [p for p in os.listdir(files) if ".partial-" in p]
 
 
 # ---------------------------------------------------------------------------------------------- what is accepted
