@@ -205,6 +205,7 @@ DQN_FLAGS = [
     "--save-buffer",  # the final checkpoint holds every transition: the rewards are checked against their frames
     "--checkpoint-frequency",
     "10000",
+    "--no-cuda",  # a CPU experiment: the rewards are re-scored on the CPU (on a GPU the image tower runs in float16)
 ]
 
 
