@@ -441,6 +441,10 @@ def ordinal(n: int) -> str:
     return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
+def percent(fraction: float) -> str:
+    return f"{100 * fraction:.0f}%" if fraction >= 0.1 else f"{100 * fraction:.2g}%"
+
+
 def verdict(column: Column, pose: int, prompt: str, model: Optional[str]) -> str:
     """One line: where the expected pose ranks for the prompt, its margin over the next pose, or what beats it."""
     names, r = list(POSES), column.rewards
@@ -453,14 +457,14 @@ def verdict(column: Column, pose: int, prompt: str, model: Optional[str]) -> str
         margin = r[pose] - r[runner_up]
         return (
             f"{names[pose]} ranks 1st of {len(r)} poses {where} (margin {margin:.2g} over {names[runner_up]}, "
-            f"{margin / spread:.0%} of the spread over poses)"
+            f"{percent(margin / spread)} of the spread over poses)"
         )
     if rank == 1:
         return f"{names[pose]} ties for 1st of {len(r)} poses with {ties} other(s) {where}: NOT first on its own"
     top = int(np.argmax(r))
     return (
         f"{names[pose]} ranks {ordinal(rank)} of {len(r)} poses {where}: NOT first; {names[top]} scores "
-        f"{r[top] - r[pose]:.2g} more ({(r[top] - r[pose]) / spread:.0%} of the spread over poses)"
+        f"{r[top] - r[pose]:.2g} more ({percent((r[top] - r[pose]) / spread)} of the spread over poses)"
     )
 
 
