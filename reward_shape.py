@@ -492,15 +492,18 @@ def plot_poses(path: Path, frames: np.ndarray, columns: list[Column], expected: 
     tx.imshow(np.concatenate(list(crop)), extent=(0, 1, len(names), 0), aspect="auto", interpolation="lanczos")
     tx.set(xticks=[], yticks=np.arange(len(names)) + 0.5, yticklabels=names, ylim=(len(names), 0))
     tx.tick_params(length=0, labelsize=9)
-    scaled = np.stack([min_max_normalise(c.rewards) for c in columns], axis=1)
-    ax.imshow(scaled, cmap="viridis", vmin=0, vmax=1, aspect="auto", extent=(0, len(columns), len(names), 0))
+    # a flat column (e.g. a binary softmax reward that is 1 everywhere) ranks nothing: grey, not the colour of the worst
+    flat = np.full(len(names), np.nan)
+    scaled = np.stack([min_max_normalise(c.rewards) if np.ptp(c.rewards) > 0 else flat for c in columns], axis=1)
+    cmap = plt.get_cmap("viridis").with_extremes(bad="lightgrey")
+    ax.imshow(scaled, cmap=cmap, vmin=0, vmax=1, aspect="auto", extent=(0, len(columns), len(names), 0))
     for j, column in enumerate(columns):
         r = column.rewards
         ranks = 1 + (r[None, :] > r[:, None]).sum(1)
         gaps = r - r.max()
         gaps[np.argmax(r)] = r.max() - np.sort(r)[-2]  # the best: its margin over the second
         for i in range(len(names)):
-            colour = "black" if scaled[i, j] > 0.6 else "white"
+            colour = "white" if scaled[i, j] <= 0.6 else "black"  # nan (a flat column): black on grey
             ax.text(j + 0.5, i + 0.42, str(ranks[i]), ha="center", va="center", color=colour, fontsize=10,
                     fontweight="bold" if ranks[i] == 1 else "normal")  # fmt: skip
             ax.text(j + 0.5, i + 0.8, f"{gaps[i]:+.2g}", ha="center", va="center", color=colour, fontsize=6)
@@ -530,6 +533,7 @@ def plot_poses(path: Path, frames: np.ndarray, columns: list[Column], expected: 
     note = "colour: the reward scaled within each column; number: the pose's rank in its column (1 = highest); below it: "
     note += "its reward minus the column's best (the best: its margin over the second)"
     note += "; red box: the pose --expect names" if expected else ""
+    note += "; grey: every pose scores the same" if np.isnan(scaled).any() else ""
     note += ". Thumbnails: the middle of each frame CLIP scored (--save-frames writes them whole); poses.csv: every reward."
     lines = textwrap.wrap(note, int(fw * 17)) + ([warning] if warning else [])
     for k, line in enumerate(lines):
