@@ -1,4 +1,5 @@
-"""VLM-RM reward shape: the CLIP reward along one state axis, per alpha and per CLIP model (paper Fig. 2).
+"""VLM-RM reward shape: the CLIP reward along one state axis, per alpha and per CLIP model (paper Fig. 2), and a pose
+probe for the humanoid: which of a gallery of scripted poses does your sentence reward most, before a GPU-day of SAC?
 
 Sets the environment's state directly along one axis (CartPole: pole angle in [-pi/2, pi/2] with the cart
 centred; MountainCar-v0 and MountainCarContinuous-v0: car position in [-1.2, 0.6], goal 0.45), renders every
@@ -16,10 +17,14 @@ the thresholded-softmax reward (`softmax_reward`: goal against --negatives) to t
     python reward_shape.py --reward-families projection softmax --negatives "pole lying flat next to the cart"
     # offline smoke test with the tiny random model (meaningless rewards)
     python reward_shape.py --clip-models tests/vlmrm-tiny-test.json --clip-pretrained none --save-frames
+    # the humanoid: 13 poses set by joint angles, rendered as vlmrm_sac_humanoid.py renders them, scored per prompt and alpha
+    python reward_shape.py --env-id Humanoid-v5 --goal "a humanoid robot kneeling" --prompts "a robot on its knees" \
+        --expect "a humanoid robot kneeling=kneeling" "a robot on its knees=kneeling"
 
 Writes runs/<run_name>/: reward_shape.csv (model, family, alpha, state, raw and min-max normalised reward),
 summary.csv (the printed table), reward_shape_<model>.png (one curve per alpha, plus the softmax curve),
-frames/ (--save-frames).
+frames/ (--save-frames). Humanoid-v5 writes poses.csv (one row per pose, one column per prompt and alpha), poses.png
+(the same as a heat map, with a thumbnail of each pose) and verdict.txt (--expect).
 """
 
 import csv
@@ -27,11 +32,12 @@ import math
 import os
 import re
 import sys
+import textwrap
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional, Union
+from typing import Literal, NamedTuple, Optional, Union
 
 os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # pygame draws off-screen: no display needed
 os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
@@ -41,9 +47,11 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
+import mujoco
 import numpy as np
 import torch
 import tyro
+from scipy.spatial.transform import Rotation
 from scipy.stats import spearmanr
 
 # The reward model's flags, checks and scoring are epic_eval.py's; the model and the environments are the training
@@ -62,7 +70,7 @@ from epic_eval import (
 )
 from vlmrm_dqn_classic import MOUNTAINCAR_GOAL, CLIPReward, make_env
 from vlmrm_sac_humanoid import make_env as make_sac_env  # MountainCarContinuous-v0: the paper's, trained with SAC
-from vlmrm_utils import UserError, available_memory, load_clip
+from vlmrm_utils import UserError, available_memory, load_clip, same_prompts
 
 
 @dataclass(kw_only=True)
@@ -74,7 +82,8 @@ class Args(RewardFlags):
     seed: int = 1
     """seed of the experiment (fixes the weights of a --clip-pretrained none model)"""
     env_id: str = "CartPole-v1"
-    """CartPole-v1 (sweeps the pole angle, cart centred), MountainCar-v0 or MountainCarContinuous-v0 (the car position)"""
+    """CartPole-v1 (sweeps the pole angle, cart centred), MountainCar-v0 or MountainCarContinuous-v0 (the car position),
+    Humanoid-v5 (scores a gallery of poses)"""
     realistic: bool = False
     """MountainCar only: draw a landscape (sky, hills, flag, car) instead of Gymnasium's line art"""
     num_points: int = 101
@@ -85,6 +94,16 @@ class Args(RewardFlags):
     """regularisation strengths in [0, 1], one curve each: 0 = cosine similarity, 1 = only the goal-baseline direction"""
     clip_checkpoint: Optional[str] = None
     """local weights file for a single `--clip-models` entry (overrides `--clip-pretrained`)"""
+    prompts: tuple[str, ...] = ()
+    """Humanoid-v5: other goal sentences to compare, each scored on its own (same --baseline) beside --goal"""
+    expect: tuple[str, ...] = ()
+    """Humanoid-v5: "PROMPT=POSE", one per prompt: where does POSE rank for PROMPT? (a verdict, never a failure)"""
+    render_size: int = 480
+    """Humanoid-v5: square frame size in pixels, as vlmrm_sac_humanoid.py --render-size"""
+    render_quality: Literal["fast", "high"] = "high"
+    """Humanoid-v5: as vlmrm_sac_humanoid.py --render-quality (high: shadows and reflections; fast: neither)"""
+    camera: Literal["paper", "tracking"] = "paper"
+    """Humanoid-v5: as vlmrm_sac_humanoid.py --camera (the paper's fixed camera, or one following the torso)"""
 
 
 MAX_NUM_POINTS = 100_000
@@ -93,23 +112,27 @@ FRAME_BYTES = 400 * 600 * 3  # both envs render 600x400 RGB frames (Gymnasium's 
 
 def check_args(args: Args) -> list[ClipArgs]:
     """Reject bad flags before anything expensive (model download, rendering) happens; returns one entry per model."""
-    if args.env_id not in SWEEPS:
-        raise UserError(f"--env-id {args.env_id} is not supported; choose one of: {', '.join(SWEEPS)}.")
+    if args.env_id not in (*SWEEPS, HUMANOID):
+        raise UserError(f"--env-id {args.env_id} is not supported; choose one of: {', '.join((*SWEEPS, HUMANOID))}.")
     if args.realistic and not args.env_id.startswith("MountainCar"):
         raise UserError(
             f"--realistic only changes MountainCar-v0 and MountainCarContinuous-v0 drawings, not {args.env_id}'s; "
             "drop it or use a MountainCar."
         )
     check_reward_args(args)
-    if args.num_points < 2:
+    if args.env_id == HUMANOID:
+        check_probe_args(args)
+    elif args.prompts or args.expect:
+        raise UserError(f"--prompts and --expect are for the {HUMANOID} pose probe; {args.env_id} sweeps one state axis.")
+    elif args.num_points < 2:
         raise UserError(f"--num-points must be at least 2 to draw a curve, got {args.num_points}.")
-    if args.num_points > MAX_NUM_POINTS:
+    elif args.num_points > MAX_NUM_POINTS:
         raise UserError(
             f"--num-points must be at most {MAX_NUM_POINTS:,} (every point is a {FRAME_BYTES / 1e6:.2g} MB "
             f"frame held in memory, and a curve needs far fewer), got {args.num_points:,}."
         )
     frames_bytes, available = 2 * args.num_points * FRAME_BYTES, available_memory()  # the frames and their stacked copy
-    if available and frames_bytes > 0.8 * available:
+    if args.env_id != HUMANOID and available and frames_bytes > 0.8 * available:
         raise UserError(
             f"--num-points {args.num_points:,} needs about {frames_bytes / 2**30:.1f} GiB of memory for its "
             f"frames but only {available / 2**30:.1f} GiB is available; use at most "
@@ -255,6 +278,327 @@ def write_tables(run_dir: Path, results: dict, states: np.ndarray, goal: float, 
         )
 
 
+# ----------------------------------------------------------------------------------------------
+# Humanoid pose probe: does the sentence rank the pose you mean first? Scripted poses, rendered as in training
+# ----------------------------------------------------------------------------------------------
+HUMANOID = "Humanoid-v5"
+# arm joint angles in degrees, found by searching the joints' ranges for where the hands should be
+ARMS_UP = dict(right_shoulder1=-84, right_shoulder2=-26, right_elbow=-41, left_shoulder1=83, left_shoulder2=35, left_elbow=-30)
+ARMS_DOWN = dict(
+    right_shoulder1=45, right_shoulder2=-40, right_elbow=-85, left_shoulder1=-45, left_shoulder2=40, left_elbow=-85
+)
+ARMS_OUT = dict(
+    right_shoulder1=-50, right_shoulder2=-45, right_elbow=-70, left_shoulder1=50, left_shoulder2=45, left_elbow=-70
+)
+LEFT_ARM_DOWN = {k: v for k, v in ARMS_DOWN.items() if k.startswith("left")}
+POSES = {  # name: ((yaw, pitch, roll) of the torso, {joint: angle}), degrees; unlisted joints at 0, the stock pose.
+    # Turned so that the fixed camera sees what makes the pose (side-on to bend, three-quarters for the legs); the
+    # angles are within the joints' ranges and were tuned so that what the pose rests on touches the floor and the
+    # centre of mass is above it (tests/test_pose_probe.py checks both with MuJoCo's own contacts).
+    "standing": ((0, 0, 0), {}),  # the stock pose, as after a reset
+    "arms_raised": ((0, 0, 0), ARMS_UP),
+    "one_arm_raised": ((0, 0, 0), {**ARMS_UP, **LEFT_ARM_DOWN}),
+    "arms_out": ((0, 0, 0), ARMS_OUT),
+    "hands_on_hips": (
+        (0, 0, 0),
+        dict(right_shoulder1=48, right_shoulder2=-79, right_elbow=-10, left_shoulder1=-48, left_shoulder2=79, left_elbow=-10),
+    ),
+    "one_leg_raised": ((50, -5.4, -6.2), dict(right_hip_y=-90, right_knee=-90)),
+    "bending_over": ((90, 71.1, 0), dict(right_hip_y=-90, left_hip_y=-90, right_knee=-2, left_knee=-2)),
+    "crouching": ((50, 35.6, 0), dict(abdomen_y=-30, right_hip_y=-110, left_hip_y=-110, right_knee=-140, left_knee=-140)),
+    "kneeling": ((50, 0, 0), dict(abdomen_y=-10, right_hip_y=10, left_hip_y=10, right_knee=-94.7, left_knee=-94.7)),
+    "sitting": ((50, -10, 0), dict(abdomen_y=-20, right_hip_y=-110, left_hip_y=-110, right_knee=-101.1, left_knee=-101.1)),
+    "splits": (
+        (0, 0, 0),
+        dict(ARMS_OUT, right_hip_y=-91.9, left_hip_y=-91.9, right_hip_z=-60, left_hip_z=-60, right_knee=-2, left_knee=-2),
+    ),
+    "lying_on_back": ((90, -94.1, 0), dict(ARMS_DOWN, abdomen_y=3.8, right_hip_y=3.5, left_hip_y=3.5)),
+    "lying_face_down": ((90, 87.1, 0), dict(ARMS_DOWN, abdomen_y=0.5, right_hip_y=3.4, left_hip_y=3.4)),
+}
+
+
+def set_pose(env: gym.Env, torso: tuple[float, float, float], joints: dict[str, float]) -> None:
+    """Put the humanoid at rest in a pose: its centre of mass above the origin (where the paper's camera looks), its
+    lowest point on the floor."""
+    model, data = env.unwrapped.model, env.unwrapped.data
+    data.qpos[:], data.qvel[:] = 0.0, 0.0
+    x, y, z, w = Rotation.from_euler("ZYX", torso, degrees=True).as_quat()  # yaw, then pitch, then roll
+    data.qpos[2:7] = 2.0, w, x, y, z  # high enough that nothing is below the floor yet
+    for name, degrees in joints.items():
+        data.qpos[model.jnt_qposadr[model.joint(name).id]] = math.radians(degrees)
+    mujoco.mj_forward(model, data)
+    floor = model.geom("floor").id
+    lowest = min(mujoco.mj_geomDistance(model, data, g, floor, 10.0, None) for g in range(model.ngeom) if g != floor)
+    data.qpos[:3] -= [*data.subtree_com[model.body("torso").id][:2], lowest]
+    mujoco.mj_forward(model, data)
+
+
+def render_poses(render_size: int, render_quality: str, camera: str, seed: int) -> np.ndarray:
+    """uint8 frames (poses, S, S, 3) from the training script's own env: its textured scene, camera and renderer."""
+    env = make_sac_env(HUMANOID, seed, 0, EPISODE_LENGTH, render_size, render_quality, True, camera)()
+    env.reset(seed=seed)  # the env renders only after a reset
+    frames = []
+    for torso, joints in POSES.values():
+        set_pose(env, torso, joints)
+        frames.append(env.render())
+    env.close()
+    return np.stack(frames)
+
+
+def pose_key(name: str) -> str:
+    """A pose as typed ("one leg raised", "One-Leg-Raised") -> its name in POSES ("one_leg_raised")."""
+    return "_".join(name.lower().replace("-", " ").replace("_", " ").split())
+
+
+def probed_prompts(args: Args) -> list[tuple[str, ...]]:
+    """The goals scored, each one column per alpha: the --goal prompts together (averaged, as in training), then each
+    --prompts sentence on its own."""
+    return [tuple(args.goal), *((p,) for p in args.prompts)]
+
+
+def prompt_name(goal: tuple[str, ...]) -> str:
+    return " + ".join(f'"{g}"' for g in goal)
+
+
+def expectations(args: Args) -> dict[int, int]:
+    """--expect "PROMPT=POSE" -> {index in probed_prompts: index in POSES}; a PROMPT is any --goal or --prompts entry."""
+    normal = lambda text: " ".join(text.lower().split())  # noqa: E731 - as CLIP's tokenizer reads it
+    goals = [[normal(g) for g in goal] for goal in probed_prompts(args)]
+    expected = {}
+    for item in args.expect:
+        prompt, sep, pose = item.rpartition("=")
+        if not sep or not prompt.strip() or not pose.strip():
+            raise UserError(f'--expect takes "PROMPT=POSE", e.g. "a humanoid robot kneeling=kneeling"; got "{item}".')
+        if pose_key(pose) not in POSES:
+            raise UserError(f'--expect "{item}": {pose.strip()} is not a pose here; choose one of: {", ".join(POSES)}.')
+        entry = next((i for i, goal in enumerate(goals) if normal(prompt) in goal), None)
+        if entry is None:
+            raise UserError(f'--expect "{item}": "{prompt.strip()}" is not probed; add it with --goal or --prompts.')
+        if entry in expected:
+            raise UserError(f"--expect names the prompt {prompt_name(probed_prompts(args)[entry])} twice; give one pose each.")
+        expected[entry] = list(POSES).index(pose_key(pose))
+    return expected
+
+
+def check_probe_args(args: Args) -> None:
+    """The pose probe's own flags, in one sentence each."""
+    if not 16 <= args.render_size <= 2048:  # the training script's bounds
+        raise UserError(f"--render-size must be between 16 and 2048 pixels, got {args.render_size}.")
+    alphas = args.alphas if "projection" in args.reward_families else ()
+    for prompt in args.prompts:
+        if not prompt.strip():
+            raise UserError("--prompts needs non-empty sentences, got an empty one.")
+        if alphas and max(alphas) > 0 and same_prompts((prompt,), args.baseline):
+            raise UserError(
+                f'--prompts "{prompt}" is the --baseline (ignoring case and spaces), so its goal-baseline direction is '
+                "zero; drop it or use only --alphas 0."
+            )
+        if SOFTMAX in args.reward_families and prompt in args.negatives:
+            raise UserError(f'--prompts "{prompt}" is one of the --negatives; a negative is what the goal is not.')
+    sentences = [" ".join(p.lower().split()) for p in (*args.goal, *args.prompts)]
+    twice = next(
+        (p for i, p in enumerate(args.prompts) if sentences[len(args.goal) + i] in sentences[: len(args.goal) + i]), None
+    )
+    if twice is not None:
+        raise UserError(f'--prompts "{twice}" is already probed (as --goal or earlier in --prompts); list each once.')
+    expectations(args)
+
+
+class Column(NamedTuple):
+    """One column of the probe: a model's reward for one goal at one alpha (or the softmax family), per pose."""
+
+    model: str
+    goal: int  # index in probed_prompts
+    curve: str  # "alpha=0.5", "softmax", "softmax-p"
+    rewards: np.ndarray
+
+
+def score_poses(args: Args, specs: list[ClipArgs], frames: np.ndarray, device: torch.device) -> list[Column]:
+    """Every model x goal x curve; each model embeds the frames once, each goal reuses the embeddings."""
+    alphas = args.alphas if "projection" in args.reward_families else ()
+    columns = []
+    for spec in specs:
+        label = model_label(spec)
+        torch.manual_seed(args.seed)  # a random-weights model is the same whatever its position in --clip-models
+        model, tokenizer = load_clip(spec, device)
+        start = time.perf_counter()
+        embeddings = None
+        for i, goal in enumerate(probed_prompts(args)):
+            reward_model = flags_reward_model(replace(args, goal=goal), model, tokenizer, device)
+            if embeddings is None:
+                chunks = torch.from_numpy(frames).split(args.reward_batch_size)
+                embeddings = torch.cat([reward_model.embed_images(chunk) for chunk in chunks])
+            for key, rewards in score_curves(reward_model, embeddings, alphas, SOFTMAX in args.reward_families).items():
+                columns.append(Column(label, i, curve_name(key, args.soft), rewards))
+        print(f"{label}: scored {len(frames)} poses in {time.perf_counter() - start:.1f} s")
+        del model, embeddings  # free the memory before the next (possibly bigger) model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return columns
+
+
+def ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def percent(fraction: float) -> str:
+    return f"{100 * fraction:.0f}%" if fraction >= 0.1 else f"{100 * fraction:.2g}%"
+
+
+def verdict(column: Column, pose: int, prompt: str, model: Optional[str]) -> str:
+    """One line: where the expected pose ranks for the prompt, its margin over the next pose, or what beats it."""
+    names, r = list(POSES), column.rewards
+    rank, ties = 1 + int((r > r[pose]).sum()), int((r == r[pose]).sum()) - 1
+    others = np.delete(np.arange(len(r)), pose)
+    where = f"for {prompt} at {column.curve}" + (f" ({model})" if model else "")
+    spread = r.max() - r.min()
+    if rank == 1 and ties == 0:
+        runner_up = others[np.argmax(r[others])]
+        margin = r[pose] - r[runner_up]
+        return (
+            f"{names[pose]} ranks 1st of {len(r)} poses {where} (margin {margin:.2g} over {names[runner_up]}, "
+            f"{percent(margin / spread)} of the spread over poses)"
+        )
+    if rank == 1:
+        return f"{names[pose]} ties for 1st of {len(r)} poses with {ties} other(s) {where}: NOT first on its own"
+    top = int(np.argmax(r))
+    return (
+        f"{names[pose]} ranks {ordinal(rank)} of {len(r)} poses {where}: NOT first; {names[top]} scores "
+        f"{r[top] - r[pose]:.2g} more ({percent((r[top] - r[pose]) / spread)} of the spread over poses)"
+    )
+
+
+def column_title(column: Column, args: Args, several_models: bool) -> str:
+    prompt = " + ".join(probed_prompts(args)[column.goal])
+    return (f"{column.model}: " if several_models else "") + f"{prompt} @ {column.curve}"
+
+
+def plot_poses(path: Path, frames: np.ndarray, columns: list[Column], expected: dict, args: Args, warning=None) -> None:
+    """A heat map, one row per pose (with the middle of its frame as a thumbnail), one column per model x goal x curve.
+    Colour: the reward min-max scaled within its column (the column's favourite pose is the brightest); text: the pose's
+    rank in its column and its gap to the column's best (the best: its margin over the second). The pose each --expect
+    names is boxed in its prompt's columns."""
+    names, several = list(POSES), len({c.model for c in columns}) > 1
+    row, width, thumb, name_w, head = 0.72, 0.62, 0.72, 1.25, 1.5  # inches
+    fig_w, fig_h = name_w + thumb + width * len(columns) + 0.3, head + row * len(names) + 1.0
+    fig = plt.figure(figsize=(max(fig_w, 6.5), fig_h))
+    fw, fh = fig.get_size_inches()
+    bottom = 1.0 / fh
+    ax = fig.add_axes([(name_w + thumb) / fw, bottom, width * len(columns) / fw, row * len(names) / fh])
+    tx = fig.add_axes([name_w / fw, bottom, thumb / fw, row * len(names) / fh])
+    size = frames.shape[1]
+    top, height = (0.28, 0.65) if args.camera == "paper" else (0.175, 0.65)  # where the body is, lying or standing
+    crop = frames[:, int(top * size) : int((top + height) * size), int(0.175 * size) : int(0.825 * size)]
+    tx.imshow(np.concatenate(list(crop)), extent=(0, 1, len(names), 0), aspect="auto", interpolation="lanczos")
+    tx.set(xticks=[], yticks=np.arange(len(names)) + 0.5, yticklabels=names, ylim=(len(names), 0))
+    tx.tick_params(length=0, labelsize=9)
+    # a flat column (e.g. a binary softmax reward that is 1 everywhere) ranks nothing: grey, not the colour of the worst
+    flat = np.full(len(names), np.nan)
+    scaled = np.stack([min_max_normalise(c.rewards) if np.ptp(c.rewards) > 0 else flat for c in columns], axis=1)
+    cmap = plt.get_cmap("viridis").with_extremes(bad="lightgrey")
+    ax.imshow(scaled, cmap=cmap, vmin=0, vmax=1, aspect="auto", extent=(0, len(columns), len(names), 0))
+    for j, column in enumerate(columns):
+        r = column.rewards
+        ranks = 1 + (r[None, :] > r[:, None]).sum(1)
+        gaps = r - r.max()
+        gaps[np.argmax(r)] = r.max() - np.sort(r)[-2]  # the best: its margin over the second
+        for i in range(len(names)):
+            colour = "white" if scaled[i, j] <= 0.6 else "black"  # nan (a flat column): black on grey
+            ax.text(j + 0.5, i + 0.42, str(ranks[i]), ha="center", va="center", color=colour, fontsize=10,
+                    fontweight="bold" if ranks[i] == 1 else "normal")  # fmt: skip
+            ax.text(j + 0.5, i + 0.8, f"{gaps[i]:+.2g}", ha="center", va="center", color=colour, fontsize=6)
+        if expected.get(column.goal) is not None:
+            i = expected[column.goal]
+            ax.add_patch(plt.Rectangle((j + 0.04, i + 0.04), 0.92, 0.92, fill=False, edgecolor="red", linewidth=2.5))
+    ax.set(xticks=np.arange(len(columns)) + 0.5, yticks=[], xlim=(0, len(columns)), ylim=(len(names), 0))
+    ax.set_xticklabels([c.curve for c in columns], fontsize=8, rotation=90)
+    ax.xaxis.tick_top()
+    ax.tick_params(length=0)
+    groups = {}  # consecutive columns of one model and goal share a header
+    for j, column in enumerate(columns):
+        groups.setdefault((column.model, column.goal), []).append(j)
+    for (model, goal), js in groups.items():
+        text = " + ".join(probed_prompts(args)[goal])
+        text = "\n".join(textwrap.wrap(text, max(12, int(len(js) * width * 13)))[:4]) + (f"\n[{model}]" if several else "")
+        ax.text((js[0] + js[-1] + 1) / 2, -0.75 - (0.35 if len(js) > 1 else 0.6), text, ha="center", va="bottom",
+                fontsize=8, clip_on=False)  # fmt: skip
+        if js[0] > 0:
+            ax.axvline(js[0], color="white", linewidth=3)
+    baseline = (
+        f"baseline: {' | '.join(args.baseline)}" if args.baseline and any(c.curve.startswith("alpha") for c in columns) else ""
+    )
+    look = f"{HUMANOID}, {size} px, {args.render_quality} quality, {args.camera} camera"
+    models = ", ".join(dict.fromkeys(c.model for c in columns))
+    fig.text(0.01, 1 - 0.12 / fh, f"{models}; {look}" + (f"; {baseline}" if baseline else ""), fontsize=8, va="top")
+    note = "colour: the reward scaled within each column; number: the pose's rank in its column (1 = highest); below it: "
+    note += "its reward minus the column's best (the best: its margin over the second)"
+    note += "; red box: the pose --expect names" if expected else ""
+    note += "; grey: every pose scores the same" if np.isnan(scaled).any() else ""
+    note += ". Thumbnails: the middle of each frame CLIP scored (--save-frames writes them whole); poses.csv: every reward."
+    lines = textwrap.wrap(note, int(fw * 17)) + ([warning] if warning else [])
+    for k, line in enumerate(lines):
+        red = warning is not None and k == len(lines) - 1
+        fig.text(0.01, (0.15 * (len(lines) - k)) / fh, line, fontsize=8 if red else 7, color="red" if red else "black")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def probe_poses(args: Args, specs: list[ClipArgs], run_dir: Path, device: torch.device) -> Path:
+    """Render the gallery, score it with every model x goal x curve, write poses.csv, poses.png and the verdicts."""
+    expected = expectations(args)
+    start = time.perf_counter()
+    frames = render_poses(args.render_size, args.render_quality, args.camera, args.seed)
+    print(
+        f"run: {run_dir} on {device}; rendered {len(frames)} {HUMANOID} poses at {args.render_size} px "
+        f"({args.render_quality} quality, {args.camera} camera) in {time.perf_counter() - start:.1f} s; "
+        f"goal={args.goal}, prompts={args.prompts}, baseline={args.baseline}"
+        + (f", negatives={args.negatives}" if SOFTMAX in args.reward_families else "")
+    )
+    columns = score_poses(args, specs, frames, device)
+    run_dir.mkdir(parents=True, exist_ok=True)  # only now: a refused run leaves no folder
+    names, several = list(POSES), len(specs) > 1
+    if args.save_frames:
+        import imageio
+
+        (run_dir / "frames").mkdir(exist_ok=True)
+        for i, (name, frame) in enumerate(zip(names, frames)):
+            imageio.imwrite(run_dir / "frames" / f"{i:02d}_{name}.png", frame)
+        print(f"frames saved to {run_dir / 'frames'}")
+    with open(run_dir / "poses.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["pose", *(column_title(c, args, several) for c in columns)])
+        writer.writerows([name, *(f"{c.rewards[i]:.8f}" for c in columns)] for i, name in enumerate(names))
+
+    # what each prompt picks: its three best poses per curve
+    print(f"\nthe poses each prompt rewards most ({len(names)} poses; the reward and its gap to the best)")
+    for column in columns:
+        order = np.argsort(-column.rewards, kind="stable")[:3]
+        best = column.rewards[order[0]]
+        top = "  ".join(
+            f"{k + 1}. {names[i]} {column.rewards[i]:.4f}" + (f" (-{best - column.rewards[i]:.2g})" if k else "")
+            for k, i in enumerate(order)
+        )
+        print(f"  {column_title(column, args, several)}\n      {top}")
+    lines = [
+        verdict(
+            column, expected[column.goal], prompt_name(probed_prompts(args)[column.goal]), column.model if several else None
+        )
+        for column in columns
+        if column.goal in expected
+    ]
+    if lines:
+        print("\nverdict (--expect):\n" + "\n".join(f"  {line}" for line in lines))
+        (run_dir / "verdict.txt").write_text("\n".join(lines) + "\n")
+    random_weights = any(spec.clip_pretrained == "none" and spec.clip_checkpoint is None for spec in specs)
+    warning = "RANDOM WEIGHTS (--clip-pretrained none): a test model, its rewards mean nothing" if random_weights else None
+    plot_poses(run_dir / "poses.png", frames, columns, expected, args, warning)
+    print(
+        f"\nplot: {run_dir / 'poses.png'}\ncsv: {run_dir / 'poses.csv'}"
+        + (f"\nverdict: {run_dir / 'verdict.txt'}" if lines else "")
+    )
+    return run_dir
+
+
 def main(args: Args) -> Path:
     if args.env_id in PROMPTS:  # an unknown env is reported by check_args, in one sentence
         default_goal, default_baseline = PROMPTS[args.env_id]
@@ -263,6 +607,8 @@ def main(args: Args) -> Path:
     specs = check_args(args)
     run_dir = Path("runs") / f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"  # made once scored
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    if args.env_id == HUMANOID:
+        return probe_poses(args, specs, run_dir, device)
 
     axis_label, low, high = SWEEPS[args.env_id]
     states = np.linspace(low, high, args.num_points)

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import open_clip  # before any EGL context: imported after one, it crashed the process here (segmentation fault)
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,8 +140,6 @@ def train(path: str, num_frames: int = NUM_FRAMES, steps: int = STEPS, seed: int
 
 def cache_key(**settings) -> str:
     """Hash of what determines the weights: this file, the recipe, the config, the env code, the settings, the versions."""
-    import open_clip
-
     h = hashlib.sha256()
     for f in (Path(__file__), Path(clip_trainer.__file__), CONFIG, ROOT / "vlmrm_sac_humanoid.py"):
         h.update(f.read_bytes())
