@@ -46,6 +46,7 @@ from vlmrm_dqn_classic import MOUNTAINCAR_GOAL
 from vlmrm_utils import (
     UserError,
     check_clip_args,
+    check_intact,
     check_new_folder,
     check_output_file,
     new_partial_folder,
@@ -157,6 +158,7 @@ def load_checkpoint(path: str) -> tuple[dict, object, object]:
         raise UserError(f"{path} is a folder; pass {which} in it.")
     if not os.path.isfile(path):
         raise UserError(f"{path}: no such file; pass {which}.")
+    check_intact(path, path, f"pass another copy, or {which}")
     try:  # our own files hold RNG states and arrays: weights_only=False, so only roll out checkpoints you trust
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file

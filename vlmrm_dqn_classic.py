@@ -479,7 +479,7 @@ def main(args: Args) -> None:
     if args.evaluate is not None:
         eval_envs = gym.vector.SyncVectorEnv(eval_env_fns)
         q_network = QNetwork(eval_envs).to(device)
-        q_network.load_state_dict(torch.load(args.evaluate, map_location=device, weights_only=False)["q_network"])
+        q_network.load_state_dict(utils.read_checkpoint(args.evaluate, Args, "--evaluate")["q_network"])
         results = evaluate(q_network, eval_envs, device, reward_model, args.eval_episodes, args.seed + 10_000)
         return utils.save_episodes(results, run_name, fps=50)
 

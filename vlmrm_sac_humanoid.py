@@ -610,7 +610,7 @@ def main(args: Args) -> None:
     if args.evaluate is not None:  # gt: no CLIP weights needed
         eval_envs = gym.vector.SyncVectorEnv(eval_env_fns)
         reward_model, actor = make_reward_model(args, device) if args.reward == "clip" else None, Actor(eval_envs).to(device)
-        actor.load_state_dict(torch.load(args.evaluate, map_location=device, weights_only=False)["actor"])
+        actor.load_state_dict(utils.read_checkpoint(args.evaluate, Args, "--evaluate")["actor"])
         results = evaluate(actor, eval_envs, device, reward_model, args.eval_episodes, args.seed + 10_000)
         return utils.save_episodes(results, run_name, fps=30)
 

@@ -17,6 +17,7 @@ import signal
 import sys
 import tempfile
 import time
+import zipfile
 from collections import deque
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -301,6 +302,7 @@ def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict
     if not os.path.isfile(path):  # a folder, a named pipe (torch.load would wait on it forever), nothing at all
         what = "is a folder" if os.path.isdir(path) else "is not a regular file" if os.path.exists(path) else "does not exist"
         raise UserError(f"{flag} {path} {what}; pass a checkpoint.pt of {script}.")
+    check_intact(path, f"{flag} {path}", "pass another checkpoint.pt")
     try:  # our own file with RNG states and arrays: weights_only=False, so only load checkpoints you trust
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file
@@ -316,6 +318,22 @@ def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict
             "resume it from the folder that holds that run (or move the whole run folder there)."
         )
     return checkpoint
+
+
+def check_intact(path: str, name: str, advice: str) -> None:
+    """Every loaded checkpoint first: torch.save's zip keeps a CRC-32 of each entry, and a flipped byte in the weights (a
+    bad disk, a damaged copy) would otherwise load silently as another number. A file that is no zip: torch.load says."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except Exception:  # noqa: BLE001 - not a zip (truncated, foreign): left to torch.load's own error
+        return
+    with archive:
+        try:
+            damaged = archive.testzip() is not None
+        except Exception:  # noqa: BLE001 - a header field itself flipped (a length, a compression method)
+            damaged = True
+    if damaged:
+        raise UserError(f"{name} is damaged: its bytes do not match the checksums saved in it (a bad disk or copy); {advice}.")
 
 
 def resumed_args(args, checkpoint: dict):

@@ -455,3 +455,44 @@ def test_saving_the_replay_buffer_makes_no_copy_of_it(tmp_path):
     assert int(result.stdout.split()[-1]) < 50, (
         result.stdout
     )  # MiB above the peak before saving (numpy arrays: ~5x the buffer)
+
+
+def test_damaged_checkpoints_are_refused_by_every_loader(in_tmp):
+    """A flipped bit in the weights (a bad disk, a damaged copy) must not load as another number: the zip's CRCs."""
+    import epic_eval
+    import success_eval
+
+    classic.main(classic.Args(reward="gt", total_timesteps=200, learning_starts=100, save_model=True, eval_episodes=1))
+    (checkpoint,) = (in_tmp / "runs").glob("*/checkpoint.pt")
+    good, original = checkpoint.read_bytes(), torch.load(checkpoint, weights_only=False)
+    weight = original["q_network"]["network.0.weight"]
+    at = good.index(weight.numpy().tobytes()[:16]) + 3  # the high byte of the first weight's float32
+    damaged = bytearray(good)
+    damaged[at] ^= 0x40  # its top exponent bit: 0.1 becomes about 3e37
+    checkpoint.write_bytes(damaged)
+    assert not torch.equal(torch.load(checkpoint, weights_only=False)["q_network"]["network.0.weight"], weight)
+    for flag in ("--evaluate", "--resume"):
+        assert_refused(classic, [flag, str(checkpoint)], str(checkpoint), "damaged", "checksums")
+    with pytest.raises(vlmrm_utils.UserError, match="damaged"):
+        success_eval.load_checkpoint(str(checkpoint))
+    with pytest.raises(vlmrm_utils.UserError, match="damaged"):
+        epic_eval.check_collect_args(epic_eval.Collect(policy=str(checkpoint), out=str(in_tmp / "states")))
+
+    def same(a, b) -> bool:  # what a rollout or a resume would use: networks, optimiser, flags, step
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        return torch.equal(a, b) if torch.is_tensor(a) else a == b
+
+    keys = ("q_network", "target_network", "optimizer", "args", "global_step", "iteration", "run_name")
+    rng, refused = np.random.default_rng(0), 0
+    for at in rng.choice(len(good), 300, replace=False):  # a random byte anywhere: refused, or it changed nothing
+        damaged = bytearray(good)
+        damaged[at] ^= 1 << int(rng.integers(8))
+        checkpoint.write_bytes(damaged)
+        try:
+            loaded = vlmrm_utils.read_checkpoint(str(checkpoint), classic.Args, "--evaluate")
+        except vlmrm_utils.UserError:
+            refused += 1
+            continue
+        assert all(same(loaded[k], original[k]) for k in keys), f"byte {at} changed what was loaded"
+    assert refused > 250, refused  # most bytes are weights; the rest zip padding that nothing reads
