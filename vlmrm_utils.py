@@ -106,6 +106,25 @@ def check_common_args(args, positive: str, unit_interval: str, network: str, def
     check_writable("runs")
     if args.capture_video or args.evaluate is not None:
         check_writable("videos")
+    if args.track and args.evaluate is None:
+        check_wandb_login()
+
+
+def check_wandb_login() -> None:
+    """--track needs a W&B login, or an offline mode: wandb.init's own error is a traceback once the run folder exists."""
+    import contextlib
+    import io
+
+    try:
+        import wandb
+    except ImportError:
+        raise UserError("--track needs the wandb package: pip install wandb, or drop --track.") from None
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled"):
+        return
+    with contextlib.redirect_stderr(io.StringIO()):  # wandb.init says the same again moments later
+        logged_in = wandb.login(prompt=False, verify=False)  # verify=False: no network round trip here
+    if not logged_in:
+        raise UserError("--track found no W&B login here; log in with `wandb login`, or set WANDB_MODE=offline.")
 
 
 def is_device(name: str) -> bool:
@@ -678,9 +697,9 @@ def start_run(args, run_name: str, checkpoint: Optional[dict], device: torch.dev
         import wandb
 
         resumed = {"id": checkpoint["wandb_id"], "resume": "allow"} if checkpoint and checkpoint.get("wandb_id") else {}
-        wandb.init(
+        wandb.init(  # W&B's own folder is ./wandb, as CleanRL's: inside runs/<run> it would sync copies of itself
             project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args),
-            name=run_name, dir=f"runs/{run_name}", save_code=True, **resumed,
+            name=run_name, save_code=True, **resumed,
         )  # fmt: skip
     # purge_step drops what a crashed run logged after its checkpoint: from the first step still pending in it
     purge_step = (checkpoint["iteration"] - len(checkpoint["pending"]["obs"])) * args.num_envs if checkpoint else None

@@ -3,12 +3,13 @@ checkpoint paths that are regular files, --evaluate with the run's own settings,
 
 import math
 import os
+import subprocess
 import sys
 import threading
 
 import pytest
 import torch
-from conftest import TINY_CLIP, assert_refused, only_run, read_scalars, run_script
+from conftest import ROOT, TINY_CLIP, assert_clean_error, assert_refused, only_run, read_scalars, run_script
 
 import vlmrm_dqn_classic as classic
 import vlmrm_utils
@@ -82,11 +83,25 @@ def test_track_logs_to_weights_and_biases_offline(tmp_path):
     result = run_script("vlmrm_dqn_classic.py", *flags.split(), cwd=tmp_path, env={"WANDB_MODE": "offline"})
     assert result.returncode == 0, result.stderr[-2000:]
     run = only_run(tmp_path)
-    (offline,) = (run / "wandb").glob("offline-run-*")
+    (offline,) = (tmp_path / "wandb").glob("offline-run-*")  # ./wandb, as CleanRL's: not inside the run it syncs
     (log,) = offline.glob("*.wandb")  # what `wandb sync` uploads later
     assert b"total_timesteps" in log.read_bytes() and b"learning_starts" in log.read_bytes()  # the flags as config
     assert any((offline / "files").rglob("events.out.tfevents.*"))  # synced from the TensorBoard logs
     assert "wandb sync" in result.stdout + result.stderr
+    # the run folder holds TensorBoard's file only: no copy of W&B's copy of it, nested ever deeper
+    assert [p.relative_to(run).parts for p in run.rglob("*")] == [(p.name,) for p in run.glob("events.out.tfevents.*")]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="W&B offline mode is tested on Linux")
+def test_track_without_a_login_is_one_sentence_before_the_run_folder(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env["HOME"] = str(tmp_path)  # no ~/.netrc, no W&B settings: not logged in
+    flags = "--reward gt --total-timesteps 300 --learning-starts 100 --track".split()
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "vlmrm_dqn_classic.py"), *flags], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert_clean_error(result, "--track", "`wandb login`", "WANDB_MODE=offline")
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "wandb").exists()
 
 
 def test_messages_fit_the_input(in_tmp):
