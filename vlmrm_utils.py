@@ -7,6 +7,7 @@ imports a training script: each passes its `Args` class or values in.
 """
 
 import copy
+import fcntl
 import logging
 import math
 import os
@@ -336,7 +337,35 @@ def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict
             f"--resume {path} belongs to runs/{checkpoint['run_name']}/, not to {os.path.dirname(path) or '.'}/; "
             "resume it from the folder that holds that run (or move the whole run folder there)."
         )
+    if flag == "--resume":  # said now, before anything starts; start_run takes the lock itself
+        lock_run(checkpoint["run_name"], keep=False)
     return checkpoint
+
+
+RUN_LOCKS: dict[str, int] = {}  # runs/<run>/run.lock of the run this process trains -> its open file
+
+
+def lock_run(run_name: str, keep: bool = True) -> None:
+    """One process trains a run folder: an flock the kernel drops when its holder ends (even by SIGKILL, never stale),
+    so a --resume of a run still training is refused. Held (keep), the files a killed writer left (*.tmp) are removed."""
+    path = os.path.abspath(f"runs/{run_name}/run.lock")
+    if path in RUN_LOCKS or not (keep or os.path.exists(path)):
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise UserError(f"runs/{run_name} is being trained by another process (pid {holder}); wait for it to end.") from None
+    if not keep:
+        return os.close(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    RUN_LOCKS[path] = fd
+    for tmp in Path(f"runs/{run_name}").glob("**/*.pt.*.tmp"):  # save_checkpoint's, of a writer killed mid-write
+        tmp.unlink()
+        print(f"removed {tmp}, left half-written by a run that was killed")
 
 
 def check_intact(path: str, name: str, advice: str) -> None:
@@ -693,6 +722,7 @@ def start_run(args, run_name: str, checkpoint: Optional[dict], device: torch.dev
     """The run folder (new, or the resumed run's own), W&B when --track, and TensorBoard; prints what runs where."""
     if checkpoint is None:
         run_name = make_run_folder(run_name)
+    lock_run(run_name)
     if args.track:  # as CleanRL: W&B mirrors the TensorBoard logs, with the flags as config and the script's code
         import wandb
 
@@ -931,6 +961,9 @@ def close_run(writer: Optional[SummaryWriter], envs: gym.vector.VectorEnv) -> No
     if writer is not None:
         writer.close()
     envs.close()
+    for fd in RUN_LOCKS.values():  # the run is free for a --resume (in this process too: the tests train, then resume)
+        os.close(fd)
+    RUN_LOCKS.clear()
 
 
 def reward_model_before_envs(args, device: torch.device, make_reward_model: Callable):

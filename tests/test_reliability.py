@@ -496,3 +496,37 @@ def test_damaged_checkpoints_are_refused_by_every_loader(in_tmp):
             continue
         assert all(same(loaded[k], original[k]) for k in keys), f"byte {at} changed what was loaded"
     assert refused > 250, refused  # most bytes are weights; the rest zip padding that nothing reads
+
+
+def test_a_run_still_training_is_not_resumed_twice_and_a_killed_writers_temp_files_go(in_tmp, monkeypatch, capsys):
+    import fcntl
+
+    held, save_run = [], vlmrm_utils.save_run
+
+    def look_from_outside(args, run_name, *rest):  # what another process sees while this run trains
+        save_run(args, run_name, *rest)
+        with open(f"runs/{run_name}/run.lock") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held.append(False)
+            except BlockingIOError:
+                held.append(True)
+
+    monkeypatch.setattr(vlmrm_utils, "save_run", look_from_outside)
+    flags = dict(reward="gt", total_timesteps=400, learning_starts=100, save_model=True, checkpoint_frequency=200)
+    classic.main(classic.Args(**flags))
+    assert held == [True, True], held
+    (checkpoint,) = (in_tmp / "runs").glob("*/checkpoint.pt")
+    with open(checkpoint.parent / "run.lock", "r+") as other:  # another process trains it (this test plays that process)
+        fcntl.flock(other, fcntl.LOCK_EX)
+        other.write("4242")
+        other.flush()
+        assert_refused(classic, ["--resume", str(checkpoint), "--total-timesteps", "600"], "being trained", "pid 4242")
+    # a SIGKILL mid-write leaves save_checkpoint's temporary file: the next process that holds the run removes it
+    orphans = [checkpoint.parent / "checkpoint.pt.k1ll3d.tmp", checkpoint.parent / "checkpoints" / "step-200.pt.x9.tmp"]
+    for orphan in orphans:
+        orphan.write_bytes(b"half a checkpoint")
+    capsys.readouterr()
+    classic.main(classic.Args(resume=str(checkpoint), total_timesteps=600))
+    assert not any(orphan.exists() for orphan in orphans)
+    assert f"removed runs/{checkpoint.parent.name}/checkpoint.pt.k1ll3d.tmp, left half-written" in capsys.readouterr().out
