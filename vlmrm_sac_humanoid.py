@@ -128,7 +128,10 @@ def check_args(args: Args) -> None:
     if args.evaluate is None:  # a rollout allocates no replay buffer
         probe = gym.make(args.env_id)  # cheap: no rendering, just the spaces
         frame_shape = (400, 600, 3) if mountain_car else (args.render_size, args.render_size, 3)
-        utils.check_resources(args, probe.observation_space, probe.action_space, frame_shape)
+        # measured (2 and 6 envs, Mesa's software EGL): a MuJoCo worker process that renders 180 MB (224 or 480 pixels),
+        # a MountainCar one 40 MB; without rendering (gt) the envs live in this process, 2.5 MB each
+        env_bytes = (40e6 if mountain_car else 180e6) if args.reward == "clip" else 2.5e6
+        utils.check_resources(args, probe.observation_space, probe.action_space, frame_shape, env_bytes)
     if args.reward == "clip":
         utils.check_clip_args(args)
 

@@ -285,26 +285,74 @@ def write_atomic(path: str, write: Callable) -> None:
         raise
 
 
-def check_resources(args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple) -> None:
-    """Refuse a run whose replay buffer, pending frames and sampled batch do not fit in the available memory."""
+def frames_in_flight(args) -> tuple[int, int]:
+    """(frames the loop holds at once, frames scored in one go). Transitions wait until each reward device has a chunk
+    (whole vector steps, at least one); when scored, the waiting list, the batch np.concatenate makes of it and the next
+    vector step's render are held together (measured: frames + env surfaces = 4.5 MB a CartPole env at 100 to 400 envs).
+    A reward model scoring beside the envs (in a thread) holds its chunks in flight too: count them here."""
+    chunks = args.reward_batch_size * max(1, len(args.reward_devices))
+    waiting = -(-chunks // args.num_envs) * args.num_envs
+    return 2 * waiting + args.num_envs, waiting
+
+
+def memory_needs(args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple, env_bytes: float) -> dict:
+    """{what: (the flag that sets it, bytes)}: the memory a run allocates beyond the process as it is when checked
+    (Python, torch and the libraries are loaded by then). `env_bytes`: one env's objects or process, measured per script."""
     action_bytes = 8 if isinstance(action_space, gym.spaces.Discrete) else 4 * int(np.prod(action_space.shape))
     transition = 2 * 4 * int(np.prod(observation_space.shape)) + action_bytes + 4 + 4  # obs, next_obs, action, reward, done
-    frames = args.reward_batch_size * max(1, len(args.reward_devices)) + args.num_envs  # awaiting their reward
-    needs = {  # --resume loads the saved buffer before copying it in: a run saving it must fit it twice
-        "--buffer-size": args.buffer_size * transition * (2 if args.save_buffer and args.resume is None else 1),
-        "--reward-batch-size": frames * int(np.prod(frame_shape)) if args.reward == "clip" else 0,
-        "--batch-size": args.batch_size * (transition + 16 * 256 * 4),  # with the activations of ~16 layers of 256 floats
+    held, waiting = frames_in_flight(args)
+    frame, clip = int(np.prod(frame_shape)), args.reward == "clip"
+    copies = 2 if args.save_buffer and args.resume is None else 1  # --resume loads the saved buffer, then copies it in
+    needs = {
+        "--buffer-size": ("--buffer-size", args.buffer_size * transition * copies),
+        "--batch-size": ("--batch-size", args.batch_size * (transition + 16 * 256 * 4)),  # + activations, ~16 layers of 256
+        f"{args.num_envs} envs": ("--num-envs", args.num_envs * env_bytes),
+        "frames in flight": ("--num-envs" if waiting == args.num_envs else "--reward-batch-size", held * frame * clip),
     }
-    total, available, gib = sum(needs.values()), available_memory(), 2**30
+    cuda = args.cuda and torch.cuda.is_available()
+    if clip and all(torch.device(d).type == "cpu" for d in args.reward_devices or ["cuda" if cuda else "cpu"]):
+        # CLIP on the CPU: its weights (float32), and each chunk's frames as float32 before the squash to its input size
+        needs["CLIP weights"] = ("--clip-model", 4 * clip_parameters(args.clip_model))
+        needs["CLIP input"] = ("--reward-batch-size", 4 * min(args.reward_batch_size, waiting) * frame)
+    return needs
+
+
+def check_resources(args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple, env_bytes: float) -> int:
+    """Refuse a run whose buffer, batch, envs, frames in flight and CPU CLIP do not fit in the available memory; the
+    estimate (bytes)."""
+    needs = memory_needs(args, observation_space, action_space, frame_shape, env_bytes)
+    total, available, gib = sum(v for _, v in needs.values()), available_memory(), 2**30
     if total > gib or (available and total > 0.25 * available):  # said only when it matters (not 0.00 GiB for CartPole)
-        print(f"memory: {total / gib:.2f} GiB (" + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in needs.items()) + ")", end="")
-        print(f", {available / gib:.1f} GiB available" if available else "")
+        terms = ", ".join(f"{k} {v / gib:.2f}" for k, (_, v) in needs.items() if v >= 0.005 * gib)
+        print(f"memory: {total / gib:.2f} GiB ({terms} GiB)" + (f", {available / gib:.1f} GiB available" if available else ""))
     if available and total > 0.9 * available:
-        flag = max(needs, key=needs.get)
+        by_flag: dict = {}
+        for flag, value in needs.values():
+            by_flag[flag] = by_flag.get(flag, 0) + value
+        flag = max(by_flag, key=by_flag.get)
+        advice = "use a GPU or a smaller --clip-model" if flag == "--clip-model" else f"lower {flag}"
         raise UserError(
             f"{flag} {getattr(args, flag[2:].replace('-', '_'))} makes the run need {total / gib:.1f} GiB of memory, "
-            f"but {available / gib:.1f} GiB is available; lower {flag}."
+            f"but {available / gib:.1f} GiB is available; {advice}."
         )
+    return total
+
+
+def clip_parameters(model: str) -> int:
+    """The parameters of an open_clip architecture (or model config), counted on the meta device: no memory, well under
+    a second even for ViT-bigG-14; 0 when the name is unknown (check_clip_args says so)."""
+    import open_clip
+
+    logging.disable(logging.WARNING)  # the model counted here has random weights, as open_clip would warn
+    try:
+        if model.endswith(".json"):
+            open_clip.add_model_config(model)
+        with torch.device("meta"):
+            return sum(p.numel() for p in open_clip.create_model(Path(model).stem, device="meta").parameters())
+    except Exception:  # noqa: BLE001 - a bad name or config: refused later, in one sentence
+        return 0
+    finally:
+        logging.disable(logging.NOTSET)
 
 
 def available_memory() -> int:
@@ -513,15 +561,8 @@ def fetch_clip_weights(args) -> bool:
         pass
     finally:
         hub.HF_HUB_OFFLINE = offline
-    logging.disable(logging.WARNING)  # the model counted here has random weights, as open_clip would warn
-    try:  # counted on the meta device: no memory, well under a second even for ViT-bigG-14
-        with torch.device("meta"):
-            params = sum(p.numel() for p in open_clip.create_model(name, device="meta").parameters())
-        size = f" ({params / 1e6:,.0f}M parameters, about {params * 4 / 1e9:.1f} GB as float32)"
-    except Exception:  # noqa: BLE001 - the size is a courtesy
-        size = ""
-    finally:
-        logging.disable(logging.NOTSET)
+    params = clip_parameters(args.clip_model)
+    size = f" ({params / 1e6:,.0f}M parameters, about {params * 4 / 1e9:.1f} GB as float32)" if params else ""
     where = cache or "the Hugging Face cache"
     print(f"fetching the {name}/{args.clip_pretrained} CLIP weights{size} from {hub.ENDPOINT} into {where}", flush=True)
     why = "HF_HUB_OFFLINE is set and they are not in the cache" if offline else can_reach(hub.ENDPOINT)

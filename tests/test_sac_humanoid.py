@@ -321,7 +321,7 @@ def test_a_bad_model_config_file_is_named_as_such(in_tmp, content, words):
 def test_missing_weights_say_what_is_fetched_and_fail_within_seconds_before_the_envs_start(tmp_path):
     # a documentation address (RFC 5737) stands for an unreachable hub, also where the machine has a network
     env = {"HF_ENDPOINT": "https://192.0.2.1", "HF_HUB_OFFLINE": "", "HTTPS_PROXY": "", "https_proxy": ""}
-    flags = f"--clip-model RN50 --clip-pretrained openai --clip-cache-dir {tmp_path / 'cache'} --no-cuda".split()
+    flags = f"--clip-model RN50 --clip-pretrained openai --clip-cache-dir {tmp_path / 'cache'} --no-cuda --num-envs 2".split()
     code, lines = run_timed(SCRIPT, *flags, cwd=tmp_path, env=env, timeout=120)
     text = "\n".join(line for _, line in lines)
     assert code == 2 and "Traceback" not in text, text
