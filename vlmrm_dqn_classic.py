@@ -494,7 +494,6 @@ def main(args: Args) -> None:
             utils.warn_if_slow_on_cpu(reward_model, args, (400, 600, 3))  # the pygame frames are 600x400
         eval_envs = gym.vector.SyncVectorEnv(eval_env_fns) if args.capture_video else None
         num_iterations, start_iteration = args.total_timesteps // args.num_envs, checkpoint["iteration"] if checkpoint else 0
-        run_name, writer = utils.start_run(args, run_name, checkpoint, device)
 
         q_network = QNetwork(envs).to(device)
         optimizer = optim.Adam(q_network.parameters(), lr=args.learning_rate, fused=True)  # one kernel per step
@@ -504,7 +503,8 @@ def main(args: Args) -> None:
         # everything a gradient step changes, by name: checkpointed and restored together
         learner = dict(q_network=q_network, target_network=target_network, optimizer=optimizer)
         networks = lambda: dict(q_network=q_network.state_dict())  # noqa: E731
-        utils.check_checkpoint_disk(args, networks())
+        utils.check_checkpoint_disk(args, networks(), rb)  # before the run folder: a refused run leaves none
+        run_name, writer = utils.start_run(args, run_name, checkpoint, device)
         # epsilon's schedule keeps the length of the run as first started, when --resume extends it
         schedule_steps = checkpoint["schedule_steps"] if checkpoint else args.total_timesteps
 

@@ -629,7 +629,6 @@ def main(args: Args) -> None:
             utils.warn_if_slow_on_cpu(reward_model, args, (args.render_size, args.render_size, 3))
         eval_envs = gym.vector.SyncVectorEnv(eval_env_fns) if args.capture_video else None
         num_iterations, start_iteration = args.total_timesteps // args.num_envs, checkpoint["iteration"] if checkpoint else 0
-        run_name, writer = utils.start_run(args, run_name, checkpoint, device)
 
         actor = Actor(envs).to(device)
         qf1, qf2, qf1_target, qf2_target = (SoftQNetwork(envs).to(device) for _ in range(4))
@@ -646,7 +645,8 @@ def main(args: Args) -> None:
         learner = dict(actor=actor, qf1=qf1, qf2=qf2, qf1_target=qf1_target, qf2_target=qf2_target, q_optimizer=q_optimizer)
         learner.update(actor_optimizer=actor_optimizer, ent_coef_optimizer=ent_coef_optimizer)
         networks = lambda: dict(actor=actor.state_dict(), qf1=qf1.state_dict(), qf2=qf2.state_dict())  # noqa: E731
-        utils.check_checkpoint_disk(args, networks())
+        utils.check_checkpoint_disk(args, networks(), rb)  # before the run folder: a refused run leaves none
+        run_name, writer = utils.start_run(args, run_name, checkpoint, device)
         low, high = envs.single_action_space.low, envs.single_action_space.high
         action_scale, action_bias = (high - low) / 2.0, (high + low) / 2.0  # as the actor's, on the host: no device sync
 

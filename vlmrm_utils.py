@@ -17,6 +17,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 from collections import deque
@@ -643,9 +644,9 @@ def save_checkpoint(path: str, state: dict) -> None:
     except BaseException as e:
         os.unlink(tmp)
         cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__  # torch wraps a full disk in a RuntimeError
-        if isinstance(e, (OSError, RuntimeError)):
+        if isinstance(e, (OSError, RuntimeError)):  # the machine's failure, not the input's: exit code 1 (see cli)
             why = getattr(cause, "strerror", None) or str(e).splitlines()[0][:120]
-            raise UserError(f"could not write {path} ({why}); the previous file there is intact.") from None
+            raise OSError(f"could not write {path} ({why}); the previous file there is intact.") from None
         raise
     dir_fd = os.open(folder, os.O_RDONLY)
     os.fsync(dir_fd)  # the rename itself survives a power cut
@@ -774,7 +775,7 @@ def start_run(args, run_name: str, checkpoint: Optional[dict], device: torch.dev
         )  # fmt: skip
     # purge_step drops what a crashed run logged after its checkpoint: from the first step still pending in it
     purge_step = (checkpoint["iteration"] - len(checkpoint["pending"]["obs"])) * args.num_envs if checkpoint else None
-    writer = SummaryWriter(f"runs/{run_name}", purge_step=purge_step)
+    writer = name_write_errors(SummaryWriter(f"runs/{run_name}", purge_step=purge_step))
     if checkpoint is None:
         table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
         writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
@@ -784,6 +785,29 @@ def start_run(args, run_name: str, checkpoint: Optional[dict], device: torch.dev
         + (f", resumed at step {checkpoint['global_step']}" if checkpoint else "")
     )
     return run_name, writer
+
+
+def name_write_errors(writer: SummaryWriter) -> SummaryWriter:
+    """TensorBoard writes from a thread: a full disk there printed the thread's traceback, then surfaced at a later
+    add_scalar naming no file. The thread is quiet now (its error still surfaces) and the error names the event file."""
+    threading.excepthook = lambda hook: (
+        None if type(hook.thread).__name__ == "_AsyncWriterThread" and isinstance(hook.exc_value, OSError)
+        else threading.__excepthook__(hook)
+    )  # fmt: skip
+    event_writer = writer.file_writer.event_writer
+    path, queue = event_writer._file_name, event_writer._async_writer  # the private parts of tensorboard 2.x's writer
+
+    def named(call: Callable) -> Callable:
+        def call_named(*args):
+            try:
+                return call(*args)
+            except OSError as e:
+                raise OSError(f"could not write {os.path.relpath(path)} ({e.strerror or e}); free some disk space") from None
+
+        return call_named
+
+    queue._check_worker_status, queue.close = named(queue._check_worker_status), named(queue.close)
+    return writer
 
 
 class EpisodeLog:
@@ -885,20 +909,29 @@ def save_step_checkpoint(run_name: str, step: int, networks: dict, args, clip_re
     save_checkpoint(f"runs/{run_name}/checkpoints/step-{step}.pt", state)
 
 
-def check_checkpoint_disk(args, networks: dict[str, dict]) -> None:
-    """With --save-model every --checkpoint-frequency steps leaves a file of the networks: say the disk cost, and
-    refuse a run whose checkpoints would not fit on the disk."""
+def check_checkpoint_disk(args, networks: dict[str, dict], rb) -> None:
+    """With --save-model: say the disk the checkpoints take, and refuse a run whose checkpoints would not fit. Each
+    --checkpoint-frequency steps leaves a file of the networks; checkpoint.pt, the run state (networks, targets, Adam's
+    moments: at most 4x the networks, and the replay buffer with --save-buffer), exists twice while it is replaced."""
     if not args.save_model:
         return
     size = sum(p.numel() * p.element_size() for m in networks.values() for p in m.values()) + 2**16
-    count = args.total_timesteps // args.checkpoint_frequency
-    free, total = shutil.disk_usage(os.path.abspath("runs") if os.path.isdir("runs") else ".").free, size * count
-    print(f"checkpoints: {count} of {size / 2**20:.1f} MiB (networks, no buffer) = {total / 2**30:.2f} GiB in runs/")
+    buffer = sum(v.nbytes for v in rb.data.values()) if args.save_buffer else 0
+    count, state = args.total_timesteps // args.checkpoint_frequency, 4 * size + buffer
+    free, total = shutil.disk_usage(os.path.abspath("runs") if os.path.isdir("runs") else ".").free, size * count + 2 * state
+    steps = f"{count} step checkpoint{'s' * (count > 1)} of {format_bytes(size)}" if count else "no step checkpoints"
+    what = f"checkpoint.pt {format_bytes(state)}{' with the replay buffer' if buffer else ''} twice while replaced, {steps}"
+    print(f"disk: checkpoints take up to {format_bytes(total)} in runs/ ({what}), {format_bytes(free)} free")
     if total > 0.9 * free:
+        advice = "lower --buffer-size or drop --save-buffer" if buffer else "free some disk space"
         raise UserError(
-            f"--checkpoint-frequency {args.checkpoint_frequency} keeps {count} checkpoints of {size / 2**20:.1f} MiB, "
-            f"{total / 2**30:.1f} GiB, but {free / 2**30:.1f} GiB is free; raise --checkpoint-frequency."
+            f"the checkpoints take up to {format_bytes(total)} ({what}), but {format_bytes(free)} is free; "
+            + ("raise --checkpoint-frequency." if size * count > 2 * state else f"{advice}.")
         )
+
+
+def format_bytes(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 # what --evaluate takes from the checkpoint unless given: the env, the frames CLIP saw and the reward model
@@ -999,12 +1032,14 @@ def close_run(writer: Optional[SummaryWriter], envs: gym.vector.VectorEnv) -> No
     """Every exit closes TensorBoard and the env processes (they ignore SIGTERM: a process exiting under them would hang)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if writer is not None:
-        writer.close()
-    envs.close()
-    for fd in RUN_LOCKS.values():  # the run is free for a --resume (in this process too: the tests train, then resume)
-        os.close(fd)
-    RUN_LOCKS.clear()
+    try:
+        if writer is not None:
+            writer.close()  # may fail (a full disk): the envs are closed all the same
+    finally:
+        envs.close()
+        for fd in RUN_LOCKS.values():  # the run is free for a --resume (in this process too: the tests train, then resume)
+            os.close(fd)
+        RUN_LOCKS.clear()
 
 
 def reward_model_before_envs(args, device: torch.device, make_reward_model: Callable):

@@ -207,9 +207,10 @@ def test_checkpoint_write_is_atomic_and_a_full_disk_is_one_sentence(tmp_path, mo
 
     for save in (disk_full_mid_write, disk_full_in_torch):
         monkeypatch.setattr(torch, "save", save)
-        with pytest.raises(vlmrm_utils.UserError, match="No space left on device.*intact") as error:
+        with pytest.raises(OSError, match="No space left on device.*intact") as error:  # the machine's: exit code 1
             vlmrm_utils.save_checkpoint(path, {"good": torch.zeros(3)})
         assert error.value.__cause__ is None and error.value.__suppress_context__  # one sentence: no chained traceback
+        assert str(error.value).startswith(f"could not write {path} ")
     monkeypatch.undo()
     assert torch.equal(torch.load(path)["good"], torch.ones(3))  # the good checkpoint is still in place
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # the partial temp file is gone
@@ -570,3 +571,40 @@ def test_memory_estimate_follows_the_measured_peak_as_num_envs_grows(tmp_path):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(vlmrm_utils, "available_memory", lambda: 16 * 2**30)
         assert_refused(classic, flags, "--num-envs 4000 makes the run need 17", "16.0 GiB is available", "lower --num-envs")
+
+
+def test_the_disk_check_counts_the_saved_buffer_and_the_copy_being_replaced_and_leaves_no_folder(in_tmp, monkeypatch, capsys):
+    free = {"bytes": 50 * 2**20}
+    monkeypatch.setattr(vlmrm_utils.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(0, 0, free["bytes"]))
+    flags = "--reward gt --total-timesteps 400 --learning-starts 100 --save-model --checkpoint-frequency 200".split()
+    # 1M CartPole transitions are 48 MB: checkpoint.pt holds them, and exists twice while it is replaced
+    message = assert_refused(classic, [*flags, "--buffer-size", "1000000", "--save-buffer"], "drop --save-buffer")
+    assert "(checkpoint.pt 46.2 MiB with the replay buffer twice while replaced, 2 step checkpoints" in message, message
+    assert "but 50.0 MiB is free" in message, message
+    assert not (in_tmp / "runs").exists()  # refused before the run folder was made
+    classic.main(tyro.cli(classic.Args, args=[*flags, "--buffer-size", "1000000", "--eval-episodes", "1"]))  # no buffer: fits
+    line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("disk: ")][-1]
+    assert line == (
+        "disk: checkpoints take up to 1.0 MiB in runs/ (checkpoint.pt 0.4 MiB twice while replaced, "
+        "2 step checkpoints of 0.1 MiB), 50.0 MiB free"
+    ), line
+
+
+def can_mount() -> bool:
+    return bool(shutil.which("unshare")) and subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not can_mount(), reason="needs `unshare -rm` (a private mount namespace) for a small tmpfs")
+def test_a_full_disk_under_tensorboard_is_one_sentence_naming_the_file_and_exit_1(tmp_path):
+    # a 48 KiB tmpfs fills up with TensorBoard's events after a few hundred episodes: a real ENOSPC in its writer thread
+    (tmp_path / "disk").mkdir()
+    mount = 'mount -t tmpfs -o size=48k tmpfs "$0" && cd "$0" && exec "$@"'
+    flags = "--reward gt --total-timesteps 20000 --learning-starts 1000".split()
+    result = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", mount, str(tmp_path / "disk"), sys.executable, str(ROOT / DQN), *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 1, result.stdout[-1000:] + result.stderr[-3000:]  # the machine's failure: exit code 1
+    assert_clean_error(result, "could not write runs/CartPole-v1__", "/events.out.tfevents.", "No space left on device")
