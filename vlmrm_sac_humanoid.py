@@ -757,7 +757,7 @@ def main(args: Args) -> None:
                 if not finite:  # e.g. a resumed checkpoint that was not finite already
                     losses = f"qf_loss {qf_loss.item()}, actor_loss {actor_loss.item()}"
                     last_finite.stop(f"a SAC loss ({losses}) is not finite in the training phase at step {global_step}",
-                                     hint="; lower --q-lr / --policy-lr or check the rewards")  # fmt: skip
+                                     hint="; lower --q-lr / --policy-lr / --ent-coef or check the rewards")  # fmt: skip
                 timing["learning"] += time.perf_counter() - t0
 
                 if iteration % (10 * args.train_frequency) == 0:

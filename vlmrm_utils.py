@@ -64,9 +64,9 @@ def cli(main: Callable, args_class: type) -> None:
 # ----------------------------------------------------------------------------------------------
 def check_common_args(args, positive: str, unit_interval: str, network: str, default_negatives: dict) -> None:
     """The checks both training scripts share, each one sentence, before anything expensive starts."""
-    for name in positive.split():
-        if not getattr(args, name) > 0:
-            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
+    for name in positive.split():  # inf passes `> 0` and fails at the first update: finite too
+        if not 0 < getattr(args, name) < math.inf:
+            raise UserError(f"--{name.replace('_', '-')} must be positive and finite, got {getattr(args, name)}.")
     for name in unit_interval.split():
         if not 0 <= getattr(args, name) <= 1:
             raise UserError(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}.")
@@ -85,6 +85,7 @@ def check_common_args(args, positive: str, unit_interval: str, network: str, def
         ),
         (not 0 < args.temperature < math.inf, f"--temperature must be a positive number, got {args.temperature}."),
         (not 0 < args.threshold < 1, f"--threshold must be in (0, 1), got {args.threshold}."),
+        (args.learning_starts < 0, f"--learning-starts must be 0 or more, got {args.learning_starts}."),
         (
             args.learning_starts >= args.total_timesteps,
             f"--learning-starts {args.learning_starts} is not below --total-timesteps {args.total_timesteps}; "

@@ -158,6 +158,10 @@ BAD_RUN_FLAGS = {
     "negative learning rate": (SAC, ["--q-lr", "-1"], ["--q-lr"]),
     "buffer too large for memory": (SAC, ["--buffer-size", "10000000000"], ["--buffer-size", "GiB"]),
     "missing resume file": (DQN, ["--resume", "nope.pt"], ["nope.pt"]),
+    # inf passed `> 0` and failed at the first update (the SAC hint then named --q-lr / --policy-lr for --ent-coef inf)
+    "infinite learning rate": (DQN, ["--learning-rate", "inf"], ["--learning-rate", "positive and finite", "inf"]),
+    "infinite entropy coefficient": (SAC, ["--ent-coef", "inf"], ["--ent-coef", "positive and finite", "inf"]),
+    "negative learning start": (DQN, ["--learning-starts", "-1"], ["--learning-starts must be 0 or more, got -1"]),
 }
 
 
@@ -280,6 +284,7 @@ def test_nan_loss_stops_sac_and_saves_the_last_finite_networks(in_tmp, monkeypat
     # the checkpoint taken at step 200, before the NaN, is still resumable, and the message names both files
     assert vlmrm_utils.read_checkpoint(str(run_dir / "checkpoint.pt"), sac.Args)["global_step"] == 200
     assert "nonfinite_networks.pt" in str(error.value) and "checkpoint.pt" in str(error.value)
+    assert "lower --q-lr / --policy-lr / --ent-coef" in str(error.value)  # every flag that scales SAC's losses
 
 
 def run_with_failing_writer(tmp_path, failure: str, timeout: int = 120) -> subprocess.CompletedProcess:
