@@ -953,12 +953,29 @@ def evaluated_args(args):
 def make_vector_env(vector_env: type, env_fns: list) -> gym.vector.VectorEnv:
     """The training envs, autoreset off (the loop resets finished envs itself). Env processes ignore Ctrl-C and
     SIGTERM, so that the main process decides when to stop (and closes them on every exit)."""
+    import functools
+
+    if vector_env is gym.vector.AsyncVectorEnv and sys.platform == "linux":
+        env_fns = [functools.partial(die_with_parent, fn, os.getpid()) for fn in env_fns]
     handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         return vector_env(env_fns, autoreset_mode=gym.vector.AutoresetMode.DISABLED)
     finally:
         signal.signal(signal.SIGINT, handlers[0])
         signal.signal(signal.SIGTERM, handlers[1])
+
+
+def die_with_parent(env_fn: Callable, parent: int) -> gym.Env:
+    """An env worker process ends with the training process (Linux's PR_SET_PDEATHSIG): a SIGKILLed run left each worker
+    printing a 30-line traceback of its broken pipe into the log. Not in the training process itself (gymnasium builds
+    one env there for its spaces): it must outlive whatever started it (a sweep's job)."""
+    if os.getpid() != parent:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the training process ended before the prctl
+            os._exit(0)
+    return env_fn()
 
 
 class LastFinite:

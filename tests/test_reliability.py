@@ -613,3 +613,33 @@ def test_a_full_disk_under_tensorboard_is_one_sentence_naming_the_file_and_exit_
     )
     assert result.returncode == 1, result.stdout[-1000:] + result.stderr[-3000:]  # the machine's failure: exit code 1
     assert_clean_error(result, "could not write runs/CartPole-v1__", "/events.out.tfevents.", "No space left on device")
+
+
+def test_a_sigkilled_sac_run_takes_its_env_workers_along_without_tracebacks(tmp_path):
+    """A sweep's train.log got a 30-line chained traceback from each env worker whose pipe broke with its parent."""
+    flags = [*TINY_CLIP_FLAGS, *"--num-envs 2 --render-size 48 --render-quality fast --total-timesteps 100000".split()]
+    with open(tmp_path / "train.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / SAC), *flags, "--learning-starts", "500", "--log-episodes"],
+            cwd=tmp_path,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    deadline = time.time() + 120
+    while "global_step=" not in (tmp_path / "train.log").read_text():  # training: the workers render and step
+        assert time.time() < deadline and proc.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
+        time.sleep(0.2)
+    workers = [
+        p
+        for p in os.listdir("/proc")
+        if p.isdigit() and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == str(proc.pid)
+    ]
+    assert len(workers) == 2, workers
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    while any(os.path.exists(f"/proc/{p}") for p in workers):  # they end with it, at once
+        assert time.time() < deadline + 30, workers
+        time.sleep(0.1)
+    time.sleep(0.5)
+    assert "Traceback" not in (tmp_path / "train.log").read_text(), (tmp_path / "train.log").read_text()[-3000:]
