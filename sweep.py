@@ -256,6 +256,9 @@ def write_json(path: Path, data: dict) -> None:
     """Atomic: a temporary file renamed over the old one, so a kill mid-write leaves the old file or the new, never half."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
+        mask = os.umask(0o022)  # mkstemp's 0o600 would stay on the file: the mode open() gives, as other outputs
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(data))
             f.flush()

@@ -276,6 +276,7 @@ def write_atomic(path: str, write: Callable) -> None:
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.")
+        os.fchmod(fd, new_file_mode())
         with os.fdopen(fd, "wb") as f:
             write(f)
         os.replace(tmp, path)
@@ -317,6 +318,17 @@ def memory_needs(args, observation_space: gym.Space, action_space: gym.Space, fr
         needs["CLIP weights"] = ("--clip-model", 4 * clip_parameters(args.clip_model))
         needs["CLIP input"] = ("--reward-batch-size", 4 * min(args.reward_batch_size, waiting) * frame)
     return needs
+
+
+def new_file_mode() -> int:
+    """The mode open() gives a new file, 0o666 less the umask: mkstemp's 0o600 would stay on the renamed output."""
+    try:
+        with open("/proc/self/status") as f:  # read, not set: os.umask() changes it for every thread meanwhile
+            return 0o666 & ~next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return 0o666 & ~mask
 
 
 def check_resources(args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple, env_bytes: float) -> int:
@@ -637,6 +649,7 @@ def save_checkpoint(path: str, state: dict) -> None:
     folder = os.path.dirname(path) or "."
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")  # own temp file per write
     try:
+        os.fchmod(fd, new_file_mode())
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
             f.flush()

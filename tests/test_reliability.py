@@ -643,3 +643,18 @@ def test_a_sigkilled_sac_run_takes_its_env_workers_along_without_tracebacks(tmp_
         time.sleep(0.1)
     time.sleep(0.5)
     assert "Traceback" not in (tmp_path / "train.log").read_text(), (tmp_path / "train.log").read_text()[-3000:]
+
+
+def test_checkpoints_and_outputs_get_the_mode_of_any_new_file(tmp_path):
+    from sweep import write_json
+
+    old = os.umask(0o027)
+    try:
+        vlmrm_utils.save_checkpoint(str(tmp_path / "checkpoint.pt"), {"w": torch.ones(1)})
+        vlmrm_utils.write_atomic(str(tmp_path / "episodes.csv"), lambda f: f.write(b"a\n"))
+        write_json(tmp_path / "state.json", {})
+        (tmp_path / "plain.txt").write_text("")  # what open() gives: the umask's, not mkstemp's 0o600
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in tmp_path.iterdir()}
+    assert set(modes.values()) == {"0o640"}, modes
