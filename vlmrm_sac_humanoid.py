@@ -256,6 +256,7 @@ def make_reward_model(args: Args, device: torch.device) -> CLIPReward:
     """The CLIP reward of the flags, on --reward-devices (one replica each) or else on `device`."""
     devices = [torch.device(name) for name in args.reward_devices] or [device]
     model, tokenizer = utils.load_clip(args, devices[0])
+    utils.warn_long_prompts(tokenizer, args)
     replicas = [(copy.deepcopy(model).to(d), d) for d in devices[1:]]  # copies: the same weights (even random test ones)
     family = [args.reward_family, args.negatives or (), args.temperature, args.threshold, args.soft, args.antialias]
     reward_model = CLIPReward(

@@ -520,6 +520,19 @@ def resolve_negatives(
     return negatives
 
 
+def warn_long_prompts(tokenizer, args) -> None:
+    """CLIP reads a prompt's first tokens only (77 with its start and end marks): say so when one is cut."""
+    if not hasattr(tokenizer, "encode"):  # open_clip's own tokenizer; a Hugging Face one is not checked
+        return
+    used = ["goal"] + ["baseline"] * (args.alpha > 0 and args.reward_family == "projection")
+    for flag in used + ["negatives"] * (args.reward_family == "softmax"):
+        for prompt in getattr(args, flag) or ():
+            tokens, read = len(tokenizer.encode(prompt)) + 2, tokenizer.context_length
+            if tokens > read:
+                shown = prompt if len(prompt) <= 60 else prompt[:57] + "..."
+                print(f"note: --{flag} {shown!r} is {tokens} tokens, and CLIP reads its first {read}: the rest is cut")
+
+
 def check_goal_direction(
     goal_embeddings: torch.Tensor, baseline_embeddings: torch.Tensor, alpha: float, flag: str = "--alpha"
 ) -> None:

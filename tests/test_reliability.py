@@ -658,3 +658,13 @@ def test_checkpoints_and_outputs_get_the_mode_of_any_new_file(tmp_path):
         os.umask(old)
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in tmp_path.iterdir()}
     assert set(modes.values()) == {"0o640"}, modes
+
+
+def test_a_prompt_longer_than_clip_reads_is_said_to_be_cut(in_tmp, capsys):
+    long = "a pole " * 40  # 80 words: 82 tokens with CLIP's start and end marks
+    for module in (classic, sac):
+        args = module.Args(clip_model=TINY_CLIP, clip_pretrained="none", goal=(long,), baseline=("a cart",), alpha=0.5)
+        module.make_reward_model(args, torch.device("cpu"))
+        out = capsys.readouterr().out
+        assert f"note: --goal '{long[:57]}...' is 82 tokens, and CLIP reads its first 77: the rest is cut" in out, out
+        assert "--baseline" not in out  # a short prompt: nothing said
