@@ -36,6 +36,8 @@ import torch.optim as optim
 
 import vlmrm_utils as utils
 
+mujoco.set_mju_user_warning(utils.mujoco_warning)  # not MUJOCO_LOG.TXT, which MuJoCo leaves in the working directory
+
 
 @dataclass
 class Args:  # the help of each flag is the comment after it

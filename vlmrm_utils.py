@@ -991,6 +991,16 @@ def make_vector_env(vector_env: type, env_fns: list) -> gym.vector.VectorEnv:
         signal.signal(signal.SIGTERM, handlers[1])
 
 
+MUJOCO_WARNED = []
+
+
+def mujoco_warning(message: str) -> None:
+    """MuJoCo's warnings (e.g. a NaN action: "the simulation is unstable"): the first of each process on stdout."""
+    if not MUJOCO_WARNED:
+        MUJOCO_WARNED.append(message)
+        print(f"warning: MuJoCo: {message.strip()} (its later warnings in this process are not shown)", flush=True)
+
+
 def die_with_parent(env_fn: Callable, parent: int) -> gym.Env:
     """An env worker process ends with the training process (Linux's PR_SET_PDEATHSIG): a SIGKILLed run left each worker
     printing a 30-line traceback of its broken pipe into the log. Not in the training process itself (gymnasium builds

@@ -668,3 +668,19 @@ def test_a_prompt_longer_than_clip_reads_is_said_to_be_cut(in_tmp, capsys):
         out = capsys.readouterr().out
         assert f"note: --goal '{long[:57]}...' is 82 tokens, and CLIP reads its first 77: the rest is cut" in out, out
         assert "--baseline" not in out  # a short prompt: nothing said
+
+
+def test_mujoco_warnings_leave_no_log_file_in_the_working_directory(tmp_path):
+    code = textwrap.dedent(f"""
+        import sys, numpy as np
+        sys.path.insert(0, {str(ROOT)!r})
+        import vlmrm_sac_humanoid as sac
+        env = sac.make_env("Humanoid-v5", 1, 0, 10, 32, "fast", False)()
+        env.reset(seed=1)
+        for _ in range(3):
+            env.step(np.full(17, np.nan, np.float32))  # what a policy with NaN weights would send
+    """)
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.count("warning: MuJoCo: Nan, Inf or huge value in CTRL") == 1, result.stdout
+    assert os.listdir(tmp_path) == [], os.listdir(tmp_path)  # no MUJOCO_LOG.TXT
