@@ -481,9 +481,10 @@ def main(args: Args) -> None:
     if args.evaluate is not None:
         eval_envs = gym.vector.SyncVectorEnv(eval_env_fns)
         q_network = QNetwork(eval_envs).to(device)
-        q_network.load_state_dict(utils.read_checkpoint(args.evaluate, Args, "--evaluate")["q_network"])
+        saved = utils.read_checkpoint(args.evaluate, Args, "--evaluate")
+        q_network.load_state_dict(saved["q_network"])
         results = evaluate(q_network, eval_envs, device, reward_model, args.eval_episodes, args.seed + 10_000)
-        return utils.save_episodes(results, run_name, fps=50)
+        return utils.save_episodes(results, saved.get("run_name", run_name), fps=50)  # the trained run's videos/ folder
 
     # autoreset off: we reset finished envs ourselves, so no reset frame or observation is ever stored as a transition
     envs = utils.make_vector_env(
@@ -624,7 +625,7 @@ def main(args: Args) -> None:
         )
         with SummaryWriter(f"runs/{run_name}") as eval_writer:
             for i, result in enumerate(results):
-                print(f"eval episode {i}: clip_return={result['clip_return']:.2f} gt_return={result['gt_return']:.1f}")
+                print(f"eval episode {i}: {utils.returns_text(result)}")
                 eval_writer.add_scalar("eval/gt_return", result["gt_return"], (iteration + 1) * args.num_envs)
 
 

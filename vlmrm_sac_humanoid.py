@@ -616,9 +616,10 @@ def main(args: Args) -> None:
     if args.evaluate is not None:  # gt: no CLIP weights needed
         eval_envs = gym.vector.SyncVectorEnv(eval_env_fns)
         reward_model, actor = make_reward_model(args, device) if args.reward == "clip" else None, Actor(eval_envs).to(device)
-        actor.load_state_dict(utils.read_checkpoint(args.evaluate, Args, "--evaluate")["actor"])
+        saved = utils.read_checkpoint(args.evaluate, Args, "--evaluate")
+        actor.load_state_dict(saved["actor"])
         results = evaluate(actor, eval_envs, device, reward_model, args.eval_episodes, args.seed + 10_000)
-        return utils.save_episodes(results, run_name, fps=30)
+        return utils.save_episodes(results, saved.get("run_name", run_name), fps=30)  # the trained run's videos/ folder
 
     reward_model = utils.reward_model_before_envs(args, device, make_reward_model)
     # autoreset off: we reset finished envs ourselves, so no reset frame or observation is ever stored as a transition

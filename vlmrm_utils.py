@@ -647,14 +647,26 @@ def save_video(frames: list[np.ndarray], path: str, fps: int) -> None:
 
 
 def save_episodes(results: list[dict], run_name: str, fps: int) -> None:
-    """--evaluate: each episode as an MP4 and its frames as PNGs under videos/<run_name>/eval-episode-<i>."""
+    """--evaluate: each episode as an MP4 and its frames as PNGs under videos/<run_name>/eval-episode-<i>, the trained
+    run's folder; an earlier evaluation there is replaced whole (a longer one would leave frames past this one's end)."""
+    stale = sorted(Path(f"videos/{run_name}").glob("eval-episode-*"))
+    for path in stale:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if stale:
+        print(f"replacing the earlier evaluation in videos/{run_name}/")
     for i, result in enumerate(results):
         folder = f"videos/{run_name}/eval-episode-{i}"
         save_video(result["frames"], folder + ".mp4", fps)
         os.makedirs(folder, exist_ok=True)
         for t, frame in enumerate(result["frames"]):
             imageio.imwrite(f"{folder}/frame-{t:04d}.png", frame)
-        print(f"eval episode {i}: clip_return={result['clip_return']:.2f} gt_return={result['gt_return']:.1f} -> {folder}.mp4")
+        print(f"eval episode {i}: {returns_text(result)} -> {folder}.mp4")
+
+
+def returns_text(result: dict) -> str:
+    """An evaluation episode's returns; the CLIP return only where there is one (not with --reward gt)."""
+    clip = f"clip_return={result['clip_return']:.2f} " if math.isfinite(result["clip_return"]) else ""
+    return f"{clip}gt_return={result['gt_return']:.1f}"
 
 
 def save_checkpoint(path: str, state: dict) -> None:

@@ -127,3 +127,17 @@ def test_the_first_eta_waits_for_measured_speed_and_the_last_is_zero(capsys, mon
     short.update(1000, final=True)  # a run shorter than the wait: done is done
     lines = capsys.readouterr().out.splitlines()
     assert "left ?" in lines[0] and "left 11s" in lines[1] and "left 0s" in lines[2] and "left 0s" in lines[3], lines
+
+
+def test_evaluate_writes_beside_the_trained_runs_videos_and_replaces_an_earlier_evaluation(in_tmp, capsys):
+    classic.main(classic.Args(**dict(GT_RUN, episode_length=30), total_timesteps=300, checkpoint_frequency=300))
+    run = only_run(in_tmp)
+    classic.main(classic.Args(evaluate=str(run / "checkpoint.pt"), eval_episodes=2))
+    classic.main(classic.Args(evaluate=str(run / "checkpoint.pt"), eval_episodes=1, episode_length=10))
+    assert [p.name for p in (in_tmp / "videos").iterdir()] == [run.name]  # the trained run's folder, not a new name's
+    videos = in_tmp / "videos" / run.name
+    assert sorted(p.name for p in videos.iterdir()) == ["eval-episode-0", "eval-episode-0.mp4"]  # nothing left of the first
+    assert len(list((videos / "eval-episode-0").glob("*.png"))) == 11  # not 31: no frames of the longer episode behind
+    out = capsys.readouterr().out
+    assert f"replacing the earlier evaluation in videos/{run.name}/" in out
+    assert "eval episode 0: gt_return=" in out and "clip_return" not in out  # --reward gt: no clip_return=nan
