@@ -108,12 +108,12 @@ def check_args(args: Args) -> None:
     utils.check_common_args(
         args, positive, "alpha gamma tau start_e end_e exploration_fraction", "q_network", DEFAULT_NEGATIVES
     )
+    if args.reward == "clip":  # the flags first, then whether the run fits
+        utils.check_clip_args(args)
     if args.evaluate is None:  # a rollout allocates no replay buffer
         probe = gym.make(args.env_id)  # cheap: no rendering, just the spaces
         env_bytes = 2.5e6 if args.reward == "clip" else 0  # measured: a rendering pygame env, its surfaces (100 to 400 envs)
         utils.check_resources(args, probe.observation_space, probe.action_space, (400, 600, 3), env_bytes)
-    if args.reward == "clip":
-        utils.check_clip_args(args)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -127,6 +127,8 @@ def check_args(args: Args) -> None:
     ]:
         if failed:
             raise utils.UserError(message)
+    if args.reward == "clip":  # the flags first, then whether the run fits
+        utils.check_clip_args(args)
     if args.evaluate is None:  # a rollout allocates no replay buffer
         probe = gym.make(args.env_id)  # cheap: no rendering, just the spaces
         frame_shape = (400, 600, 3) if mountain_car else (args.render_size, args.render_size, 3)
@@ -134,8 +136,6 @@ def check_args(args: Args) -> None:
         # a MountainCar one 40 MB; without rendering (gt) the envs live in this process, 2.5 MB each
         env_bytes = (40e6 if mountain_car else 180e6) if args.reward == "clip" else 2.5e6
         utils.check_resources(args, probe.observation_space, probe.action_space, frame_shape, env_bytes)
-    if args.reward == "clip":
-        utils.check_clip_args(args)
 
 
 # ----------------------------------------------------------------------------------------------

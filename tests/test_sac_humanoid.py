@@ -187,7 +187,7 @@ def test_clip_rewarded_smoke_run_trains_checkpoints_records_and_rolls_out(tmp_pa
     rollout = run_script(SCRIPT, *printed[1:], "--eval-episodes", "1", cwd=tmp_path)
     assert rollout.returncode == 0, rollout.stderr[-3000:]
     assert "clip_return=" in rollout.stdout
-    (eval_dir,) = [p for p in (tmp_path / "videos").iterdir() if p.name != run_dir.name]
+    eval_dir = tmp_path / "videos" / run_dir.name  # the trained run's folder, beside its training videos
     assert (eval_dir / "eval-episode-0.mp4").stat().st_size > 1000
     frames = sorted((eval_dir / "eval-episode-0").glob("frame-*.png"))
     assert len(frames) == 101 and imageio.imread(frames[0]).shape == (64, 64, 3)  # reset frame + 100 steps, at 64 px
