@@ -67,6 +67,7 @@ from vlmrm_utils import (
     all_finite,
     check_clip_args,
     check_goal_direction,
+    check_intact,
     check_new_folder,
     check_writable,
     load_clip,
@@ -245,6 +246,7 @@ def check_collect_args(args: Collect) -> Optional[dict]:
         which = "the checkpoint.pt of vlmrm_dqn_classic.py or vlmrm_sac_humanoid.py --save-model"
         if not os.path.isfile(args.policy):
             raise UserError(f"--policy {args.policy}: no such file; pass {which}.")
+        check_intact(args.policy, f"--policy {args.policy}", f"pass another copy, or {which}")
         try:  # a checkpoint.pt also holds RNG states and arrays: load only files you trust
             checkpoint = torch.load(args.policy, map_location="cpu", weights_only=False)
         except Exception as e:  # noqa: BLE001 - any unreadable file gets the same advice

@@ -48,6 +48,7 @@ from vlmrm_utils import (
     UserError,
     all_finite,
     check_clip_args,
+    check_intact,
     check_new_folder,
     check_output_file,
     new_partial_folder,
@@ -159,6 +160,7 @@ def load_checkpoint(path: str) -> tuple[dict, object, object]:
         raise UserError(f"{path} is a folder; pass {which} in it.")
     if not os.path.isfile(path):
         raise UserError(f"{path}: no such file; pass {which}.")
+    check_intact(path, path, f"pass another copy, or {which}")
     try:  # our own files hold RNG states and arrays: weights_only=False, so only roll out checkpoints you trust
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file

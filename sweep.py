@@ -8,12 +8,14 @@ and resumes the others; each run's final numbers end up in sweeps/<sweep>/sweep.
 
 import contextlib
 import csv
+import dataclasses
 import fcntl
 import hashlib
 import importlib.util
 import io
 import itertools
 import json
+import logging
 import os
 import re
 import select
@@ -183,7 +185,8 @@ class PointJob(submitit.helpers.Checkpointable):
             "run_dir": str(run or ""),
             "wall_s": state.get("wall_s", 0.0) + time.time() - self._start,
             "segments": state.get("segments", 0) + 1,
-            "last_line": next((line.strip() for line in reversed(text.splitlines()) if line.strip()), ""),
+            "last_line": next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
+            or f"exit code {rc} without printing anything (see {self.folder / 'train.log'})",
         }
         write_json(self.folder / "state.json", result)
         if status == "done":
@@ -253,6 +256,9 @@ def write_json(path: Path, data: dict) -> None:
     """Atomic: a temporary file renamed over the old one, so a kill mid-write leaves the old file or the new, never half."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
+        mask = os.umask(0o022)  # mkstemp's 0o600 would stay on the file: the mode open() gives, as other outputs
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(data))
             f.flush()
@@ -286,15 +292,24 @@ def slug(text: str) -> str:
 def grid_points(grid: tuple[str, ...], fixed: list[str], script: Path) -> list[tuple[list, list[str], object]]:
     """Every point of the grid: its (flag, value) pairs, its flags, and those flags parsed by the script's own parser,
     so a typo fails here, not in 40 queued jobs. Importing a script runs nothing: its main is behind __main__."""
+    advice = "pass a training script such as vlmrm_dqn_classic.py"
+    if script.suffix != ".py":
+        raise UserError(f"--script {script.name} is not a Python file (.py); {advice}.")
     spec = importlib.util.spec_from_file_location(script.stem, script)
     module = importlib.util.module_from_spec(spec)
     sys.modules[script.stem] = module  # tyro reads the flags' help from the source
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - a syntax error, a missing import: the script's problem, said in one line
+        raise UserError(f"--script {script.name} cannot be imported ({type(e).__name__}: {str(e)[:120]}); {advice}.") from None
+    if not dataclasses.is_dataclass(getattr(module, "Args", None)):
+        raise UserError(f"--script {script.name} has no Args dataclass of flags to sweep; {advice}.")
     types = {f.name.replace("_", "-"): f.type for f in fields(module.Args)}
     axes = []
     for item in grid:  # alpha=0,0.5 -> ("alpha", ["0", "0.5"])
         key, sep, values = item.partition("=")
         key, split = key.strip().lstrip("-").replace("_", "-"), values.split("|" if "|" in values else ",")
+        split = [v.strip() for v in split]  # `goal=pole up|pole up ` is one prompt typed twice, never two points
         if not sep or not key or any(not v.strip() for v in split):
             raise UserError(f"--grid {item!r} is not flag=value1,value2,... (e.g. alpha=0,0.5).")
         if key not in types:
@@ -336,6 +351,7 @@ def final_numbers(run_dir: Optional[str], last: int) -> dict:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    logging.getLogger("tensorboard").setLevel(logging.ERROR)  # a resumed run's purge is expected: no warning in the table
     acc.Reload()
     tags, out = acc.Tags()["scalars"], {}
     if "charts/episodic_length" in tags:
@@ -370,14 +386,26 @@ def main(args: Args, fixed: list[str]) -> None:
         print("sbatch is installed but no SLURM controller answers (`scontrol ping`): running locally", flush=True)
     cluster = "slurm" if slurm else "local"
     root, points = Path("sweeps", name).resolve(), []
-    if root.is_dir():  # a second sweep into this folder is refused at once; a new folder is made only for a valid grid
+    for folder in (root.parent, root):
+        if folder.exists() and not folder.is_dir():
+            raise UserError(f"--name {name}: {folder} is a file, not a folder; move it away or choose another --name.")
+    held = root.is_dir()
+    if held:  # a second sweep into this folder is refused at once; a new folder is made only for a valid grid
         hold_sweep(root, name)
     grid = grid_points(args.grid, fixed, script)
-    if not root.is_dir():
+    if not held:  # locked here even if the folder appeared meanwhile: another sweep started at the same moment
         hold_sweep(root, name)
-    for values, flags, parsed in grid:
+    commands = []
+    for values, flags, parsed in grid:  # every point checked before any is written
         point_id = slug("_".join(f"{k}={v}" for k, v in values) or "point")
-        command = [str(script), *flags, "--exp-name", f"{name}-{point_id}", *SWEEP_FLAGS]
+        commands.append((point_id, [str(script), *flags, "--exp-name", f"{name}-{point_id}", *SWEEP_FLAGS]))
+        ran, now = (read_json(root / point_id / "point.json") or {}).get("command"), commands[-1][1]
+        if ran and [Path(ran[0]).name, *ran[1:]] != [script.name, *now[1:]]:  # a point is its whole command
+            raise UserError(
+                f"sweep {name} already has the point {point_id} run as `{shlex.join([Path(ran[0]).name, *ran[1:]])}`, "
+                f"not `{shlex.join([script.name, *now[1:]])}`; pass a new --name for other flags."
+            )
+    for (values, flags, parsed), (point_id, command) in zip(grid, commands):
         points.append(
             {
                 "values": dict(values),

@@ -110,11 +110,12 @@ def check_args(args: Args) -> None:
     utils.check_common_args(
         args, positive, "alpha gamma tau start_e end_e exploration_fraction", "q_network", DEFAULT_NEGATIVES
     )
+    if args.reward == "clip":  # the flags first, then whether the run fits
+        utils.check_clip_args(args)
     if args.evaluate is None:  # a rollout allocates no replay buffer
         probe = gym.make(args.env_id)  # cheap: no rendering, just the spaces
-        utils.check_resources(args, probe.observation_space, probe.action_space, (400, 600, 3))
-    if args.reward == "clip":
-        utils.check_clip_args(args)
+        env_bytes = 2.5e6 if args.reward == "clip" else 0  # measured: a rendering pygame env, its surfaces (100 to 400 envs)
+        utils.check_resources(args, probe.observation_space, probe.action_space, (400, 600, 3), env_bytes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -238,6 +239,7 @@ def make_reward_model(args: Args, device: torch.device) -> CLIPReward:
     """The CLIP reward of the flags, on --reward-devices (one replica each) or else on `device`."""
     devices = [torch.device(name) for name in args.reward_devices] or [device]
     model, tokenizer = utils.load_clip(args, devices[0])
+    utils.warn_long_prompts(tokenizer, args)
     replicas = [(copy.deepcopy(model).to(d), d) for d in devices[1:]]  # copies: the same weights (even random test ones)
     family = [args.reward_family, args.negatives or (), args.temperature, args.threshold, args.soft, args.antialias]
     dtype = getattr(torch, args.clip_dtype) if devices[0].type == "cuda" else torch.float32  # CPUs gain nothing from half
@@ -527,9 +529,10 @@ def main(args: Args) -> None:
     if args.evaluate is not None:
         eval_envs = gym.vector.SyncVectorEnv(eval_env_fns)
         q_network = QNetwork(eval_envs).to(device)
-        q_network.load_state_dict(torch.load(args.evaluate, map_location=device, weights_only=False)["q_network"])
+        saved = utils.read_checkpoint(args.evaluate, Args, "--evaluate")
+        q_network.load_state_dict(saved["q_network"])
         results = evaluate(q_network, eval_envs, device, reward_model, args.eval_episodes, args.seed + 10_000)
-        return utils.save_episodes(results, run_name, fps=50)
+        return utils.save_episodes(results, saved.get("run_name", run_name), fps=50)  # the trained run's videos/ folder
 
     # autoreset off: we reset finished envs ourselves, so no reset frame or observation is ever stored as a transition
     frame_shape = (400, 600, 3)  # the pygame frames are 600x400
@@ -541,7 +544,6 @@ def main(args: Args) -> None:
             utils.say_reward_model_cost(reward_model, args, frame_shape)
         eval_envs = gym.vector.SyncVectorEnv(eval_env_fns) if args.capture_video else None
         num_iterations, start_iteration = args.total_timesteps // args.num_envs, checkpoint["iteration"] if checkpoint else 0
-        run_name, writer = utils.start_run(args, run_name, checkpoint, device)
 
         q_network = QNetwork(envs).to(device)
         optimizer = optim.Adam(q_network.parameters(), lr=args.learning_rate, fused=True)  # one kernel per step
@@ -551,7 +553,8 @@ def main(args: Args) -> None:
         # everything a gradient step changes, by name: checkpointed and restored together
         learner = dict(q_network=q_network, target_network=target_network, optimizer=optimizer)
         networks = lambda: dict(q_network=q_network.state_dict())  # noqa: E731
-        utils.check_checkpoint_disk(args, networks())
+        utils.check_checkpoint_disk(args, networks(), rb)  # before the run folder: a refused run leaves none
+        run_name, writer = utils.start_run(args, run_name, checkpoint, device)
         # epsilon's schedule keeps the length of the run as first started, when --resume extends it
         schedule_steps = checkpoint["schedule_steps"] if checkpoint else args.total_timesteps
 
@@ -664,7 +667,7 @@ def main(args: Args) -> None:
         )
         with SummaryWriter(f"runs/{run_name}") as eval_writer:
             for i, result in enumerate(results):
-                print(f"eval episode {i}: clip_return={result['clip_return']:.2f} gt_return={result['gt_return']:.1f}")
+                print(f"eval episode {i}: {utils.returns_text(result)}")
                 eval_writer.add_scalar("eval/gt_return", result["gt_return"], (iteration + 1) * args.num_envs)
 
 

@@ -37,6 +37,8 @@ import torch.optim as optim
 
 import vlmrm_utils as utils
 
+mujoco.set_mju_user_warning(utils.mujoco_warning)  # not MUJOCO_LOG.TXT, which MuJoCo leaves in the working directory
+
 
 @dataclass
 class Args:  # the help of each flag is the comment after it
@@ -127,12 +129,15 @@ def check_args(args: Args) -> None:
     ]:
         if failed:
             raise utils.UserError(message)
+    if args.reward == "clip":  # the flags first, then whether the run fits
+        utils.check_clip_args(args)
     if args.evaluate is None:  # a rollout allocates no replay buffer
         probe = gym.make(args.env_id)  # cheap: no rendering, just the spaces
         frame_shape = (400, 600, 3) if mountain_car else (args.render_size, args.render_size, 3)
-        utils.check_resources(args, probe.observation_space, probe.action_space, frame_shape)
-    if args.reward == "clip":
-        utils.check_clip_args(args)
+        # measured (2 and 6 envs, Mesa's software EGL): a MuJoCo worker process that renders 180 MB (224 or 480 pixels),
+        # a MountainCar one 40 MB; without rendering (gt) the envs live in this process, 2.5 MB each
+        env_bytes = (40e6 if mountain_car else 180e6) if args.reward == "clip" else 2.5e6
+        utils.check_resources(args, probe.observation_space, probe.action_space, frame_shape, env_bytes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,6 +261,7 @@ def make_reward_model(args: Args, device: torch.device) -> CLIPReward:
     """The CLIP reward of the flags, on --reward-devices (one replica each) or else on `device`."""
     devices = [torch.device(name) for name in args.reward_devices] or [device]
     model, tokenizer = utils.load_clip(args, devices[0])
+    utils.warn_long_prompts(tokenizer, args)
     replicas = [(copy.deepcopy(model).to(d), d) for d in devices[1:]]  # copies: the same weights (even random test ones)
     family = [args.reward_family, args.negatives or (), args.temperature, args.threshold, args.soft, args.antialias]
     dtype = getattr(torch, args.clip_dtype) if devices[0].type == "cuda" else torch.float32  # CPUs gain nothing from half
@@ -658,9 +664,10 @@ def main(args: Args) -> None:
     if args.evaluate is not None:  # gt: no CLIP weights needed
         eval_envs = gym.vector.SyncVectorEnv(eval_env_fns)
         reward_model, actor = make_reward_model(args, device) if args.reward == "clip" else None, Actor(eval_envs).to(device)
-        actor.load_state_dict(torch.load(args.evaluate, map_location=device, weights_only=False)["actor"])
+        saved = utils.read_checkpoint(args.evaluate, Args, "--evaluate")
+        actor.load_state_dict(saved["actor"])
         results = evaluate(actor, eval_envs, device, reward_model, args.eval_episodes, args.seed + 10_000)
-        return utils.save_episodes(results, run_name, fps=30)
+        return utils.save_episodes(results, saved.get("run_name", run_name), fps=30)  # the trained run's videos/ folder
 
     reward_model = utils.reward_model_before_envs(args, device, make_reward_model)
     # autoreset off: we reset finished envs ourselves, so no reset frame or observation is ever stored as a transition
@@ -676,7 +683,6 @@ def main(args: Args) -> None:
             utils.say_reward_model_cost(reward_model, args, frame_shape)
         eval_envs = gym.vector.SyncVectorEnv(eval_env_fns) if args.capture_video else None
         num_iterations, start_iteration = args.total_timesteps // args.num_envs, checkpoint["iteration"] if checkpoint else 0
-        run_name, writer = utils.start_run(args, run_name, checkpoint, device)
 
         actor = Actor(envs).to(device)
         qf1, qf2, qf1_target, qf2_target = (SoftQNetwork(envs).to(device) for _ in range(4))
@@ -693,7 +699,8 @@ def main(args: Args) -> None:
         learner = dict(actor=actor, qf1=qf1, qf2=qf2, qf1_target=qf1_target, qf2_target=qf2_target, q_optimizer=q_optimizer)
         learner.update(actor_optimizer=actor_optimizer, ent_coef_optimizer=ent_coef_optimizer)
         networks = lambda: dict(actor=actor.state_dict(), qf1=qf1.state_dict(), qf2=qf2.state_dict())  # noqa: E731
-        utils.check_checkpoint_disk(args, networks())
+        utils.check_checkpoint_disk(args, networks(), rb)  # before the run folder: a refused run leaves none
+        run_name, writer = utils.start_run(args, run_name, checkpoint, device)
         low, high = envs.single_action_space.low, envs.single_action_space.high
         action_scale, action_bias = (high - low) / 2.0, (high + low) / 2.0  # as the actor's, on the host: no device sync
 
@@ -798,7 +805,7 @@ def main(args: Args) -> None:
                 if not finite:  # e.g. a resumed checkpoint that was not finite already
                     losses = f"qf_loss {qf_loss.item()}, actor_loss {actor_loss.item()}"
                     last_finite.stop(f"a SAC loss ({losses}) is not finite in the training phase at step {global_step}",
-                                     hint="; lower --q-lr / --policy-lr or check the rewards")  # fmt: skip
+                                     hint="; lower --q-lr / --policy-lr / --ent-coef or check the rewards")  # fmt: skip
                 timing["learning"] += time.perf_counter() - t0
 
                 if iteration % (10 * args.train_frequency) == 0:

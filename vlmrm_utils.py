@@ -7,6 +7,7 @@ imports a training script: each passes its `Args` class or values in.
 """
 
 import copy
+import fcntl
 import logging
 import math
 import os
@@ -16,7 +17,9 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
+import zipfile
 from collections import deque
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -61,9 +64,9 @@ def cli(main: Callable, args_class: type) -> None:
 # ----------------------------------------------------------------------------------------------
 def check_common_args(args, positive: str, unit_interval: str, network: str, default_negatives: dict) -> None:
     """The checks both training scripts share, each one sentence, before anything expensive starts."""
-    for name in positive.split():
-        if not getattr(args, name) > 0:
-            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
+    for name in positive.split():  # inf passes `> 0` and fails at the first update: finite too
+        if not 0 < getattr(args, name) < math.inf:
+            raise UserError(f"--{name.replace('_', '-')} must be positive and finite, got {getattr(args, name)}.")
     for name in unit_interval.split():
         if not 0 <= getattr(args, name) <= 1:
             raise UserError(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}.")
@@ -82,6 +85,7 @@ def check_common_args(args, positive: str, unit_interval: str, network: str, def
         ),
         (not 0 < args.temperature < math.inf, f"--temperature must be a positive number, got {args.temperature}."),
         (not 0 < args.threshold < 1, f"--threshold must be in (0, 1), got {args.threshold}."),
+        (args.learning_starts < 0, f"--learning-starts must be 0 or more, got {args.learning_starts}."),
         (
             args.learning_starts >= args.total_timesteps,
             f"--learning-starts {args.learning_starts} is not below --total-timesteps {args.total_timesteps}; "
@@ -105,6 +109,25 @@ def check_common_args(args, positive: str, unit_interval: str, network: str, def
     check_writable("runs")
     if args.capture_video or args.evaluate is not None:
         check_writable("videos")
+    if args.track and args.evaluate is None:
+        check_wandb_login()
+
+
+def check_wandb_login() -> None:
+    """--track needs a W&B login, or an offline mode: wandb.init's own error is a traceback once the run folder exists."""
+    import contextlib
+    import io
+
+    try:
+        import wandb
+    except ImportError:
+        raise UserError("--track needs the wandb package: pip install wandb, or drop --track.") from None
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled"):
+        return
+    with contextlib.redirect_stderr(io.StringIO()):  # wandb.init says the same again moments later
+        logged_in = wandb.login(prompt=False, verify=False)  # verify=False: no network round trip here
+    if not logged_in:
+        raise UserError("--track found no W&B login here; log in with `wandb login`, or set WANDB_MODE=offline.")
 
 
 def is_device(name: str) -> bool:
@@ -257,6 +280,7 @@ def write_atomic(path: str, write: Callable) -> None:
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.")
+        os.fchmod(fd, new_file_mode())
         with os.fdopen(fd, "wb") as f:
             write(f)
         os.replace(tmp, path)
@@ -268,26 +292,85 @@ def write_atomic(path: str, write: Callable) -> None:
         raise
 
 
-def check_resources(args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple) -> None:
-    """Refuse a run whose replay buffer, pending frames and sampled batch do not fit in the available memory."""
+def frames_in_flight(args) -> tuple[int, int]:
+    """(frames the loop holds at once, frames scored in one go). Transitions wait until each reward device has a chunk
+    (whole vector steps, at least one); when scored, the waiting list, the batch np.concatenate makes of it and the next
+    vector step's render are held together (measured: frames + env surfaces = 4.5 MB a CartPole env at 100 to 400 envs).
+    A reward model scoring beside the envs (in a thread) holds its chunks in flight too: count them here."""
+    chunks = args.reward_batch_size * max(1, len(args.reward_devices))
+    waiting = -(-chunks // args.num_envs) * args.num_envs
+    return 2 * waiting + args.num_envs, waiting
+
+
+def memory_needs(args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple, env_bytes: float) -> dict:
+    """{what: (the flag that sets it, bytes)}: the memory a run allocates beyond the process as it is when checked
+    (Python, torch and the libraries are loaded by then). `env_bytes`: one env's objects or process, measured per script."""
     action_bytes = 8 if isinstance(action_space, gym.spaces.Discrete) else 4 * int(np.prod(action_space.shape))
     transition = 2 * 4 * int(np.prod(observation_space.shape)) + action_bytes + 4 + 4  # obs, next_obs, action, reward, done
-    frames = args.reward_batch_size * max(1, len(args.reward_devices)) + args.num_envs  # awaiting their reward
-    needs = {  # --resume loads the saved buffer before copying it in: a run saving it must fit it twice
-        "--buffer-size": args.buffer_size * transition * (2 if args.save_buffer and args.resume is None else 1),
-        "--reward-batch-size": frames * int(np.prod(frame_shape)) if args.reward == "clip" else 0,
-        "--batch-size": args.batch_size * (transition + 16 * 256 * 4),  # with the activations of ~16 layers of 256 floats
+    held, waiting = frames_in_flight(args)
+    frame, clip = int(np.prod(frame_shape)), args.reward == "clip"
+    copies = 2 if args.save_buffer and args.resume is None else 1  # --resume loads the saved buffer, then copies it in
+    needs = {
+        "--buffer-size": ("--buffer-size", args.buffer_size * transition * copies),
+        "--batch-size": ("--batch-size", args.batch_size * (transition + 16 * 256 * 4)),  # + activations, ~16 layers of 256
+        f"{args.num_envs} envs": ("--num-envs", args.num_envs * env_bytes),
+        "frames in flight": ("--num-envs" if waiting == args.num_envs else "--reward-batch-size", held * frame * clip),
     }
-    total, available, gib = sum(needs.values()), available_memory(), 2**30
+    cuda = args.cuda and torch.cuda.is_available()
+    if clip and all(torch.device(d).type == "cpu" for d in args.reward_devices or ["cuda" if cuda else "cpu"]):
+        # CLIP on the CPU: its weights (float32), and each chunk's frames as float32 before the squash to its input size
+        needs["CLIP weights"] = ("--clip-model", 4 * clip_parameters(args.clip_model))
+        needs["CLIP input"] = ("--reward-batch-size", 4 * min(args.reward_batch_size, waiting) * frame)
+    return needs
+
+
+def new_file_mode() -> int:
+    """The mode open() gives a new file, 0o666 less the umask: mkstemp's 0o600 would stay on the renamed output."""
+    try:
+        with open("/proc/self/status") as f:  # read, not set: os.umask() changes it for every thread meanwhile
+            return 0o666 & ~next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return 0o666 & ~mask
+
+
+def check_resources(args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple, env_bytes: float) -> int:
+    """Refuse a run whose buffer, batch, envs, frames in flight and CPU CLIP do not fit in the available memory; the
+    estimate (bytes)."""
+    needs = memory_needs(args, observation_space, action_space, frame_shape, env_bytes)
+    total, available, gib = sum(v for _, v in needs.values()), available_memory(), 2**30
     if total > gib or (available and total > 0.25 * available):  # said only when it matters (not 0.00 GiB for CartPole)
-        print(f"memory: {total / gib:.2f} GiB (" + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in needs.items()) + ")", end="")
-        print(f", {available / gib:.1f} GiB available" if available else "")
+        terms = ", ".join(f"{k} {v / gib:.2f}" for k, (_, v) in needs.items() if v >= 0.005 * gib)
+        print(f"memory: {total / gib:.2f} GiB ({terms} GiB)" + (f", {available / gib:.1f} GiB available" if available else ""))
     if available and total > 0.9 * available:
-        flag = max(needs, key=needs.get)
+        by_flag: dict = {}
+        for flag, value in needs.values():
+            by_flag[flag] = by_flag.get(flag, 0) + value
+        flag = max(by_flag, key=by_flag.get)
+        advice = "use a GPU or a smaller --clip-model" if flag == "--clip-model" else f"lower {flag}"
         raise UserError(
             f"{flag} {getattr(args, flag[2:].replace('-', '_'))} makes the run need {total / gib:.1f} GiB of memory, "
-            f"but {available / gib:.1f} GiB is available; lower {flag}."
+            f"but {available / gib:.1f} GiB is available; {advice}."
         )
+    return total
+
+
+def clip_parameters(model: str) -> int:
+    """The parameters of an open_clip architecture (or model config), counted on the meta device: no memory, well under
+    a second even for ViT-bigG-14; 0 when the name is unknown (check_clip_args says so)."""
+    import open_clip
+
+    logging.disable(logging.WARNING)  # the model counted here has random weights, as open_clip would warn
+    try:
+        if model.endswith(".json"):
+            open_clip.add_model_config(model)
+        with torch.device("meta"):
+            return sum(p.numel() for p in open_clip.create_model(Path(model).stem, device="meta").parameters())
+    except Exception:  # noqa: BLE001 - a bad name or config: refused later, in one sentence
+        return 0
+    finally:
+        logging.disable(logging.NOTSET)
 
 
 def available_memory() -> int:
@@ -305,6 +388,7 @@ def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict
     if not os.path.isfile(path):  # a folder, a named pipe (torch.load would wait on it forever), nothing at all
         what = "is a folder" if os.path.isdir(path) else "is not a regular file" if os.path.exists(path) else "does not exist"
         raise UserError(f"{flag} {path} {what}; pass a checkpoint.pt of {script}.")
+    check_intact(path, f"{flag} {path}", "pass another checkpoint.pt")
     try:  # our own file with RNG states and arrays: weights_only=False, so only load checkpoints you trust
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file
@@ -319,7 +403,51 @@ def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict
             f"--resume {path} belongs to runs/{checkpoint['run_name']}/, not to {os.path.dirname(path) or '.'}/; "
             "resume it from the folder that holds that run (or move the whole run folder there)."
         )
+    if flag == "--resume":  # said now, before anything starts; start_run takes the lock itself
+        lock_run(checkpoint["run_name"], keep=False)
     return checkpoint
+
+
+RUN_LOCKS: dict[str, int] = {}  # runs/<run>/run.lock of the run this process trains -> its open file
+
+
+def lock_run(run_name: str, keep: bool = True) -> None:
+    """One process trains a run folder: an flock the kernel drops when its holder ends (even by SIGKILL, never stale),
+    so a --resume of a run still training is refused. Held (keep), the files a killed writer left (*.tmp) are removed."""
+    path = os.path.abspath(f"runs/{run_name}/run.lock")
+    if path in RUN_LOCKS or not (keep or os.path.exists(path)):
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise UserError(f"runs/{run_name} is being trained by another process (pid {holder}); wait for it to end.") from None
+    if not keep:
+        return os.close(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    RUN_LOCKS[path] = fd
+    for tmp in Path(f"runs/{run_name}").glob("**/*.pt.*.tmp"):  # save_checkpoint's, of a writer killed mid-write
+        tmp.unlink()
+        print(f"removed {tmp}, left half-written by a run that was killed")
+
+
+def check_intact(path: str, name: str, advice: str) -> None:
+    """Every loaded checkpoint first: torch.save's zip keeps a CRC-32 of each entry, and a flipped byte in the weights (a
+    bad disk, a damaged copy) would otherwise load silently as another number. A file that is no zip: torch.load says."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except Exception:  # noqa: BLE001 - not a zip (truncated, foreign): left to torch.load's own error
+        return
+    with archive:
+        try:
+            damaged = archive.testzip() is not None
+        except Exception:  # noqa: BLE001 - a header field itself flipped (a length, a compression method)
+            damaged = True
+    if damaged:
+        raise UserError(f"{name} is damaged: its bytes do not match the checksums saved in it (a bad disk or copy); {advice}.")
 
 
 def resumed_args(args, checkpoint: dict):
@@ -397,6 +525,19 @@ def resolve_negatives(
     return negatives
 
 
+def warn_long_prompts(tokenizer, args) -> None:
+    """CLIP reads a prompt's first tokens only (77 with its start and end marks): say so when one is cut."""
+    if not hasattr(tokenizer, "encode"):  # open_clip's own tokenizer; a Hugging Face one is not checked
+        return
+    used = ["goal"] + ["baseline"] * (args.alpha > 0 and args.reward_family == "projection")
+    for flag in used + ["negatives"] * (args.reward_family == "softmax"):
+        for prompt in getattr(args, flag) or ():
+            tokens, read = len(tokenizer.encode(prompt)) + 2, tokenizer.context_length
+            if tokens > read:
+                shown = prompt if len(prompt) <= 60 else prompt[:57] + "..."
+                print(f"note: --{flag} {shown!r} is {tokens} tokens, and CLIP reads its first {read}: the rest is cut")
+
+
 def check_goal_direction(
     goal_embeddings: torch.Tensor, baseline_embeddings: torch.Tensor, alpha: float, flag: str = "--alpha"
 ) -> None:
@@ -452,15 +593,8 @@ def fetch_clip_weights(args) -> bool:
         pass
     finally:
         hub.HF_HUB_OFFLINE = offline
-    logging.disable(logging.WARNING)  # the model counted here has random weights, as open_clip would warn
-    try:  # counted on the meta device: no memory, well under a second even for ViT-bigG-14
-        with torch.device("meta"):
-            params = sum(p.numel() for p in open_clip.create_model(name, device="meta").parameters())
-        size = f" ({params / 1e6:,.0f}M parameters, about {params * 4 / 1e9:.1f} GB as float32)"
-    except Exception:  # noqa: BLE001 - the size is a courtesy
-        size = ""
-    finally:
-        logging.disable(logging.NOTSET)
+    params = clip_parameters(args.clip_model)
+    size = f" ({params / 1e6:,.0f}M parameters, about {params * 4 / 1e9:.1f} GB as float32)" if params else ""
     where = cache or "the Hugging Face cache"
     print(f"fetching the {name}/{args.clip_pretrained} CLIP weights{size} from {hub.ENDPOINT} into {where}", flush=True)
     why = "HF_HUB_OFFLINE is set and they are not in the cache" if offline else can_reach(hub.ENDPOINT)
@@ -529,14 +663,26 @@ def save_video(frames: list[np.ndarray], path: str, fps: int) -> None:
 
 
 def save_episodes(results: list[dict], run_name: str, fps: int) -> None:
-    """--evaluate: each episode as an MP4 and its frames as PNGs under videos/<run_name>/eval-episode-<i>."""
+    """--evaluate: each episode as an MP4 and its frames as PNGs under videos/<run_name>/eval-episode-<i>, the trained
+    run's folder; an earlier evaluation there is replaced whole (a longer one would leave frames past this one's end)."""
+    stale = sorted(Path(f"videos/{run_name}").glob("eval-episode-*"))
+    for path in stale:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if stale:
+        print(f"replacing the earlier evaluation in videos/{run_name}/")
     for i, result in enumerate(results):
         folder = f"videos/{run_name}/eval-episode-{i}"
         save_video(result["frames"], folder + ".mp4", fps)
         os.makedirs(folder, exist_ok=True)
         for t, frame in enumerate(result["frames"]):
             imageio.imwrite(f"{folder}/frame-{t:04d}.png", frame)
-        print(f"eval episode {i}: clip_return={result['clip_return']:.2f} gt_return={result['gt_return']:.1f} -> {folder}.mp4")
+        print(f"eval episode {i}: {returns_text(result)} -> {folder}.mp4")
+
+
+def returns_text(result: dict) -> str:
+    """An evaluation episode's returns; the CLIP return only where there is one (not with --reward gt)."""
+    clip = f"clip_return={result['clip_return']:.2f} " if math.isfinite(result["clip_return"]) else ""
+    return f"{clip}gt_return={result['gt_return']:.1f}"
 
 
 def save_checkpoint(path: str, state: dict) -> None:
@@ -544,6 +690,7 @@ def save_checkpoint(path: str, state: dict) -> None:
     folder = os.path.dirname(path) or "."
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")  # own temp file per write
     try:
+        os.fchmod(fd, new_file_mode())
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
             f.flush()
@@ -552,9 +699,9 @@ def save_checkpoint(path: str, state: dict) -> None:
     except BaseException as e:
         os.unlink(tmp)
         cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__  # torch wraps a full disk in a RuntimeError
-        if isinstance(e, (OSError, RuntimeError)):
+        if isinstance(e, (OSError, RuntimeError)):  # the machine's failure, not the input's: exit code 1 (see cli)
             why = getattr(cause, "strerror", None) or str(e).splitlines()[0][:120]
-            raise UserError(f"could not write {path} ({why}); the previous file there is intact.") from None
+            raise OSError(f"could not write {path} ({why}); the previous file there is intact.") from None
         raise
     dir_fd = os.open(folder, os.O_RDONLY)
     os.fsync(dir_fd)  # the rename itself survives a power cut
@@ -672,17 +819,18 @@ def start_run(args, run_name: str, checkpoint: Optional[dict], device: torch.dev
     """The run folder (new, or the resumed run's own), W&B when --track, and TensorBoard; prints what runs where."""
     if checkpoint is None:
         run_name = make_run_folder(run_name)
+    lock_run(run_name)
     if args.track:  # as CleanRL: W&B mirrors the TensorBoard logs, with the flags as config and the script's code
         import wandb
 
         resumed = {"id": checkpoint["wandb_id"], "resume": "allow"} if checkpoint and checkpoint.get("wandb_id") else {}
-        wandb.init(
+        wandb.init(  # W&B's own folder is ./wandb, as CleanRL's: inside runs/<run> it would sync copies of itself
             project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args),
-            name=run_name, dir=f"runs/{run_name}", save_code=True, **resumed,
+            name=run_name, save_code=True, **resumed,
         )  # fmt: skip
     # purge_step drops what a crashed run logged after its checkpoint: from the first step still pending in it
     purge_step = (checkpoint["iteration"] - len(checkpoint["pending"]["obs"])) * args.num_envs if checkpoint else None
-    writer = SummaryWriter(f"runs/{run_name}", purge_step=purge_step)
+    writer = name_write_errors(SummaryWriter(f"runs/{run_name}", purge_step=purge_step))
     if checkpoint is None:
         table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
         writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
@@ -692,6 +840,29 @@ def start_run(args, run_name: str, checkpoint: Optional[dict], device: torch.dev
         + (f", resumed at step {checkpoint['global_step']}" if checkpoint else "")
     )
     return run_name, writer
+
+
+def name_write_errors(writer: SummaryWriter) -> SummaryWriter:
+    """TensorBoard writes from a thread: a full disk there printed the thread's traceback, then surfaced at a later
+    add_scalar naming no file. The thread is quiet now (its error still surfaces) and the error names the event file."""
+    threading.excepthook = lambda hook: (
+        None if type(hook.thread).__name__ == "_AsyncWriterThread" and isinstance(hook.exc_value, OSError)
+        else threading.__excepthook__(hook)
+    )  # fmt: skip
+    event_writer = writer.file_writer.event_writer
+    path, queue = event_writer._file_name, event_writer._async_writer  # the private parts of tensorboard 2.x's writer
+
+    def named(call: Callable) -> Callable:
+        def call_named(*args):
+            try:
+                return call(*args)
+            except OSError as e:
+                raise OSError(f"could not write {os.path.relpath(path)} ({e.strerror or e}); free some disk space") from None
+
+        return call_named
+
+    queue._check_worker_status, queue.close = named(queue._check_worker_status), named(queue.close)
+    return writer
 
 
 class EpisodeLog:
@@ -793,20 +964,29 @@ def save_step_checkpoint(run_name: str, step: int, networks: dict, args, clip_re
     save_checkpoint(f"runs/{run_name}/checkpoints/step-{step}.pt", state)
 
 
-def check_checkpoint_disk(args, networks: dict[str, dict]) -> None:
-    """With --save-model every --checkpoint-frequency steps leaves a file of the networks: say the disk cost, and
-    refuse a run whose checkpoints would not fit on the disk."""
+def check_checkpoint_disk(args, networks: dict[str, dict], rb) -> None:
+    """With --save-model: say the disk the checkpoints take, and refuse a run whose checkpoints would not fit. Each
+    --checkpoint-frequency steps leaves a file of the networks; checkpoint.pt, the run state (networks, targets, Adam's
+    moments: at most 4x the networks, and the replay buffer with --save-buffer), exists twice while it is replaced."""
     if not args.save_model:
         return
     size = sum(p.numel() * p.element_size() for m in networks.values() for p in m.values()) + 2**16
-    count = args.total_timesteps // args.checkpoint_frequency
-    free, total = shutil.disk_usage(os.path.abspath("runs") if os.path.isdir("runs") else ".").free, size * count
-    print(f"checkpoints: {count} of {size / 2**20:.1f} MiB (networks, no buffer) = {total / 2**30:.2f} GiB in runs/")
+    buffer = sum(v.nbytes for v in rb.data.values()) if args.save_buffer else 0
+    count, state = args.total_timesteps // args.checkpoint_frequency, 4 * size + buffer
+    free, total = shutil.disk_usage(os.path.abspath("runs") if os.path.isdir("runs") else ".").free, size * count + 2 * state
+    steps = f"{count} step checkpoint{'s' * (count > 1)} of {format_bytes(size)}" if count else "no step checkpoints"
+    what = f"checkpoint.pt {format_bytes(state)}{' with the replay buffer' if buffer else ''} twice while replaced, {steps}"
+    print(f"disk: checkpoints take up to {format_bytes(total)} in runs/ ({what}), {format_bytes(free)} free")
     if total > 0.9 * free:
+        advice = "lower --buffer-size or drop --save-buffer" if buffer else "free some disk space"
         raise UserError(
-            f"--checkpoint-frequency {args.checkpoint_frequency} keeps {count} checkpoints of {size / 2**20:.1f} MiB, "
-            f"{total / 2**30:.1f} GiB, but {free / 2**30:.1f} GiB is free; raise --checkpoint-frequency."
+            f"the checkpoints take up to {format_bytes(total)} ({what}), but {format_bytes(free)} is free; "
+            + ("raise --checkpoint-frequency." if size * count > 2 * state else f"{advice}.")
         )
+
+
+def format_bytes(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 # what --evaluate takes from the checkpoint unless given: the env, the frames CLIP saw and the reward model
@@ -828,8 +1008,12 @@ def make_vector_env(vector_env: type, env_fns: list, frame_shape: Optional[tuple
     """The training envs, autoreset off (the loop resets finished envs itself). With `frame_shape`, each step also
     returns the frame rendered after it, in infos["frames"] (see FrameAfterStep). Env processes ignore Ctrl-C and
     SIGTERM, so that the main process decides when to stop (and closes them on every exit)."""
+    import functools
+
     if frame_shape is not None:
         env_fns = [lambda fn=fn: FrameAfterStep(fn(), frame_shape) for fn in env_fns]
+    if vector_env is gym.vector.AsyncVectorEnv and sys.platform == "linux":
+        env_fns = [functools.partial(die_with_parent, fn, os.getpid()) for fn in env_fns]
     handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         envs = vector_env(env_fns, autoreset_mode=gym.vector.AutoresetMode.DISABLED)
@@ -879,6 +1063,29 @@ class FramesInInfo(gym.vector.VectorWrapper):
 
     def __getattr__(self, name: str):  # call, get_attr, set_attr: the wrapped vector env's
         return getattr(self.env, name)
+
+
+MUJOCO_WARNED = []
+
+
+def mujoco_warning(message: str) -> None:
+    """MuJoCo's warnings (e.g. a NaN action: "the simulation is unstable"): the first of each process on stdout."""
+    if not MUJOCO_WARNED:
+        MUJOCO_WARNED.append(message)
+        print(f"warning: MuJoCo: {message.strip()} (its later warnings in this process are not shown)", flush=True)
+
+
+def die_with_parent(env_fn: Callable, parent: int) -> gym.Env:
+    """An env worker process ends with the training process (Linux's PR_SET_PDEATHSIG): a SIGKILLed run left each worker
+    printing a 30-line traceback of its broken pipe into the log. Not in the training process itself (gymnasium builds
+    one env there for its spaces): it must outlive whatever started it (a sweep's job)."""
+    if os.getpid() != parent:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the training process ended before the prctl
+            os._exit(0)
+    return env_fn()
 
 
 class LastFinite:
@@ -953,9 +1160,14 @@ def close_run(writer: Optional[SummaryWriter], envs: gym.vector.VectorEnv) -> No
     """Every exit closes TensorBoard and the env processes (they ignore SIGTERM: a process exiting under them would hang)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if writer is not None:
-        writer.close()
-    envs.close()
+    try:
+        if writer is not None:
+            writer.close()  # may fail (a full disk): the envs are closed all the same
+    finally:
+        envs.close()
+        for fd in RUN_LOCKS.values():  # the run is free for a --resume (in this process too: the tests train, then resume)
+            os.close(fd)
+        RUN_LOCKS.clear()
 
 
 def reward_model_before_envs(args, device: torch.device, make_reward_model: Callable):

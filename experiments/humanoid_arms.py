@@ -127,7 +127,12 @@ def load_actor(path: Path):
     import gymnasium as gym
 
     from vlmrm_sac_humanoid import Actor
+    from vlmrm_utils import UserError, check_intact
 
+    try:  # --reuse-runs reads checkpoints written earlier: a damaged one is refused, never rolled out
+        check_intact(str(path), str(path), "rerun without --reuse-runs")
+    except UserError as e:
+        sys.exit(f"error: {e}")
     envs = gym.vector.SyncVectorEnv([lambda: gym.make("Humanoid-v5")])
     actor = Actor(envs)
     actor.load_state_dict(torch.load(path, map_location="cpu", weights_only=False)["actor"])

@@ -232,7 +232,7 @@ def test_clip_rewarded_smoke_run_trains_saves_evaluates_and_records(tmp_path):
     )
     assert evaluation.returncode == 0, evaluation.stderr[-3000:]
     assert evaluation.stdout.count("eval episode") == 1 and "clip_return=" in evaluation.stdout
-    (eval_dir,) = [d for d in (tmp_path / "videos").iterdir() if d.name != run_dir.name]
+    eval_dir = tmp_path / "videos" / run_dir.name  # the trained run's folder, beside its training videos
     assert (eval_dir / "eval-episode-0.mp4").stat().st_size > 1000
     assert len(list((eval_dir / "eval-episode-0").glob("frame-*.png"))) == 201  # reset frame + 200 steps
 

@@ -3,12 +3,13 @@ checkpoint paths that are regular files, --evaluate with the run's own settings,
 
 import math
 import os
+import subprocess
 import sys
 import threading
 
 import pytest
 import torch
-from conftest import TINY_CLIP, assert_refused, only_run, read_scalars, run_script
+from conftest import ROOT, TINY_CLIP, assert_clean_error, assert_refused, only_run, read_scalars, run_script
 
 import vlmrm_dqn_classic as classic
 import vlmrm_utils
@@ -82,11 +83,25 @@ def test_track_logs_to_weights_and_biases_offline(tmp_path):
     result = run_script("vlmrm_dqn_classic.py", *flags.split(), cwd=tmp_path, env={"WANDB_MODE": "offline"})
     assert result.returncode == 0, result.stderr[-2000:]
     run = only_run(tmp_path)
-    (offline,) = (run / "wandb").glob("offline-run-*")
+    (offline,) = (tmp_path / "wandb").glob("offline-run-*")  # ./wandb, as CleanRL's: not inside the run it syncs
     (log,) = offline.glob("*.wandb")  # what `wandb sync` uploads later
     assert b"total_timesteps" in log.read_bytes() and b"learning_starts" in log.read_bytes()  # the flags as config
     assert any((offline / "files").rglob("events.out.tfevents.*"))  # synced from the TensorBoard logs
     assert "wandb sync" in result.stdout + result.stderr
+    # the run folder holds files only (TensorBoard's, its lock): no copy of W&B's copy of it, nested ever deeper
+    assert len(list(run.glob("events.out.tfevents.*"))) == 1 and all(p.is_file() for p in run.rglob("*")), list(run.rglob("*"))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="W&B offline mode is tested on Linux")
+def test_track_without_a_login_is_one_sentence_before_the_run_folder(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env["HOME"] = str(tmp_path)  # no ~/.netrc, no W&B settings: not logged in
+    flags = "--reward gt --total-timesteps 300 --learning-starts 100 --track".split()
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "vlmrm_dqn_classic.py"), *flags], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert_clean_error(result, "--track", "`wandb login`", "WANDB_MODE=offline")
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "wandb").exists()
 
 
 def test_messages_fit_the_input(in_tmp):
@@ -112,3 +127,17 @@ def test_the_first_eta_waits_for_measured_speed_and_the_last_is_zero(capsys, mon
     short.update(1000, final=True)  # a run shorter than the wait: done is done
     lines = capsys.readouterr().out.splitlines()
     assert "left ?" in lines[0] and "left 11s" in lines[1] and "left 0s" in lines[2] and "left 0s" in lines[3], lines
+
+
+def test_evaluate_writes_beside_the_trained_runs_videos_and_replaces_an_earlier_evaluation(in_tmp, capsys):
+    classic.main(classic.Args(**dict(GT_RUN, episode_length=30), total_timesteps=300, checkpoint_frequency=300))
+    run = only_run(in_tmp)
+    classic.main(classic.Args(evaluate=str(run / "checkpoint.pt"), eval_episodes=2))
+    classic.main(classic.Args(evaluate=str(run / "checkpoint.pt"), eval_episodes=1, episode_length=10))
+    assert [p.name for p in (in_tmp / "videos").iterdir()] == [run.name]  # the trained run's folder, not a new name's
+    videos = in_tmp / "videos" / run.name
+    assert sorted(p.name for p in videos.iterdir()) == ["eval-episode-0", "eval-episode-0.mp4"]  # nothing left of the first
+    assert len(list((videos / "eval-episode-0").glob("*.png"))) == 11  # not 31: no frames of the longer episode behind
+    out = capsys.readouterr().out
+    assert f"replacing the earlier evaluation in videos/{run.name}/" in out
+    assert "eval episode 0: gt_return=" in out and "clip_return" not in out  # --reward gt: no clip_return=nan

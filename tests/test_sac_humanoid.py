@@ -187,7 +187,7 @@ def test_clip_rewarded_smoke_run_trains_checkpoints_records_and_rolls_out(tmp_pa
     rollout = run_script(SCRIPT, *printed[1:], "--eval-episodes", "1", cwd=tmp_path)
     assert rollout.returncode == 0, rollout.stderr[-3000:]
     assert "clip_return=" in rollout.stdout
-    (eval_dir,) = [p for p in (tmp_path / "videos").iterdir() if p.name != run_dir.name]
+    eval_dir = tmp_path / "videos" / run_dir.name  # the trained run's folder, beside its training videos
     assert (eval_dir / "eval-episode-0.mp4").stat().st_size > 1000
     frames = sorted((eval_dir / "eval-episode-0").glob("frame-*.png"))
     assert len(frames) == 101 and imageio.imread(frames[0]).shape == (64, 64, 3)  # reset frame + 100 steps, at 64 px
@@ -321,7 +321,7 @@ def test_a_bad_model_config_file_is_named_as_such(in_tmp, content, words):
 def test_missing_weights_say_what_is_fetched_and_fail_within_seconds_before_the_envs_start(tmp_path):
     # a documentation address (RFC 5737) stands for an unreachable hub, also where the machine has a network
     env = {"HF_ENDPOINT": "https://192.0.2.1", "HF_HUB_OFFLINE": "", "HTTPS_PROXY": "", "https_proxy": ""}
-    flags = f"--clip-model RN50 --clip-pretrained openai --clip-cache-dir {tmp_path / 'cache'} --no-cuda".split()
+    flags = f"--clip-model RN50 --clip-pretrained openai --clip-cache-dir {tmp_path / 'cache'} --no-cuda --num-envs 2".split()
     code, lines = run_timed(SCRIPT, *flags, cwd=tmp_path, env=env, timeout=120)
     text = "\n".join(line for _, line in lines)
     assert code == 2 and "Traceback" not in text, text

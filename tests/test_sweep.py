@@ -317,3 +317,89 @@ def test_a_job_slurm_refuses_is_one_sentence_naming_the_resource_flags(tmp_path)
     lines = [line for line in out.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "SLURM refused the job of seed=1" in lines[0] and "--gpus-per-job" in lines[0], out
     assert "Traceback" not in out
+
+
+def test_a_rerun_with_other_fixed_flags_is_refused_not_reported_as_the_old_runs(tmp_path):
+    """A point is its whole command: the same --name with other flags after -- must not show the old runs as its own."""
+    command = [*FAST, "--name", "fixA", "--grid", "seed=1", "--", "--reward", "gt", "--learning-starts", "100"]
+    first = subprocess.run([*SWEEP, *command, "--total-timesteps", "400"], cwd=tmp_path, capture_output=True, text=True)
+    assert first.returncode == 0, first.stdout + first.stderr
+    point, rows = tmp_path / "sweeps" / "fixA" / "seed=1", table(tmp_path, "fixA")
+    before = (point / "point.json").read_text()
+    again = subprocess.run([*SWEEP, *command, "--total-timesteps", "800"], cwd=tmp_path, capture_output=True, text=True)
+    assert_clean_error(again, "already has the point seed=1", "--total-timesteps 400", "--total-timesteps 800", "new --name")
+    assert (point / "point.json").read_text() == before and table(tmp_path, "fixA") == rows  # nothing rewritten
+    same = subprocess.run([*SWEEP, *command, "--total-timesteps", "400"], cwd=tmp_path, capture_output=True, text=True)
+    assert same.returncode == 0 and "1 finished" in same.stdout, same.stdout + same.stderr  # its own command still reruns
+
+
+def test_scripts_names_and_values_that_are_not_what_they_seem_are_one_sentence(tmp_path):
+    def refused(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*SWEEP, "--cluster", "local", *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+    (tmp_path / "noargs.py").write_text("x = 1\n")
+    assert_clean_error(refused("--script", str(ROOT / "README.md")), "README.md is not a Python file")
+    assert_clean_error(refused("--script", "noargs.py"), "noargs.py has no Args")
+    (tmp_path / "broken.py").write_text("def (\n")
+    assert_clean_error(refused("--script", "broken.py"), "broken.py cannot be imported", "SyntaxError")
+    assert_clean_error(refused("--grid", "goal=pole up|pole up "), "same point twice")  # a trailing space: one prompt
+    (tmp_path / "sweeps").mkdir()
+    (tmp_path / "sweeps" / "afile").write_text("")
+    assert_clean_error(refused("--name", "afile"), "--name afile", "is a file")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["afile", "broken.py", "noargs.py", "sweeps"]
+
+
+def test_a_script_that_fails_silently_is_named_by_its_exit_code(tmp_path):
+    script = tmp_path / "silent.py"
+    script.write_text(
+        "import sys\nfrom dataclasses import dataclass\n\n\n@dataclass\nclass Args:\n    seed: int = 1\n"
+        "    total_timesteps: int = 1\n\n\nif __name__ == '__main__':\n    sys.exit(3)\n"
+    )
+    result = subprocess.run(
+        [*SWEEP[:2], "--script", str(script), *FAST, "--name", "s", "--grid", "seed=1"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "seed=1: failed: exit code 3 without printing anything (see " in result.stdout, result.stdout
+    assert table(tmp_path, "s")[0]["error"].startswith("exit code 3 without printing anything")
+
+
+def test_two_sweeps_started_at_once_into_one_new_folder_one_is_refused(tmp_path, monkeypatch):
+    """The folder did not exist when both looked; the other sweep made and locked it while this one read its grid."""
+    import sweep as sweep_module
+
+    monkeypatch.chdir(tmp_path)
+    parse, holder = sweep_module.grid_points, []
+
+    def other_sweep_meanwhile(*args):
+        (tmp_path / "sweeps" / "twin").mkdir(parents=True)
+        holder.append(open(tmp_path / "sweeps" / "twin" / "sweep.lock", "w"))
+        fcntl.flock(holder[0], fcntl.LOCK_EX)
+        holder[0].write("4242")
+        holder[0].flush()
+        return parse(*args)
+
+    monkeypatch.setattr(sweep_module, "grid_points", other_sweep_meanwhile)
+    monkeypatch.setattr(sweep_module.submitit, "AutoExecutor", lambda **kw: pytest.fail("the second sweep went on"))
+    args = sweep_module.Args(script=str(ROOT / "vlmrm_dqn_classic.py"), name="twin", cluster="local", grid=("seed=1",))
+    with pytest.raises(sweep_module.UserError, match=r"sweep twin is already running \(pid 4242\)"):
+        sweep_module.main(args, [])
+    assert not (tmp_path / "sweeps" / "twin" / "seed=1").exists()
+
+
+def test_the_table_has_no_tensorboard_warnings_about_a_resumed_runs_purge(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(tmp_path)) as writer:
+        for step in range(1, 6):
+            writer.add_scalar("charts/episodic_length", step, step)
+    time.sleep(1.1)  # the resumed run's event file sorts after the first
+    with SummaryWriter(str(tmp_path), purge_step=3) as writer:  # what --resume does after a crash
+        for step in range(3, 6):
+            writer.add_scalar("charts/episodic_length", step, step)
+    code = f"import sweep; print(sweep.final_numbers({str(tmp_path)!r}, 10))"  # a process of its own: pytest keeps no log
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.stdout == "{'steps': 5}\n" and result.stderr == "", result.stdout + result.stderr
