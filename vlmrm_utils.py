@@ -294,12 +294,13 @@ def write_atomic(path: str, write: Callable) -> None:
 
 def frames_in_flight(args) -> tuple[int, int]:
     """(frames the loop holds at once, frames scored in one go). Transitions wait until each reward device has a chunk
-    (whole vector steps, at least one); when scored, the waiting list, the batch np.concatenate makes of it and the next
-    vector step's render are held together (measured: frames + env surfaces = 4.5 MB a CartPole env at 100 to 400 envs).
-    A reward model scoring beside the envs (in a thread) holds its chunks in flight too: count them here."""
+    (whole vector steps, at least one). At most two chunks are with the reward model (RewardQueue's in_flight) when a
+    third is made: the waiting list and its np.concatenate copy beside them; and a vector step's frames are in the
+    envs' shared memory and in the copy the step returns (measured before the background scoring: frames + env
+    surfaces = 4.5 MB a CartPole env at 100 to 400 envs)."""
     chunks = args.reward_batch_size * max(1, len(args.reward_devices))
     waiting = -(-chunks // args.num_envs) * args.num_envs
-    return 2 * waiting + args.num_envs, waiting
+    return 4 * waiting + 2 * args.num_envs, waiting
 
 
 def memory_needs(args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple, env_bytes: float) -> dict:
@@ -1023,6 +1024,25 @@ def make_vector_env(vector_env: type, env_fns: list, frame_shape: Optional[tuple
     return envs if frame_shape is None else FramesInInfo(envs)
 
 
+class FrameSpace(gym.spaces.Box):
+    """uint8 frames of one shape, bounds 0 and 255 held as views: gymnasium's Box holds four arrays of the frame's size
+    (bounds and their masks), in every env and, batched, four per env in the vector env: gigabytes for many envs."""
+
+    def __init__(self, shape: tuple):
+        super().__init__(0, 255, (1,), np.uint8)
+        self._shape, self.low, self.high = (
+            tuple(shape),
+            np.broadcast_to(np.uint8(0), shape),
+            np.broadcast_to(np.uint8(255), shape),
+        )
+        self.bounded_below = self.bounded_above = np.broadcast_to(True, shape)
+
+
+@gym.vector.utils.batch_space.register(FrameSpace)
+def _batch_frame_space(space: FrameSpace, n: int = 1) -> FrameSpace:
+    return FrameSpace((n, *space.shape))
+
+
 class FrameAfterStep(gym.Wrapper):
     """An env whose step renders the frame after it and returns it with the observation: one round trip to an env
     process per vector step, and the frame travels through the vector env's shared memory, never pickled. A reset's
@@ -1030,7 +1050,7 @@ class FrameAfterStep(gym.Wrapper):
 
     def __init__(self, env: gym.Env, frame_shape: tuple):
         super().__init__(env)
-        self.observation_space = gym.spaces.Tuple((env.observation_space, gym.spaces.Box(0, 255, frame_shape, np.uint8)))
+        self.observation_space = gym.spaces.Tuple((env.observation_space, FrameSpace(frame_shape)))
         self.blank = np.zeros(frame_shape, np.uint8)
 
     def reset(self, **kwargs):
