@@ -17,6 +17,11 @@ TINY_CLIP_FLAGS = ["--clip-model", TINY_CLIP, "--clip-pretrained", "none"]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("MUJOCO_GL", "egl")
 os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+# Mesa's software renderer draws in this process's own thread pool (llvmpipe), then a test forks env workers: a child
+# forked while that pool exists hangs for ever creating its GL context (seen in CI; reproduced with a test that draws
+# in process followed by a subprocess-env run). With no pool, llvmpipe draws in the calling thread. The training
+# scripts fork their env workers before drawing anything in process, so only a process that runs several does this.
+os.environ.setdefault("LP_NUM_THREADS", "0")
 # one torch thread, here and in every script the tests start: the small networks gain nothing from more, and on a
 # shared CPU more threads make them several times slower (the scripts also default to 1: --torch-threads)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
