@@ -29,9 +29,7 @@ import math
 import os
 import random
 import shutil
-import sys
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Callable, Literal, Optional, Union
@@ -62,28 +60,25 @@ from vlmrm_dqn_classic import (
 )
 from vlmrm_sac_humanoid import Actor
 from vlmrm_sac_humanoid import make_env as make_humanoid_env
+from vlmrm_tools import (
+    check_new_folder,
+    new_partial_folder,
+    publish_folder,
+    read_csv,
+)
 from vlmrm_utils import (
     UserError,
     all_finite,
     check_clip_args,
-    check_goal_direction,
     check_intact,
-    check_new_folder,
     check_writable,
+    cli,
     load_clip,
-    new_partial_folder,
-    publish_folder,
-    read_csv,
     resolve_negatives,
     same_prompts,
 )
 
 ENV_IDS = ("CartPole-v1", "MountainCar-v0", "MountainCarContinuous-v0", "Humanoid-v5")
-PROMPTS = {  # (goal, baseline) from the paper, per env (reward_shape.py uses them too)
-    **DEFAULT_PROMPTS,
-    "MountainCarContinuous-v0": DEFAULT_PROMPTS["MountainCar-v0"],
-    "Humanoid-v5": ("a humanoid robot kneeling", "a humanoid robot"),
-}
 
 
 @dataclass
@@ -475,7 +470,7 @@ def make_frame_server(dataset: str, port: int, task: Optional[str] = None):
     """label_server's page and server over a dataset: its frames, its labels.csv."""
     rows = load_states(dataset)
     env_id = rows[0]["env_id"]
-    task = task or PROMPTS.get(env_id, (env_id,))[0]
+    task = task or DEFAULT_PROMPTS.get(env_id, (env_id,))[0]
     return make_label_server(dataset, port, task, [r["frame"] for r in rows], FRAMES)
 
 
@@ -644,8 +639,13 @@ def flags_reward_model(args: RewardFlags, model, tokenizer, device: torch.device
     )
     reward_model = CLIPReward(model, tokenizer, args.goal, args.baseline, 0.0, args.reward_batch_size, device, family, **flags)
     alphas = args.alphas if "projection" in args.reward_families else ()
-    if alphas:  # prompts that differ only where CLIP cannot see (e.g. past its 77 tokens) have d = 0
-        check_goal_direction(reward_model.goal_embeddings, reward_model.baseline_embeddings, max(alphas), "only --alphas")
+    try:  # the training script's rule (vlm_reward): prompts that differ only where CLIP cannot see have d = 0
+        embeddings = reward_model.goal_embeddings, reward_model.goal_embeddings, reward_model.baseline_embeddings
+        vlm_reward(*embeddings, max(alphas, default=0.0))
+    except ValueError:
+        raise UserError(
+            "--goal and --baseline have the same CLIP embedding, so d = g - b is 0; change one or use only --alphas 0."
+        ) from None
     return reward_model
 
 
@@ -739,7 +739,7 @@ def score(args: Score) -> str:
     """Writes runs/<run_name>/{epic.csv, epic.png, rewards.csv, args.json}; returns the run folder."""
     frames, labels = label_values(args.dataset, args.labels)  # dataset problems first: they are cheapest
     env_id = load_states(args.dataset)[0]["env_id"]
-    default_goal, default_baseline = PROMPTS.get(env_id, (None, None))  # a dataset of another env: give --goal/--baseline
+    default_goal, default_baseline = DEFAULT_PROMPTS.get(env_id, (None, None))  # another env: give --goal, --baseline
     args.goal = args.goal if args.goal is not None else ((default_goal,) if default_goal else None)
     args.baseline = args.baseline if args.baseline is not None else ((default_baseline,) if default_baseline else None)
     clip_args = check_score_args(args)
@@ -838,13 +838,5 @@ def main(args: Union[Collect, Label, Score]) -> None:
     {Collect: collect, Label: label, Score: score}[type(args)](args)
 
 
-if __name__ == "__main__":
-    warnings.filterwarnings("ignore", message=".*No pretrained weights.*")
-    try:
-        main(tyro.cli(Commands))
-    except KeyboardInterrupt:  # what was being written is removed (written whole or not at all)
-        print("stopped by Ctrl-C; nothing was written.", file=sys.stderr)
-        sys.exit(130)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+if __name__ == "__main__":  # Ctrl-C: what was being written is removed (written whole or not at all)
+    cli(main, Commands, interrupted="stopped by Ctrl-C; nothing was written.")

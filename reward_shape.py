@@ -31,10 +31,8 @@ import csv
 import math
 import os
 import re
-import sys
 import textwrap
 import time
-import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, NamedTuple, Optional, Union
@@ -50,14 +48,12 @@ import matplotlib.pyplot as plt
 import mujoco
 import numpy as np
 import torch
-import tyro
 from scipy.spatial.transform import Rotation
 from scipy.stats import spearmanr
 
 # The reward model's flags, checks and scoring are epic_eval.py's; the model and the environments are the training
 # scripts' own, as the agent sees them.
 from epic_eval import (
-    PROMPTS,
     SOFTMAX,
     ClipArgs,
     RewardFlags,
@@ -68,9 +64,9 @@ from epic_eval import (
     model_label,
     score_curves,
 )
-from vlmrm_dqn_classic import MOUNTAINCAR_GOAL, CLIPReward, make_env
+from vlmrm_dqn_classic import DEFAULT_PROMPTS, MOUNTAINCAR_GOAL, CLIPReward, make_env
 from vlmrm_sac_humanoid import make_env as make_sac_env  # MountainCarContinuous-v0: the paper's, trained with SAC
-from vlmrm_utils import UserError, available_memory, load_clip, same_prompts
+from vlmrm_utils import UserError, available_memory, cli, load_clip, same_prompts
 
 
 @dataclass(kw_only=True)
@@ -600,8 +596,8 @@ def probe_poses(args: Args, specs: list[ClipArgs], run_dir: Path, device: torch.
 
 
 def main(args: Args) -> Path:
-    if args.env_id in PROMPTS:  # an unknown env is reported by check_args, in one sentence
-        default_goal, default_baseline = PROMPTS[args.env_id]
+    if args.env_id in DEFAULT_PROMPTS:  # an unknown env is reported by check_args, in one sentence
+        default_goal, default_baseline = DEFAULT_PROMPTS[args.env_id]
         args.goal = args.goal if args.goal is not None else (default_goal,)
         args.baseline = args.baseline if args.baseline is not None else (default_baseline,)
     specs = check_args(args)
@@ -658,9 +654,4 @@ def main(args: Args) -> Path:
 
 
 if __name__ == "__main__":
-    warnings.filterwarnings("ignore", message=".*No pretrained weights.*")
-    try:
-        main(tyro.cli(Args))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cli(main, Args)

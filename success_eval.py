@@ -23,8 +23,6 @@ import math
 import os
 import shutil
 import signal
-import sys
-import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
@@ -44,11 +42,7 @@ import vlmrm_sac_humanoid as sac
 from epic_eval import ClipArgs, model_label
 from label_server import SKIP, VIDEOS, make_label_server, read_labels, serve
 from vlmrm_dqn_classic import MOUNTAINCAR_GOAL
-from vlmrm_utils import (
-    UserError,
-    all_finite,
-    check_clip_args,
-    check_intact,
+from vlmrm_tools import (
     check_new_folder,
     check_output_file,
     new_partial_folder,
@@ -56,6 +50,13 @@ from vlmrm_utils import (
     read_csv,
     read_json,
     write_atomic,
+)
+from vlmrm_utils import (
+    UserError,
+    all_finite,
+    check_clip_args,
+    check_intact,
+    cli,
 )
 
 CARTPOLE_THETA, CARTPOLE_X = 12 * 2 * math.pi / 360, 2.4  # Gymnasium's CartPole limits: "upright"
@@ -390,8 +391,8 @@ def rollout(args: Rollout) -> str:
     return out
 
 
-class Stopped(UserError):
-    """Ctrl-C: one line and exit code 130, nothing half-written."""
+class Stopped(KeyboardInterrupt):
+    """Ctrl-C during the rollouts: this one line and exit code 130 (utils.cli), nothing half-written."""
 
 
 def read_rollouts(folder: str) -> tuple[dict, list[dict]]:
@@ -895,15 +896,4 @@ def main(args) -> None:
 
 
 if __name__ == "__main__":
-    warnings.filterwarnings("ignore", message=".*No pretrained weights.*")
-    try:
-        main(tyro.cli(Commands))
-    except Stopped as e:
-        print(e, file=sys.stderr)
-        sys.exit(130)
-    except KeyboardInterrupt:  # before any output was started: nothing to clean up
-        print("stopped by Ctrl-C; nothing was written.", file=sys.stderr)
-        sys.exit(130)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cli(main, Commands, interrupted="stopped by Ctrl-C; nothing was written.")

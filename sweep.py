@@ -24,7 +24,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, fields
@@ -33,6 +32,9 @@ from typing import Literal, Optional
 
 import submitit
 import tyro
+
+from vlmrm_tools import write_atomic
+from vlmrm_utils import UserError, cli
 
 
 @dataclass
@@ -59,10 +61,6 @@ class Args:
     """time limit of one job; a job that reaches it checkpoints and is requeued"""
     last_episodes: int = 10
     """the table's returns are the mean of each run's last n episodes"""
-
-
-class UserError(Exception):
-    """Bad input: one sentence on stderr and exit code 2, before anything is submitted."""
 
 
 SWEEP_FLAGS = ["--save-model", "--save-buffer"]  # every run checkpoints its buffer too, so a resume is exact
@@ -130,7 +128,7 @@ class PointJob(submitit.helpers.Checkpointable):
         lock_fd = self.hold_point() if local else None
         if local and lock_fd is None:
             return {"status": "stopped", "last_line": "the sweep ended before this job started"}
-        done = read_json(self.folder / "done.json")
+        done = read_state(self.folder / "done.json")
         if done:  # finished before a requeue or a rerun
             return done
         (self.folder / "job.pid").write_text(str(os.getpid()))  # to signal this job by hand (or in the tests)
@@ -168,7 +166,7 @@ class PointJob(submitit.helpers.Checkpointable):
         proc, self._proc = self._proc, None  # recorded once
         if proc is None:
             return {}
-        state = read_json(self.folder / "state.json") or {}
+        state = read_state(self.folder / "state.json") or {}
         rc, run, text = proc.returncode, self.run_dir(), self.segment_log()
         # exit 0 after a stop this job asked for: stopped (a rerun of a run that had just ended finishes at once); else
         # its checkpoint says whether it was stopped by someone else (reading it costs a torch import: seconds)
@@ -188,9 +186,9 @@ class PointJob(submitit.helpers.Checkpointable):
             "last_line": next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
             or f"exit code {rc} without printing anything (see {self.folder / 'train.log'})",
         }
-        write_json(self.folder / "state.json", result)
+        write_state(self.folder / "state.json", result)
         if status == "done":
-            write_json(self.folder / "done.json", result)
+            write_state(self.folder / "done.json", result)
         return result
 
     def stop_script(self, forward: bool = True, wait: bool = False) -> None:
@@ -235,7 +233,7 @@ def stopped_early(run: Optional[Path]) -> bool:
 WARNED = set()
 
 
-def read_json(path: Path) -> Optional[dict]:
+def read_state(path: Path) -> Optional[dict]:
     """A sweep state file, or None when missing; an empty or corrupt one (a crash mid-write by an older version, a hand
     edit) counts as missing, with a one-line warning, so the point is rerun instead of every rerun crashing."""
     try:
@@ -252,21 +250,9 @@ def read_json(path: Path) -> Optional[dict]:
     return None
 
 
-def write_json(path: Path, data: dict) -> None:
-    """Atomic: a temporary file renamed over the old one, so a kill mid-write leaves the old file or the new, never half."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        mask = os.umask(0o022)  # mkstemp's 0o600 would stay on the file: the mode open() gives, as other outputs
-        os.umask(mask)
-        os.fchmod(fd, 0o666 & ~mask)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(data))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+def write_state(path: Path, data: dict) -> None:
+    """A sweep state file, whole: a kill mid-write leaves the old file or the new, never half."""
+    write_atomic(str(path), lambda f: f.write(json.dumps(data).encode()))
 
 
 def ignore_user_signals() -> None:
@@ -399,7 +385,7 @@ def main(args: Args, fixed: list[str]) -> None:
     for values, flags, parsed in grid:  # every point checked before any is written
         point_id = slug("_".join(f"{k}={v}" for k, v in values) or "point")
         commands.append((point_id, [str(script), *flags, "--exp-name", f"{name}-{point_id}", *SWEEP_FLAGS]))
-        ran, now = (read_json(root / point_id / "point.json") or {}).get("command"), commands[-1][1]
+        ran, now = (read_state(root / point_id / "point.json") or {}).get("command"), commands[-1][1]
         if ran and [Path(ran[0]).name, *ran[1:]] != [script.name, *now[1:]]:  # a point is its whole command
             raise UserError(
                 f"sweep {name} already has the point {point_id} run as `{shlex.join([Path(ran[0]).name, *ran[1:]])}`, "
@@ -416,9 +402,9 @@ def main(args: Args, fixed: list[str]) -> None:
             }
         )
         points[-1]["folder"].mkdir(parents=True, exist_ok=True)
-        write_json(root / point_id / "point.json", {"values": dict(values), "command": command})
+        write_state(root / point_id / "point.json", {"values": dict(values), "command": command})
 
-    todo = [p for p in points if not read_json(p["folder"] / "done.json")]
+    todo = [p for p in points if not read_state(p["folder"] / "done.json")]
     resuming = sum(p["job"].run_dir() is not None for p in todo)
     print(
         f"sweep {name}: {len(points)} points ({len(points) - len(todo)} finished, {resuming} to resume, "
@@ -426,6 +412,9 @@ def main(args: Args, fixed: list[str]) -> None:
         flush=True,
     )
     # locally every job's logs go to submitit/ itself: submitit's local controller would create a literal `%j` folder
+    # each job unpickles this file's functions, which import vlmrm_tools from beside this file (a job starts elsewhere)
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     executor = submitit.AutoExecutor(folder=root / "submitit" / ("%j" if cluster == "slurm" else ""), cluster=cluster)
     executor.update_parameters(
         name=name,
@@ -470,7 +459,9 @@ def main(args: Args, fixed: list[str]) -> None:
                     result = job.result()
                 except Exception as e:  # the job itself failed (not the script): submitit's error holds its traceback
                     result = {"status": "failed", "last_line": f"job failed ({type(e).__name__}); see {root / 'submitit'}"}
-                    write_json(point["folder"] / "state.json", {**(read_json(point["folder"] / "state.json") or {}), **result})
+                    write_state(
+                        point["folder"] / "state.json", {**(read_state(point["folder"] / "state.json") or {}), **result}
+                    )
                 detail = {"done": "done", "stopped": "stopped at a checkpoint (rerun the same command to resume)"}.get(
                     result["status"], f"failed: {result['last_line']}"
                 )
@@ -510,8 +501,8 @@ def write_table(points: list[dict], root: Path, last: int) -> list[str]:
     rows = []
     for p in points:
         run = p["job"].run_dir()
-        done = read_json(p["folder"] / "done.json") or {}
-        state = done or read_json(p["folder"] / "state.json") or {}
+        done = read_state(p["folder"] / "done.json") or {}
+        state = done or read_state(p["folder"] / "state.json") or {}
         # a job killed before it recorded anything: stopped when it left a run folder (a rerun resumes or restarts it)
         status = "done" if done else state.get("status") if state.get("status") in ("failed", "stopped") else None
         status = status or ("stopped" if run else "not started")
@@ -554,8 +545,4 @@ def write_table(points: list[dict], root: Path, last: int) -> list[str]:
 if __name__ == "__main__":
     argv = sys.argv[1:]
     fixed = argv[argv.index("--") + 1 :] if "--" in argv else []
-    try:
-        main(tyro.cli(Args, args=argv[: argv.index("--")] if "--" in argv else argv), fixed)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cli(lambda args: main(args, fixed), Args, argv=argv[: argv.index("--")] if "--" in argv else argv)

@@ -2,7 +2,8 @@
 
 Every frame the environment renders is scored by a pretrained CLIP model against a goal sentence, optionally
 regularised towards a baseline sentence with strength alpha (goal-baseline projection). One file, read top to
-bottom: flags, CLIP reward, environments, Q-network and replay buffer, training loop. Based on CleanRL's dqn.py.
+bottom: flags, CLIP reward, environments, Q-network and replay buffer, training loop. Based on CleanRL's
+dqn.py.
 
     python vlmrm_dqn_classic.py --env-id CartPole-v1 --goal "pole vertically upright on top of the cart" \
         --baseline "pole and cart" --alpha 0.5
@@ -12,10 +13,10 @@ import copy
 import math
 import os
 import random
-import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal, Optional
 
 os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # pygame draws off-screen: no display needed
@@ -27,117 +28,167 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
-from torch.utils.tensorboard import SummaryWriter
 
 import vlmrm_utils as utils
 
 
 @dataclass
-class Args:  # the help of each flag is the comment after it
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # the name of this experiment
-    seed: int = 1  # seed of the experiment
-    torch_deterministic: bool = True  # if toggled, `torch.backends.cudnn.deterministic=True`
-    cuda: bool = True  # if toggled, CUDA (when available) runs the Q-network and the reward model
-    torch_threads: Optional[int] = None  # torch CPU threads; default 1 on CPU (more fight the env workers); 0 = torch's own
-    log_episodes: bool = False  # if toggled, print a line per finished episode, not only the progress line
-    capture_video: bool = False  # if toggled, save an MP4 of a greedy episode every --video-frequency steps
-    video_frequency: int = 25_000  # environment steps between two evaluation videos
-    track: bool = False  # if toggled, this experiment is tracked with Weights and Biases (synced from TensorBoard)
-    wandb_project_name: str = "vlmrm"  # the W&B project name
-    wandb_entity: Optional[str] = None  # the entity (team) of W&B's project
-    save_model: bool = False  # if toggled, checkpoint.pt (for --resume) and checkpoints/step-<N>.pt (all kept), see below
-    checkpoint_frequency: int = 100_000  # env steps between two checkpoints (fixed-length episodes: at the next episode end)
-    save_buffer: bool = False  # if toggled, checkpoints include the replay buffer, so --resume continues exactly
-    resume: Optional[str] = None  # a checkpoint.pt to continue until its --total-timesteps (stock episodes restart)
-    evaluate: Optional[str] = None  # a checkpoint.pt: roll out its greedy policy (video + frames) instead of training
-    eval_episodes: int = 10  # number of episodes of an evaluation
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = True
+    """if toggled, CUDA (when available) runs the Q-network and the reward model"""
+    torch_threads: Optional[int] = None
+    """torch CPU threads; default 1 on CPU (more fight the env workers); 0 = torch's own"""
+    log_episodes: bool = False
+    """if toggled, print a line per finished episode, not only the progress line"""
+    capture_video: bool = False
+    """if toggled, save an MP4 of a greedy episode every --video-frequency steps"""
+    video_frequency: int = 25_000
+    """environment steps between two evaluation videos"""
+    track: bool = False
+    """if toggled, this experiment is tracked with Weights and Biases (synced from TensorBoard)"""
+    wandb_project_name: str = "vlmrm"
+    """the W&B project name"""
+    wandb_entity: Optional[str] = None
+    """the entity (team) of W&B's project"""
+    save_model: bool = False
+    """if toggled, checkpoint.pt (for --resume) and checkpoints/step-<N>.pt (all kept), see below"""
+    checkpoint_frequency: int = 100_000
+    """env steps between two checkpoints (fixed-length episodes: at the next episode end)"""
+    save_buffer: bool = False
+    """if toggled, checkpoints include the replay buffer, so --resume continues exactly"""
+    resume: Optional[str] = None
+    """a checkpoint.pt to continue until its --total-timesteps (stock episodes restart)"""
+    evaluate: Optional[str] = None
+    """a checkpoint.pt: roll out its greedy policy (video + frames) instead of training"""
+    eval_episodes: int = 10
+    """number of episodes of an evaluation"""
 
     # Environment
-    env_id: Literal["CartPole-v1", "MountainCar-v0"] = "CartPole-v1"  # the environment
-    episodes: Literal["auto", "fixed", "stock"] = "auto"  # auto: fixed with --reward clip, else stock (Gymnasium's task)
-    episode_length: int = 200  # fixed episode length (`--episodes fixed` only)
-    realistic: bool = False  # MountainCar only: draw a landscape (sky, hills, flag, car) instead of Gymnasium's line art
+    env_id: Literal["CartPole-v1", "MountainCar-v0"] = "CartPole-v1"
+    """the environment"""
+    episodes: Literal["auto", "fixed", "stock"] = "auto"
+    """auto: fixed with --reward clip, else stock (Gymnasium's task)"""
+    episode_length: int = 200
+    """fixed episode length (`--episodes fixed` only)"""
+    realistic: bool = False
+    """MountainCar only: draw a landscape (sky, hills, flag, car) instead of Gymnasium's line art"""
 
     # Reward
-    reward: Literal["clip", "gt"] = "clip"  # learn from the CLIP reward, or the ground truth (upright; at the flag)
-    goal: Optional[tuple[str, ...]] = None  # goal prompt(s); default: a description of the task's goal state
-    baseline: Optional[tuple[str, ...]] = None  # baseline prompt(s) of the projection; default: a scene description
-    alpha: Optional[float] = None  # goal-baseline strength in [0, 1] (0: cosine similarity); default 0, MountainCar 0.5
-    clip_model: str = "ViT-bigG-14"  # open_clip architecture name, or the path of an open_clip model config (.json)
-    clip_pretrained: str = "laion2b_s39b_b160k"  # open_clip pretrained tag ("none" = random weights, for tests only)
-    clip_checkpoint: Optional[str] = None  # local weights file for `--clip-model` (overrides `--clip-pretrained`)
-    clip_cache_dir: Optional[str] = None  # where downloaded CLIP weights are cached (default: the Hugging Face cache)
-    reward_batch_size: int = 64  # frames scored per CLIP forward pass
-    clip_dtype: Literal["float16", "bfloat16", "float32"] = "float16"  # CUDA: the image tower, cast once; CPU: float32
-    reward_devices: tuple[str, ...] = ()  # e.g. `cuda:0 cuda:1`: one CLIP replica each, in parallel; default: --cuda's device
-    reward_family: Literal["projection", "softmax"] = "projection"  # softmax: 1 if the goal beats --negatives, else 0
-    negatives: Optional[tuple[str, ...]] = None  # softmax: prompts the goal is contrasted with (defaults for the default goal)
-    temperature: float = 0.01  # softmax: temperature of the softmax over cosine similarities (0.01 = CLIP's logit scale)
-    threshold: float = 0.5  # softmax family: the reward is 1 when the goal's probability is above this, else 0; in (0, 1)
-    soft: bool = False  # softmax family: if toggled, the reward is the goal's probability itself instead of 0/1
-    antialias: bool = False  # if toggled, antialias the bicubic squash of frames to CLIP's input (off in the paper's code)
+    reward: Literal["clip", "gt"] = "clip"
+    """learn from the CLIP reward, or the ground truth (upright; at the flag)"""
+    goal: Optional[tuple[str, ...]] = None
+    """goal prompt(s); default: the paper's for --env-id (DEFAULT_PROMPTS)"""
+    baseline: Optional[tuple[str, ...]] = None
+    """baseline prompt(s) of the goal-baseline projection; default: the paper's"""
+    alpha: Optional[float] = None
+    """goal-baseline strength in [0, 1] (0: cosine similarity); default 0, MountainCar 0.5"""
+    clip_model: str = "ViT-bigG-14"
+    """open_clip architecture name, or the path of an open_clip model config (.json)"""
+    clip_pretrained: str = "laion2b_s39b_b160k"
+    """open_clip pretrained tag ("none" = random weights, for tests only)"""
+    clip_checkpoint: Optional[str] = None
+    """local weights file for `--clip-model` (overrides `--clip-pretrained`)"""
+    clip_cache_dir: Optional[str] = None
+    """where downloaded CLIP weights are cached (default: the Hugging Face cache)"""
+    reward_batch_size: int = 64
+    """frames scored per CLIP forward pass"""
+    clip_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    """CUDA: the image tower, cast once; CPU: float32"""
+    reward_devices: tuple[str, ...] = ()
+    """e.g. `cuda:0 cuda:1`: one CLIP replica each, in parallel; default: --cuda's device"""
+    reward_family: Literal["projection", "softmax"] = "projection"
+    """softmax: 1 if the goal beats --negatives, else 0"""
+    negatives: Optional[tuple[str, ...]] = None
+    """softmax: prompts the goal is contrasted with (defaults for the default goal)"""
+    temperature: float = 0.01
+    """softmax: temperature of the softmax over cosine similarities (0.01 = CLIP's logit scale)"""
+    threshold: float = 0.5
+    """softmax family: the reward is 1 when the goal's probability is above this, else 0; in (0, 1)"""
+    soft: bool = False
+    """softmax family: if toggled, the reward is the goal's probability itself instead of 0/1"""
+    antialias: bool = False
+    """if toggled, antialias the bicubic squash of frames to CLIP's input (off in the paper's code)"""
 
     # DQN (CleanRL's dqn.py defaults, except where the comment says otherwise)
-    total_timesteps: int = 500000  # total environment steps (summed over envs), rounded up to a multiple of --num-envs
-    learning_rate: float = 2.5e-4  # the learning rate of the optimizer
-    num_envs: int = 1  # the number of parallel environments
-    buffer_size: int = 10000  # the replay memory buffer size
-    gamma: float = 0.99  # the discount factor gamma
-    tau: float = 1.0  # the target network update rate
-    target_network_frequency: int = 500  # the timesteps it takes to update the target network
-    batch_size: int = 128  # the batch size of sample from the replay memory
-    start_e: float = 1.0  # the starting epsilon for exploration
-    end_e: float = 0.05  # the ending epsilon for exploration
-    exploration_fraction: float = 0.5  # the fraction of `total_timesteps` it takes from start_e to end_e
-    learning_starts: int = 10000  # timestep to start learning (below --total-timesteps)
-    train_frequency: int = 10  # the frequency of training
-
-
-DEFAULT_PROMPTS = {  # (goal, baseline) from the paper
-    "CartPole-v1": ("pole vertically upright on top of the cart", "pole and cart"),
-    "MountainCar-v0": ("a car at the peak of the mountain, next to the yellow flag", "a car in the mountain"),
-}
+    total_timesteps: int = 500000
+    """total environment steps (summed over envs), rounded up to a multiple of --num-envs"""
+    learning_rate: float = 2.5e-4
+    """the learning rate of the optimizer"""
+    num_envs: int = 1
+    """the number of parallel environments"""
+    buffer_size: int = 10000
+    """the replay memory buffer size"""
+    gamma: float = 0.99
+    """the discount factor gamma"""
+    tau: float = 1.0
+    """the target network update rate"""
+    target_network_frequency: int = 500
+    """the timesteps it takes to update the target network"""
+    batch_size: int = 128
+    """the batch size of sample from the replay memory"""
+    start_e: float = 1.0
+    """the starting epsilon for exploration"""
+    end_e: float = 0.05
+    """the ending epsilon for exploration"""
+    exploration_fraction: float = 0.5
+    """the fraction of `total_timesteps` it takes from start_e to end_e"""
+    learning_starts: int = 10000
+    """timestep to start learning (below --total-timesteps)"""
+    train_frequency: int = 10
+    """the frequency of training"""
 
 
 def check_args(args: Args) -> None:
-    """Refuse bad flags, each in one sentence, before anything expensive (model download, env spawn) happens."""
-    args.goal = (DEFAULT_PROMPTS[args.env_id][0],) if args.goal is None else args.goal
-    args.baseline = (DEFAULT_PROMPTS[args.env_id][1],) if args.baseline is None else args.baseline
+    """The defaults that depend on --env-id, then bad flags refused, each in one sentence, before anything
+    expensive (a model download, the envs) happens."""
+    goal, baseline = DEFAULT_PROMPTS[args.env_id]
+    args.goal = (goal,) if args.goal is None else args.goal
+    args.baseline = (baseline,) if args.baseline is None else args.baseline
     if args.alpha is None:  # the authors: MountainCar cannot be solved without goal-baseline regularisation
         args.alpha = 0.5 if args.env_id == "MountainCar-v0" else 0.0
+    if args.episodes == "auto":  # resolved once: a checkpoint keeps the resolved value
+        args.episodes = "fixed" if args.reward == "clip" else "stock"
+    # every vector step takes one step in each env
+    if args.num_envs > 0 and args.total_timesteps % args.num_envs:
+        rounded = -(-args.total_timesteps // args.num_envs) * args.num_envs
+        print(f"note: --total-timesteps {args.total_timesteps} rounded up to {rounded}, a multiple of --num-envs")
+        args.total_timesteps = rounded
     positive = "total_timesteps num_envs buffer_size batch_size train_frequency target_network_frequency episode_length"
     positive += " eval_episodes reward_batch_size video_frequency checkpoint_frequency learning_rate"
-    utils.check_common_args(
-        args, positive, "alpha gamma tau start_e end_e exploration_fraction", "q_network", DEFAULT_NEGATIVES
-    )
+    utils.check_common_args(args, positive, "alpha gamma tau start_e end_e exploration_fraction", "q_network")
+    if softmax_problem(args.temperature, args.threshold) is not None:
+        raise utils.UserError(softmax_problem(args.temperature, args.threshold) + ".")
+    if args.reward_family == "softmax":
+        flag = "--reward-family softmax"
+        args.negatives = utils.resolve_negatives(args.goal, args.negatives, flag, DEFAULT_NEGATIVES)
     if args.reward == "clip":  # the flags first, then whether the run fits
         utils.check_clip_args(args)
     if args.evaluate is None:  # a rollout allocates no replay buffer
         probe = gym.make(args.env_id)  # cheap: no rendering, just the spaces
-        env_bytes = 2.5e6 if args.reward == "clip" else 0  # measured: a rendering pygame env, its surfaces (100 to 400 envs)
-        utils.check_resources(args, probe.observation_space, probe.action_space, (400, 600, 3), env_bytes)
+        # measured: a rendering pygame env, its surfaces (100 to 400 envs)
+        env_bytes = 2.5e6 if args.reward == "clip" else 0
+        # floats per sampled transition: an upper bound for the Q-network, forward and backward
+        activations = 16 * 256
+        utils.check_resources(args, probe.observation_space, probe.action_space, (400, 600, 3), env_bytes, activations)
 
 
 # ----------------------------------------------------------------------------------------------
 # CLIP reward
 # ----------------------------------------------------------------------------------------------
-def vlm_reward(
-    image_embeddings: torch.Tensor, goal_embeddings: torch.Tensor, baseline_embeddings: torch.Tensor, alpha: float
-) -> torch.Tensor:
-    """R(s) = 1 - 0.5 * ||(s - g) P||^2, P = alpha * d d^T / ||d||^2 + (1 - alpha) I, d = g - b; (N,) float32 rewards."""
-    s = F.normalize(image_embeddings.float(), dim=-1)
-    g = F.normalize(goal_embeddings.float(), dim=-1).mean(0)  # the means are deliberately not re-normalised
-    b = F.normalize(baseline_embeddings.float(), dim=-1).mean(0)
-    u = s - g
-    if alpha != 0:
-        if (g - b).norm() == 0:
-            raise ValueError("goal and baseline embeddings are equal: the projection direction is undefined for alpha > 0")
-        d = (g - b) / (g - b).norm()
-        u = alpha * (u @ d)[:, None] * d + (1 - alpha) * u  # u P, without the D x D matrix
-    return 1 - 0.5 * u.pow(2).sum(-1)
-
-
-DEFAULT_NEGATIVES = {  # softmax family: our own negatives for the default goals (not the paper's), states the goal is not
+DEFAULT_PROMPTS = {  # (goal, baseline) of each env: the paper's
+    "CartPole-v1": ("pole vertically upright on top of the cart", "pole and cart"),
+    "MountainCar-v0": ("a car at the peak of the mountain, next to the yellow flag", "a car in the mountain"),
+    "MountainCarContinuous-v0": ("a car at the peak of the mountain, next to the yellow flag", "a car in the mountain"),
+    "Humanoid-v5": ("a humanoid robot kneeling", "a humanoid robot"),
+}
+# softmax family: our own negatives for the default goals (not the paper's), states the goal is not
+DEFAULT_NEGATIVES = {
     ("pole vertically upright on top of the cart",): (
         "pole tilted to the side of the cart",
         "pole lying flat next to the cart",
@@ -150,24 +201,58 @@ DEFAULT_NEGATIVES = {  # softmax family: our own negatives for the default goals
 }
 
 
-def softmax_reward(image_embeddings, goal_embeddings, negative_embeddings, temperature: float, threshold: float, soft=False):
-    """R(s) = 1 if p > threshold else 0 (p itself if soft), p = the goal's softmax(cos(s, e_k) / temperature) vs negatives."""
-    if len(negative_embeddings) == 0 or not 0 < temperature < math.inf or not 0 < threshold < 1:
-        raise ValueError(
-            f"need negatives, 0 < temperature < inf, 0 < threshold < 1: {len(negative_embeddings)}, {temperature}, {threshold}"
-        )
+def vlm_reward(
+    image_embeddings: torch.Tensor, goal_embeddings: torch.Tensor, baseline_embeddings: torch.Tensor, alpha: float
+) -> torch.Tensor:
+    """R(s) = 1 - 0.5 * ||(s - g) P||^2, P = alpha * d d^T / ||d||^2 + (1 - alpha) I, d = g - b; (N,) float32
+    rewards."""
     s = F.normalize(image_embeddings.float(), dim=-1)
-    g = F.normalize(F.normalize(goal_embeddings.float(), dim=-1).mean(0), dim=-1)  # the goal prompts form one class
-    prompts = torch.cat([g[None], F.normalize(negative_embeddings.float(), dim=-1)])  # (1 + K, D), the goal first
+    g = F.normalize(goal_embeddings.float(), dim=-1).mean(0)  # the means are deliberately not re-normalised
+    b = F.normalize(baseline_embeddings.float(), dim=-1).mean(0)
+    u = s - g
+    if alpha != 0:
+        # no direction where goal and baseline share an embedding (e.g. prompts cut at CLIP's 77 tokens): real
+        # prompt pairs are > 0.1 apart, float32 round-off ~1e-6
+        if (g - b).norm() < 1e-4:
+            raise ValueError("goal and baseline have one embedding: d = g - b is 0, alpha > 0 has no direction")
+        d = (g - b) / (g - b).norm()
+        u = alpha * (u @ d)[:, None] * d + (1 - alpha) * u  # u P, without the D x D matrix
+    return 1 - 0.5 * u.pow(2).sum(-1)
+
+
+def softmax_problem(temperature: float, threshold: float) -> Optional[str]:
+    """What is wrong with the softmax family's parameters, or None: its one check, of flags and of calls
+    alike."""
+    if not 0 < temperature < math.inf:
+        return f"--temperature must be a positive number, got {temperature}"
+    if not 0 < threshold < 1:
+        return f"--threshold must be in (0, 1), got {threshold}"
+    return None
+
+
+def softmax_reward(image_embeddings, goal_embeddings, negative_embeddings, temperature: float, threshold: float, soft=False):
+    """R(s) = 1 if p > threshold else 0 (p itself if soft), p = the goal's softmax(cos(s, e_k) / temperature)
+    vs negatives."""
+    problem = softmax_problem(temperature, threshold)
+    problem = problem or ("no negative prompts" if len(negative_embeddings) == 0 else None)
+    if problem is not None:
+        raise ValueError(problem)
+    s = F.normalize(image_embeddings.float(), dim=-1)
+    # the goal prompts form one class
+    g = F.normalize(F.normalize(goal_embeddings.float(), dim=-1).mean(0), dim=-1)
+    # (1 + K, D), the goal first
+    prompts = torch.cat([g[None], F.normalize(negative_embeddings.float(), dim=-1)])
     p = (s @ prompts.T / temperature).softmax(dim=-1)[:, 0]
     return p if soft else (p > threshold).float()
 
 
 class CLIPReward(nn.Module):
-    """Scores uint8 frames (N, H, W, 3) with `vlm_reward` (family "projection") or `softmax_reward` ("softmax").
+    """Scores uint8 frames (N, H, W, 3) with `vlm_reward` (family "projection") or `softmax_reward`
+    ("softmax").
 
-    Frames are preprocessed as the paper's code did (a tensor torchvision Resize of torch 2.0): squashed to the model's
-    square input, bicubic, no antialiasing, no clamp; `antialias=True` smooths a large downscale (closer to PIL).
+    Frames are preprocessed as the paper's code did (a tensor torchvision Resize of torch 2.0): squashed to
+    the model's square input, bicubic, no antialiasing, no clamp; `antialias=True` smooths a large downscale
+    (closer to PIL).
     """
 
     def __init__(self, model: nn.Module, tokenizer, goal: tuple, baseline: tuple, alpha: float, batch_size: int, device,
@@ -178,9 +263,17 @@ class CLIPReward(nn.Module):
 
         if family not in ("projection", "softmax") or (family == "softmax" and not negatives):
             raise ValueError(f"unknown reward family {family!r}, or the softmax family without negative prompts")
-        self.model, self.alpha, self.batch_size, self.device, self.family = model, alpha, batch_size, device, family
-        self.temperature, self.threshold, self.soft, self.antialias = temperature, threshold, soft, antialias
-        self.replicas = [(model, device), *replicas]  # (model, device) per reward device; the first embeds the prompts
+        self.model = model
+        self.device = device
+        self.batch_size = batch_size
+        self.family = family
+        self.alpha = alpha
+        self.temperature = temperature
+        self.threshold = threshold
+        self.soft = soft
+        self.antialias = antialias
+        # (model, device) per reward device; the first embeds the prompts
+        self.replicas = [(model, device), *replicas]
         # the model's own mean/std: the paper used OpenAI's for every model, wrong only for ViT-L-14 laion2b (0.5, 0.5)
         cfg = open_clip.get_model_preprocess_cfg(model)
         self.image_size = (cfg["size"],) * 2 if isinstance(cfg["size"], int) else tuple(cfg["size"])
@@ -194,13 +287,15 @@ class CLIPReward(nn.Module):
         self.register_buffer("goal_embeddings", embed(goal))
         self.register_buffer("baseline_embeddings", embed(baseline or goal))
         self.register_buffer("negative_embeddings", embed(negatives) if negatives else embed(goal)[:0])
-        self.dtype = dtype  # the image tower's, cast once: prompts are embedded above and rewards computed in float32
+        # the image tower's, cast once: prompts are embedded above and rewards computed in float32
+        self.dtype = dtype
         for replica, _ in self.replicas:
             replica.visual.to(dtype)
 
     @torch.no_grad()
     def preprocess(self, frames: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
-        """uint8 (N, H, W, 3) -> the model's normalised input (N, 3, S, S); frames travel as uint8 (4x less than float)."""
+        """uint8 (N, H, W, 3) -> the model's normalised input (N, 3, S, S); frames travel as uint8 (4x less
+        than float)."""
         device = device or self.device
         x = frames.to(device, non_blocking=True).permute(0, 3, 1, 2).float().div_(255)
         # bicubic overshoots [0, 1] a little near edges: the reference kept it (no clamp), and so do we
@@ -223,14 +318,17 @@ class CLIPReward(nn.Module):
 
     @torch.no_grad()
     def forward(self, frames: np.ndarray) -> np.ndarray:
-        chunks, k = torch.from_numpy(np.ascontiguousarray(frames)).split(self.batch_size), len(self.replicas)
+        chunks = torch.from_numpy(np.ascontiguousarray(frames)).split(self.batch_size)
+        k = len(self.replicas)
 
-        def score(i: int) -> list[torch.Tensor]:  # replica i scores chunks i, i + k, ...: the batches one device would score
+        # replica i scores chunks i, i + k, ...: the batches one device would score
+        def score(i: int) -> list[torch.Tensor]:
             return [self.rewards(self.embed_images(chunk, i).to(self.device)) for chunk in chunks[i::k]]
 
         if k == 1:
             return torch.cat(score(0)).cpu().numpy()
-        with ThreadPoolExecutor(k) as pool:  # one thread per replica, in parallel: torch releases the GIL in its kernels
+        # one thread per replica, in parallel: torch releases the GIL in its kernels
+        with ThreadPoolExecutor(k) as pool:
             scored = list(pool.map(score, range(k)))
         return torch.cat([scored[j % k][j // k] for j in range(len(chunks))]).cpu().numpy()
 
@@ -240,14 +338,18 @@ def make_reward_model(args: Args, device: torch.device) -> CLIPReward:
     devices = [torch.device(name) for name in args.reward_devices] or [device]
     model, tokenizer = utils.load_clip(args, devices[0])
     utils.warn_long_prompts(tokenizer, args)
-    replicas = [(copy.deepcopy(model).to(d), d) for d in devices[1:]]  # copies: the same weights (even random test ones)
+    # copies: the same weights (even random test ones)
+    replicas = [(copy.deepcopy(model).to(d), d) for d in devices[1:]]
     family = [args.reward_family, args.negatives or (), args.temperature, args.threshold, args.soft, args.antialias]
-    dtype = getattr(torch, args.clip_dtype) if devices[0].type == "cuda" else torch.float32  # CPUs gain nothing from half
+    # CPUs gain nothing from half
+    dtype = getattr(torch, args.clip_dtype) if devices[0].type == "cuda" else torch.float32
     reward_model = CLIPReward(
         model, tokenizer, args.goal, args.baseline, args.alpha, args.reward_batch_size, devices[0], *family, replicas, dtype
     )
-    if args.reward_family == "projection":
-        utils.check_goal_direction(reward_model.goal_embeddings, reward_model.baseline_embeddings, args.alpha)
+    try:  # vlm_reward's rule, said in terms of the flags: different prompts can share one CLIP embedding
+        reward_model.rewards(reward_model.goal_embeddings)
+    except ValueError as e:
+        raise utils.UserError(f"--goal and --baseline: {e}; change one or use --alpha 0.") from None
     return reward_model
 
 
@@ -263,20 +365,24 @@ class FixedLengthCartPole(gym.Wrapper):
         cartpole = self.env.unwrapped
         x, x_dot, theta, theta_dot = cartpole.state
         theta = (theta + math.pi) % (2 * math.pi) - math.pi
-        if abs(x) > cartpole.x_threshold:  # the track ends are walls: stop there instead of leaving the screen
-            x, x_dot = math.copysign(cartpole.x_threshold, x), 0.0
+        # the track ends are walls: stop there instead of leaving the screen
+        if abs(x) > cartpole.x_threshold:
+            x = math.copysign(cartpole.x_threshold, x)
+            x_dot = 0.0
         cartpole.state = np.array([x, x_dot, theta, theta_dot])
         cartpole.steps_beyond_terminated = None  # we keep stepping on purpose: silence gym's warning
         info["success"] = bool(abs(theta) < cartpole.theta_threshold_radians and abs(x) < cartpole.x_threshold)
         return cartpole.state.astype(np.float32), float(info["success"]), False, truncated, info
 
 
-MOUNTAINCAR_GOAL = 0.45  # the paper's flag (Gymnasium's MountainCar-v0 has 0.5): reward, success and drawing use it
+# the paper's flag (Gymnasium's MountainCar-v0 has 0.5): reward, success and drawing use it
+MOUNTAINCAR_GOAL = 0.45
 
 
 class FixedLengthMountainCar(gym.Wrapper):
-    """MountainCar that never terminates: reward 1 while at the flag, else 0; `info["success"]`: reached this episode.
-    After success x is clipped to the flag, as in the paper's env, so CLIP never scores the car past it."""
+    """MountainCar that never terminates: reward 1 while at the flag, else 0; `info["success"]`: reached this
+    episode. After success x is clipped to the flag, as in the paper's env, so CLIP never scores the car
+    past it."""
 
     def reset(self, **kwargs):
         self.reached_goal = False
@@ -284,35 +390,44 @@ class FixedLengthMountainCar(gym.Wrapper):
 
     def step(self, action):
         obs, _, _, truncated, info = self.env.step(action)
-        if obs[0] > MOUNTAINCAR_GOAL:  # as the paper's env: a car that reached the flag stays there, never past it
-            car = self.env.unwrapped  # MountainCar-v0 keeps its state as a tuple, the continuous one as an array
-            car.state, obs[0] = np.array([MOUNTAINCAR_GOAL, car.state[1]], np.asarray(car.state).dtype), MOUNTAINCAR_GOAL
+        # as the paper's env: a car that reached the flag stays there, never past it
+        if obs[0] > MOUNTAINCAR_GOAL:
+            # MountainCar-v0 keeps its state as a tuple, the continuous one as an array
+            car = self.env.unwrapped
+            car.state = np.array([MOUNTAINCAR_GOAL, car.state[1]], np.asarray(car.state).dtype)
+            obs[0] = MOUNTAINCAR_GOAL
         at_goal = bool(obs[0] >= MOUNTAINCAR_GOAL)
         self.reached_goal = info["success"] = self.reached_goal or at_goal
         return obs, float(at_goal), False, truncated, info
 
-    def render(self):  # Gymnasium draws its flag at goal_position: ours, for the drawing only (its own stays as it is)
+    # Gymnasium draws its flag at goal_position: ours, for the drawing only (its own stays as it is)
+    def render(self):
         car = self.env.unwrapped
-        car.goal_position, stock = MOUNTAINCAR_GOAL, car.goal_position
+        stock = car.goal_position
+        car.goal_position = MOUNTAINCAR_GOAL
         frame = self.env.render()
         car.goal_position = stock
         return frame
 
 
 class RealisticMountainCar(gym.Wrapper):
-    """MountainCar drawn as a landscape (sky, far ridge, grassy hill, road, yellow flag, red car on the slope): CLIP
-    scores photo-like scenes far better than line art. Gymnasium's world-to-pixel mapping; the background is drawn once."""
+    """MountainCar drawn as a landscape (sky, far ridge, grassy hill, road, yellow flag, red car on the
+    slope): CLIP scores photo-like scenes far better than line art. Gymnasium's world-to-pixel mapping; the
+    background is drawn once."""
 
     def __init__(self, env: gym.Env):
         super().__init__(env)
         import pygame
 
-        self.min_x, self.scale = env.unwrapped.min_position, 600 / (env.unwrapped.max_position - env.unwrapped.min_position)
+        self.min_x = env.unwrapped.min_position
+        self.scale = 600 / (env.unwrapped.max_position - self.min_x)
         rows, cols = np.mgrid[:400, :600]
         depth = rows - self.pixel(self.min_x + cols / self.scale)[1]  # pixels below the road's centre line
-        noise = np.random.default_rng(0).normal(0, 12, (400, 600, 1))  # fixed: every frame of every run looks the same
+        # fixed: every frame of every run looks the same
+        noise = np.random.default_rng(0).normal(0, 12, (400, 600, 1))
         ridge = 170 + 35 * np.sin(cols / 57) + 20 * np.sin(cols / 23 + 1.3) + 8 * np.sin(cols / 7)
-        pixels = np.select(  # first match wins: road, earth, grass, far ridge, else a sky from deep blue to pale
+        # first match wins: road, earth, grass, far ridge, else a sky from deep blue to pale
+        pixels = np.select(
             [c[..., None] for c in (abs(depth) <= 4, depth > 28, depth > 0, rows > ridge)],
             [[95, 95, 100], [110, 85, 55] + noise, [70, 140, 55] + noise, [120, 140, 165]],
             [70, 130, 210] + rows[..., None] / 399 * np.array([130, 95, 35]),
@@ -331,7 +446,8 @@ class RealisticMountainCar(gym.Wrapper):
             pygame.draw.circle(self.car, (160, 160, 160), (x, 27), 3)
         self.canvas = pygame.Surface((600, 400))
 
-    def pixel(self, x):  # world x -> (column, row) of the road's surface, as Gymnasium draws the track 0.45 sin(3x) + 0.55
+    # world x -> (column, row) of the road's surface, as Gymnasium draws the track 0.45 sin(3x) + 0.55
+    def pixel(self, x):
         return (x - self.min_x) * self.scale, 400 - (0.45 * np.sin(3 * x) + 0.55) * self.scale
 
     def render(self) -> np.ndarray:
@@ -348,7 +464,8 @@ class RealisticMountainCar(gym.Wrapper):
 
 class StockEpisodes(gym.Wrapper):
     """Gymnasium's own task (reward, termination, time limit) plus the ground truth `info["success"]` of the
-    fixed-length envs: CartPole: this step is upright; MountainCar: the flag was reached during the episode."""
+    fixed-length envs: CartPole: this step is upright; MountainCar: the flag was reached during the
+    episode."""
 
     def reset(self, **kwargs):
         self.reached_goal = False
@@ -366,7 +483,8 @@ class StockEpisodes(gym.Wrapper):
 
 def make_env(env_id: str, seed: int, idx: int, episode_length: int, realistic: bool, fixed_length: bool = True):
     def thunk():
-        if fixed_length:  # no early termination: the time limit is the only end, so survival alone earns nothing
+        # no early termination: the time limit is the only end, so survival alone earns nothing
+        if fixed_length:
             env = gym.make(env_id, render_mode="rgb_array", max_episode_steps=episode_length)
             env = FixedLengthCartPole(env) if env_id == "CartPole-v1" else FixedLengthMountainCar(env)
         else:
@@ -402,11 +520,14 @@ def linear_schedule(start_e: float, end_e: float, duration: float, t: int) -> fl
 
 
 class ReplayBuffer:
-    """Ring buffer of transitions in host memory; a batch goes to the device when sampled; its state_dict (the filled
-    part) makes a resume exact."""
+    """Ring buffer of transitions in host memory; a batch goes to the device when sampled; its state_dict (the
+    filled part) makes a resume exact."""
 
     def __init__(self, size: int, obs_shape: tuple, action_shape: tuple, action_dtype: type, device: torch.device):
-        self.size, self.device, self.pos, self.full = size, device, 0, False
+        self.size = size
+        self.device = device
+        self.pos = 0
+        self.full = False
         self.data = {
             "obs": np.zeros((size, *obs_shape), np.float32),
             "next_obs": np.zeros((size, *obs_shape), np.float32),
@@ -426,10 +547,12 @@ class ReplayBuffer:
         return self.size if self.full else self.pos
 
     def state_dict(self) -> dict:
-        return {"pos": self.pos, "full": self.full, **{k: torch.from_numpy(v[: len(self)]) for k, v in self.data.items()}}
+        filled = {k: torch.from_numpy(v[: len(self)]) for k, v in self.data.items()}
+        return {"pos": self.pos, "full": self.full, **filled}
 
     def load_state_dict(self, state: dict) -> None:
-        self.pos, self.full = state["pos"], state["full"]
+        self.pos = state["pos"]
+        self.full = state["full"]
         for k, v in self.data.items():
             v[: len(state[k])] = state[k]
 
@@ -439,236 +562,148 @@ class ReplayBuffer:
         return tuple(torch.from_numpy(self.data[k][idx]).to(self.device) for k in keys)
 
 
-class RewardQueue:
-    """Transitions wait here for the CLIP score of their frame (the one rendered after their step). A full chunk per
-    reward device is scored in a background thread while the envs step on (torch's kernels release the GIL, CUDA's run
-    asynchronously); `scored(wait)` hands chunks back oldest first, every one when `wait` is set (before a gradient
-    step, a checkpoint, the end), so the replay buffer receives what the serial loop gave it, in the same order."""
-
-    def __init__(self, reward_model, chunk: int, in_flight: int = 2):
-        self.reward_model, self.chunk, self.in_flight = reward_model, chunk, in_flight  # in flight: bounds memory
-        self.pending = {k: [] for k in ("obs", "next_obs", "actions", "terminations", "dones", "gt", "frames")}
-        self.scoring: deque = deque()  # (transitions, step, future of their CLIP rewards), oldest first
-        self.pool = ThreadPoolExecutor(1) if reward_model is not None else None
-        self.busy = self.waited = 0.0  # seconds the reward model worked (overlapped) and the loop waited for it
-
-    def add(self, step: int, wait: bool, **transition) -> list[tuple[dict, np.ndarray]]:
-        for k, v in transition.items():
-            self.pending[k].append(v)
-        if wait or len(self.pending["obs"]) * len(transition["obs"]) >= self.chunk:
-            batch = {k: np.concatenate(v) for k, v in self.pending.items() if v}
-            frames = batch.pop("frames", None)
-            self.scoring.append((batch, step, self.pool.submit(self.score, frames) if self.pool else None))
-            self.pending = {k: [] for k in self.pending}
-        return self.scored(wait)
-
-    def score(self, frames: np.ndarray) -> np.ndarray:  # in the scoring thread
-        start = time.perf_counter()
-        rewards = self.reward_model(frames)
-        self.busy += time.perf_counter() - start
-        return rewards
-
-    def scored(self, wait: bool) -> list[tuple[dict, np.ndarray]]:
-        """The chunks whose rewards are ready, oldest first: all when `wait`, else the done ones and any past in_flight."""
-        out, start = [], time.perf_counter()
-        while self.scoring and (wait or len(self.scoring) > self.in_flight or not self.pool or self.scoring[0][2].done()):
-            batch, step, future = self.scoring.popleft()
-            clip_rewards = future.result() if future else np.zeros(len(batch["gt"]), np.float32)
-            out.append(({**batch, "step": step}, clip_rewards))
-        self.waited += time.perf_counter() - start
-        return out
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
-
-
 def evaluate(q_network: QNetwork, eval_envs: gym.vector.VectorEnv, device, reward_model, episodes: int, seed: int) -> list:
-    """Greedy episodes of the Q-network: frames, ground-truth return and CLIP return of each."""
+    """Greedy episodes of the Q-network: the frames and their rate, the ground-truth and CLIP return of each."""
     results = []
     for episode in range(episodes):
         obs, _ = eval_envs.reset(seed=seed + episode)
-        frames, gt_return, done = [eval_envs.call("render")[0]], 0.0, False
+        frames = [eval_envs.call("render")[0]]
+        gt_return = 0.0
+        done = False
         while not done:  # fixed length: --episode-length steps; stock: until the env terminates or truncates
             with torch.no_grad():
                 actions = q_network(torch.as_tensor(obs, device=device)).argmax(dim=1).cpu().numpy()
             obs, gt_rewards, terminations, truncations, _ = eval_envs.step(actions)
-            done, gt_return = bool(terminations[0] or truncations[0]), gt_return + float(gt_rewards[0])
+            done = bool(terminations[0] or truncations[0])
+            gt_return += float(gt_rewards[0])
             frames.append(eval_envs.call("render")[0])
         # the reset frame scores no transition: the reward of step t is the score of frame t + 1
-        clip_return = float(reward_model(np.stack(frames[1:])).sum()) if reward_model is not None else float("nan")
-        results.append({"frames": frames, "gt_return": gt_return, "clip_return": clip_return})
+        clip_return = float(reward_model(np.stack(frames[1:])).sum()) if reward_model is not None else math.nan
+        fps = eval_envs.metadata["render_fps"]
+        results.append(dict(frames=frames, gt_return=gt_return, clip_return=clip_return, fps=fps))
     return results
 
 
 # ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
+# what --evaluate takes from the checkpoint unless given: the env, the frames CLIP saw and the reward model
+EVALUATE_AS_TRAINED = """env_id episodes episode_length realistic
+reward goal baseline alpha clip_model clip_pretrained clip_checkpoint clip_cache_dir
+reward_family negatives temperature threshold soft antialias"""
+
+
 def main(args: Args) -> None:
-    checkpoint = None
-    if args.resume is not None:  # continue the same run: its flags, step, TensorBoard folder and random streams
-        checkpoint = utils.read_checkpoint(args.resume, Args)
-        args = utils.resumed_args(args, checkpoint)
-    if args.evaluate is not None:  # the run's own env, CLIP model and frames, unless a flag says otherwise
-        args = utils.evaluated_args(args)
-    check_args(args)
-    if args.episodes == "auto":  # resolved once: a checkpoint keeps the resolved value
-        args.episodes = "fixed" if args.reward == "clip" else "stock"
-    run_name = checkpoint["run_name"] if checkpoint else f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    device = utils.set_torch_threads(args, torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu"))
+    run = utils.Run(args, check_args, EVALUATE_AS_TRAINED)  # the flags (a resumed run's own) checked; seeds
+    args, device = run.args, run.device
     opts = (args.episode_length, args.realistic, args.episodes == "fixed")
-    eval_env_fns = [make_env(args.env_id, args.seed + 10_000, 0, *opts)]
-    # the reward model first: a failed download or an unusable prompt is one sentence before anything starts
-    reward_model = make_reward_model(args, device) if args.reward == "clip" else None
-
-    if args.evaluate is not None:
-        eval_envs = gym.vector.SyncVectorEnv(eval_env_fns)
+    eval_seed = args.seed + 10_000
+    eval_envs = gym.vector.SyncVectorEnv([make_env(args.env_id, eval_seed, 0, *opts)])
+    if args.evaluate is not None:  # roll the checkpoint's policy out
+        reward_model = make_reward_model(args, device) if args.reward == "clip" else None
         q_network = QNetwork(eval_envs).to(device)
-        saved = utils.read_checkpoint(args.evaluate, Args, "--evaluate")
-        q_network.load_state_dict(saved["q_network"])
-        results = evaluate(q_network, eval_envs, device, reward_model, args.eval_episodes, args.seed + 10_000)
-        return utils.save_episodes(results, saved.get("run_name", run_name), fps=50)  # the trained run's videos/ folder
+        q_network.load_state_dict(run.checkpoint["q_network"])
+        episodes = evaluate(q_network, eval_envs, device, reward_model, args.eval_episodes, eval_seed)
+        return run.save_episodes(episodes)
 
-    # autoreset off: we reset finished envs ourselves, so no reset frame or observation is ever stored as a transition
-    frame_shape = (400, 600, 3)  # the pygame frames are 600x400
+    # each env renders the frame after its step and returns it with the step (with the ground truth: nothing)
+    clip = args.reward == "clip"
+    frame_shape = (400, 600, 3)  # pygame's 600x400
+    vector_env = gym.vector.SyncVectorEnv  # pygame draws in a few ms: env processes would cost more
     env_fns = [make_env(args.env_id, args.seed, i, *opts) for i in range(args.num_envs)]
-    envs = utils.make_vector_env(gym.vector.SyncVectorEnv, env_fns, frame_shape if args.reward == "clip" else None)
-    writer = queue = None
-    try:
-        if reward_model is not None:
-            utils.say_reward_model_cost(reward_model, args, frame_shape)
-        eval_envs = gym.vector.SyncVectorEnv(eval_env_fns) if args.capture_video else None
-        num_iterations, start_iteration = args.total_timesteps // args.num_envs, checkpoint["iteration"] if checkpoint else 0
-
+    # autoreset off: the loop resets finished envs, so no reset observation or frame forms a transition
+    autoreset = gym.vector.AutoresetMode.DISABLED
+    envs = utils.make_vector_env(vector_env, env_fns, autoreset, frame_shape if clip else None)
+    with run.closing(envs):
+        reward_model = make_reward_model(args, device) if clip else None  # CUDA: after the envs fork
+        obs_shape = envs.single_observation_space.shape
         q_network = QNetwork(envs).to(device)
-        optimizer = optim.Adam(q_network.parameters(), lr=args.learning_rate, fused=True)  # one kernel per step
+        optimizer = optim.Adam(q_network.parameters(), lr=args.learning_rate, fused=True)
         target_network = QNetwork(envs).to(device)
         target_network.load_state_dict(q_network.state_dict())
-        rb = ReplayBuffer(args.buffer_size, envs.single_observation_space.shape, (), np.int64, device)
+        rb = ReplayBuffer(args.buffer_size, obs_shape, (), np.int64, device)
         # everything a gradient step changes, by name: checkpointed and restored together
         learner = dict(q_network=q_network, target_network=target_network, optimizer=optimizer)
-        networks = lambda: dict(q_network=q_network.state_dict())  # noqa: E731
-        utils.check_checkpoint_disk(args, networks(), rb)  # before the run folder: a refused run leaves none
-        run_name, writer = utils.start_run(args, run_name, checkpoint, device)
+        networks = lambda: {k: learner[k].state_dict() for k in ("q_network",)}  # noqa: E731
+        evaluation = partial(evaluate, q_network, eval_envs, device, reward_model)  # greedy episodes
         # epsilon's schedule keeps the length of the run as first started, when --resume extends it
-        schedule_steps = checkpoint["schedule_steps"] if checkpoint else args.total_timesteps
-
-        # transitions wait for their frames' CLIP scores, which go to the buffer before the next gradient step
-        queue = RewardQueue(reward_model, args.reward_batch_size * max(1, len(args.reward_devices)))
-        # charts/gt_success: CartPole, the share of the time limit spent upright (a stock episode ends when the pole falls)
+        schedule_steps = run.checkpoint["schedule_steps"] if run.checkpoint else args.total_timesteps
+        # charts/gt_success: CartPole, the share of the time limit spent upright; MountainCar, the flag
+        # reached
         time_limit = args.episode_length if args.episodes == "fixed" else gym.spec(args.env_id).max_episode_steps
-        success = time_limit if args.env_id == "CartPole-v1" else "flag"  # MountainCar: the flag reached
-        episodes = utils.EpisodeLog(args.num_envs, checkpoint["episodes"] if checkpoint else None, success)
-        render = args.reward == "clip"
-        timing = {"env": 0.0, "render": 0.0, "reward_model": 0.0, "reward_wait": 0.0, "learning": 0.0}
+        upright = lambda episode: episode["gt_return"] / time_limit  # noqa: E731
+        gt_success = upright if args.env_id == "CartPole-v1" else (lambda episode: episode["success"])
+        run.start(networks(), rb, reward_model, frame_shape, gt_success)
+        chunk = args.reward_batch_size * max(1, len(args.reward_devices))  # frames CLIP scores at once
+        queue = utils.RewardQueue(reward_model, chunk, run.timing)
+        recent = deque(maxlen=100)  # the paper ranks checkpoints by the mean CLIP return of the last 100
+        components = []  # the env's own reward terms (e.g. reward_forward), logged as diagnostics
 
         obs, _ = envs.reset(seed=args.seed)
-        if checkpoint is not None:
-            obs = utils.restore_run(checkpoint, learner, envs, rb)
-            if args.episodes == "stock":  # saved mid-episode: the episodes in flight restarted, so drop their partial sums
-                episodes.restart()
-        last_finite, stop = utils.LastFinite(run_name, args), utils.install_stop_handlers()
-        last_save = start_iteration * args.num_envs  # the step of the last checkpoint
-        progress = utils.Progress(args.total_timesteps, start_iteration * args.num_envs, render, max(10, args.num_envs))
-        iteration, dones = start_iteration - 1, np.ones(args.num_envs, dtype=bool)  # as they stay when no steps are left
-        for iteration in range(start_iteration, num_iterations):
-            global_step, next_step = iteration * args.num_envs, (iteration + 1) * args.num_envs
+        if run.checkpoint:  # a resumed run as saved; its envs start new episodes from their saved generators
+            run.restore(learner, envs, rb)
+            obs, _ = envs.reset(options={"reset_mask": np.ones(args.num_envs, dtype=bool)})
+            recent.extend(run.checkpoint["episodes"]["recent"])
+        for iteration in run.iterations():
+            global_step = iteration * args.num_envs
             epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_fraction * schedule_steps, global_step)
-            if random.random() < epsilon:
-                actions = np.random.randint(envs.single_action_space.n, size=args.num_envs)  # seeded, checkpointed RNG
+            if random.random() < epsilon:  # random actions, from the seeded, checkpointed RNG
+                actions = np.random.randint(envs.single_action_space.n, size=args.num_envs)
             else:
                 with torch.no_grad():
-                    actions = q_network(torch.from_numpy(obs).to(device)).argmax(dim=1).cpu().numpy()
-
-            t0 = time.perf_counter()
-            next_obs, gt_rewards, terminations, truncations, infos = envs.step(actions)
-            frames = infos.get("frames")  # rendered *after* the step: it scores the transition
-            render_s = infos["render_s"] if render else 0.0  # of the step's round trip
-            timing["env"], timing["render"] = timing["env"] + time.perf_counter() - t0 - render_s, timing["render"] + render_s
+                    actions = q_network(torch.from_numpy(obs).to(device)).argmax(dim=1)
+                actions = actions.cpu().numpy()
+            with run.timer("env"):
+                next_obs, gt_rewards, terminations, truncations, infos = envs.step(actions)
             dones = terminations | truncations
-            # checkpoints where fixed-length episodes all end (a small run state); stock ones when due (episodes restart)
-            stopping = stop["requested"]  # read once: a signal arriving after this is handled at the next step
-            boundary = dones.all() or args.episodes == "stock"
-            periodic = args.save_model and next_step // args.checkpoint_frequency > last_save // args.checkpoint_frequency
-            save_now = boundary and (stopping or periodic or (args.save_model and iteration == num_iterations - 1))
-
-            gt = np.stack([gt_rewards, infos["success"]], axis=1)
+            due = run.checkpoint_due(dones)
+            components = components or sorted(k for k in infos if k.startswith("reward_"))
+            reached = infos.get("success", np.zeros(args.num_envs))  # the env's success (the flag, upright)
+            gt = np.stack([gt_rewards, reached] + [infos[k] for k in components], axis=1)
             train_now = global_step >= args.learning_starts and iteration % args.train_frequency == 0
-            # rewards are needed before a gradient step, at the end and before a checkpoint (its CLIP return)
-            wait = train_now or iteration == num_iterations - 1 or save_now
-            transition = dict(obs=obs, next_obs=next_obs, actions=actions, terminations=terminations, dones=dones, gt=gt)
-            for batch, clip_rewards in queue.add(global_step, wait, **transition, **({"frames": frames} if render else {})):
-                rewards = clip_rewards if render else batch["gt"][:, 0]
-                if not np.all(np.isfinite(rewards)):  # never let a NaN into the buffer: it would poison every Q-value
-                    bad = f"{np.sum(~np.isfinite(rewards))} of {len(rewards)} frames at step {batch['step']}"
-                    hint = "; on a GPU, --clip-dtype bfloat16 has float32's range" if args.reward == "clip" else ""
-                    last_finite.stop(f"the {args.reward} reward is not finite for {bad}", networks(), hint)
+            # every reward is in the buffer before the next gradient step, a checkpoint and the end
+            wait = train_now or due or iteration == run.last_iteration
+            transition = dict(obs=obs, next_obs=next_obs, actions=actions, terminations=terminations)
+            transition.update(dones=dones, gt=gt)
+            for batch, clip_rewards in queue.add(global_step, wait, infos.get("frames"), **transition):
+                rewards = clip_rewards if clip else batch["gt"][:, 0]
+                run.check_rewards(rewards, batch["step"], networks)
                 rb.add(batch["obs"], batch["next_obs"], batch["actions"], rewards, batch["terminations"])
-                episodes.log(args, writer, progress, batch, rewards, clip_rewards, batch["step"])
-            timing["reward_model"], timing["reward_wait"] = queue.busy, queue.waited
-
-            if global_step >= args.learning_starts:
-                t0 = time.perf_counter()
-                if train_now:
+                ended = run.log_episodes(batch, rewards, clip_rewards, components)
+                recent.extend(episode["clip_return"] for episode in ended)
+            if train_now:
+                with run.timer("learning"):
+                    run.snapshot(networks, 1)
                     b_obs, b_actions, b_rewards, b_next_obs, b_terminations = rb.sample(args.batch_size)
                     with torch.no_grad():
                         target_max, _ = target_network(b_next_obs).max(dim=1)
-                        # time limits are truncations: we bootstrap through them (the reference treated them as terminal)
+                        # time limits are truncations: bootstrapped (the paper's code stopped there)
                         td_target = b_rewards + args.gamma * target_max * (1 - b_terminations)
                     old_val = q_network(b_obs).gather(1, b_actions[:, None]).squeeze(1)
                     loss = F.mse_loss(td_target, old_val)
-                    if not torch.isfinite(loss):  # checked before the update: the saved networks are the last finite ones
-                        last_finite.stop(f"losses/td_loss is {loss.item()} at step {global_step}", networks(),
-                                         hint="; lower --learning-rate or check the rewards")  # fmt: skip
                     optimizer.zero_grad()
                     loss.backward()
                     optimizer.step()
-                    if iteration % (100 * args.train_frequency) == 0:
-                        losses = dict(td_loss=loss, q_values=old_val.mean())
-                        writer.add_scalar("charts/epsilon", epsilon, global_step)
-                        utils.log_losses(writer, global_step, losses, progress, timing)
-                if iteration % args.target_network_frequency == 0:
-                    for target_param, q_param in zip(target_network.parameters(), q_network.parameters()):
-                        target_param.data.copy_(args.tau * q_param.data + (1.0 - args.tau) * target_param.data)
-                timing["learning"] += time.perf_counter() - t0
+                losses = {"td_loss": loss, "q_values": old_val.mean(), "charts/epsilon": epsilon}
+                run.check_losses(torch.isfinite(loss), losses, global_step, "--learning-rate")
+                run.log_losses(global_step, losses)
+            if global_step >= args.learning_starts and iteration % args.target_network_frequency == 0:
+                for target_param, q_param in zip(target_network.parameters(), q_network.parameters()):
+                    target_param.data.copy_(args.tau * q_param.data + (1.0 - args.tau) * target_param.data)
 
-            last = iteration == num_iterations - 1
-            if args.capture_video and (global_step // args.video_frequency != next_step // args.video_frequency or last):
-                (result,) = evaluate(q_network, eval_envs, device, reward_model, 1, args.seed + 10_000)
-                utils.record_video(writer, run_name, next_step, result, fps=50)
-            if save_now:  # the whole run state; with periodic, also the paper's checkpoints/step-<N>.pt (networks, all kept)
-                state, kept = dict(schedule_steps=schedule_steps), periodic and networks()
-                utils.save_run(args, run_name, learner, envs, rb, episodes, queue.pending, iteration + 1, kept or None, state)
-                last_save = next_step
-            if boundary and stopping:
-                print(f"stopped; continue with: python {os.path.basename(__file__)} --resume runs/{run_name}/checkpoint.pt")
-                break
-            if dones.any():  # reset finished envs: their reset observations start the next episodes, never a transition
+            if run.video_due():
+                run.record_video(evaluation(1, eval_seed)[0])
+            if due:  # the best checkpoint has the highest mean CLIP return of the last 100 episodes
+                clip_return = np.mean(recent) if recent else math.nan
+                run.save(learner, envs, rb, networks, recent, clip_return, schedule_steps=schedule_steps)
+                if run.stopping:
+                    break
+            if dones.any():  # reset finished envs: the reset observations start episodes, never a transition
                 reset_obs, _ = envs.reset(options={"reset_mask": dones})
                 next_obs = np.where(dones[:, None], reset_obs, next_obs)
             obs = next_obs
-            progress.update(next_step)
-    finally:
-        queue = queue and queue.close()
-        utils.close_run(writer, envs)  # flushes TensorBoard, also on an error or a second Ctrl-C
-
-    # a run that ended mid-episode (fixed-length episodes) keeps no resumable state: only its final networks, to evaluate
-    final = {**networks(), "clip_return": episodes.clip_return()} if args.episodes == "fixed" and not dones.all() else None
-    utils.finish_run(args, run_name, progress, (iteration + 1) * args.num_envs, timing, stop["requested"], __file__, final)
-    if args.save_model and not stop["requested"]:
-        # as CleanRL's dqn.py: the final Q-network's greedy episodes are the run's evaluation (eval/gt_return at its end)
-        results = evaluate(
-            q_network, gym.vector.SyncVectorEnv(eval_env_fns), device, reward_model, args.eval_episodes, args.seed + 10_000
-        )
-        with SummaryWriter(f"runs/{run_name}") as eval_writer:
-            for i, result in enumerate(results):
-                print(f"eval episode {i}: {utils.returns_text(result)}")
-                eval_writer.add_scalar("eval/gt_return", result["gt_return"], (iteration + 1) * args.num_envs)
+        clip_return = np.mean(recent) if recent else math.nan
+        run.finish(networks, clip_return, partial(evaluation, args.eval_episodes, eval_seed))
 
 
 if __name__ == "__main__":

@@ -1,18 +1,19 @@
-"""Plumbing shared by the training scripts and the evaluation tools, as CleanRL's scripts share `cleanrl_utils`.
+"""Plumbing shared by the training scripts (and used by the evaluation tools), as CleanRL's scripts share `cleanrl_utils`.
 
 The method (flags, CLIP reward, environment, networks, replay buffer, loop) lives in each training script; what is here
-is written once so a fix lands once: input and resource checks, CLIP weights download, checkpoints and exact resume,
-run folders, the NaN snapshot, signal handling, threads, the progress line, videos and experiment tracking. Nothing here
-imports a training script: each passes its `Args` class or values in.
+is written once so a fix lands once, in the order a run uses it: the entry point, the checks before anything starts, a
+resumed run's checkpoint, CLIP's weights, the envs' frames, and `Run`, the run's lifecycle around the loop (folder,
+TensorBoard and W&B, progress, rewards in flight, NaN guard, checkpoints, videos). It imports no script or tool and
+reads only the flags both training scripts share; the tools' own file handling is in vlmrm_tools.py.
 """
 
+import contextlib
 import copy
 import fcntl
 import logging
 import math
 import os
 import random
-import re
 import shutil
 import signal
 import sys
@@ -21,6 +22,7 @@ import threading
 import time
 import zipfile
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Callable, Optional
@@ -30,10 +32,12 @@ import imageio.v2 as imageio
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.tensorboard import SummaryWriter
 
 
+# ----------------------------------------------------------------------------------------------
+# Errors and the entry point
+# ----------------------------------------------------------------------------------------------
 class UserError(Exception):
     """Bad input or a missing resource: reported as one sentence and exit code 2, never a traceback."""
 
@@ -42,49 +46,49 @@ class NonFiniteError(Exception):
     """A NaN or infinite reward or loss: training stops (exit code 1) instead of poisoning the buffer."""
 
 
-def cli(main: Callable, args_class: type) -> None:
-    """The scripts' entry point: parse the flags with tyro, run `main`, turn errors into one sentence and an exit code."""
+def cli(main: Callable, args_class, argv: Optional[list] = None, interrupted: str = "interrupted") -> None:
+    """Every script's and tool's entry point: parse the flags with tyro (`args_class`: a dataclass, or a union of them
+    for subcommands), run `main`, and turn bad input into one sentence and exit 2, the machine's failures (a full disk, a
+    folder removed) into one sentence and exit 1, Ctrl-C into one line and exit 130 (`interrupted`, unless it says more)."""
     import warnings
 
     import tyro
 
     warnings.filterwarnings("ignore", message=".*No pretrained weights.*")
     try:
-        main(tyro.cli(args_class))
-    except (UserError, NonFiniteError, OSError) as e:  # OSError: the machine, not the input (a full disk, a folder removed)
+        main(tyro.cli(args_class, args=argv))
+    except (UserError, NonFiniteError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, UserError) else 1)
-    except KeyboardInterrupt:
-        print("interrupted without saving a checkpoint", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print(str(e) or interrupted, file=sys.stderr)
         sys.exit(130)
 
 
 # ----------------------------------------------------------------------------------------------
-# Input and resource checks
+# Before anything starts: the flags, the machine's memory and disk
 # ----------------------------------------------------------------------------------------------
-def check_common_args(args, positive: str, unit_interval: str, network: str, default_negatives: dict) -> None:
-    """The checks both training scripts share, each one sentence, before anything expensive starts."""
+def check_common_args(args, positive: str, unit_interval: str, network: str) -> None:
+    """The checks of the flags both training scripts share, each one sentence, before anything expensive starts."""
     for name in positive.split():  # inf passes `> 0` and fails at the first update: finite too
         if not 0 < getattr(args, name) < math.inf:
             raise UserError(f"--{name.replace('_', '-')} must be positive and finite, got {getattr(args, name)}.")
     for name in unit_interval.split():
         if not 0 <= getattr(args, name) <= 1:
             raise UserError(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}.")
-    if args.total_timesteps % args.num_envs:  # every vector step takes one step in each env
-        rounded = -(-args.total_timesteps // args.num_envs) * args.num_envs
-        print(f"note: --total-timesteps {args.total_timesteps} rounded up to {rounded}, a multiple of --num-envs")
-        args.total_timesteps = rounded
     unknown = [name for name in args.reward_devices if not is_device(name)]
     known = ["cpu", *(["cuda"] if torch.cuda.is_available() else []), *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
+    projection = args.reward == "clip" and args.alpha > 0  # the prompts matter with the CLIP reward only
     for failed, message in [
-        (not args.goal or not all(p.strip() for p in args.goal), "--goal needs at least one non-empty prompt."),
-        (args.alpha > 0 and not all(p.strip() for p in args.baseline or [""]), "--baseline needs a prompt when --alpha > 0."),
         (
-            args.alpha > 0 and same_prompts(args.goal, args.baseline or ()),
+            args.reward == "clip" and (not args.goal or not all(p.strip() for p in args.goal)),
+            "--goal needs at least one non-empty prompt (only the paper's environments have a default).",
+        ),
+        (projection and not all(p.strip() for p in args.baseline or [""]), "--baseline needs a prompt when --alpha > 0."),
+        (
+            projection and same_prompts(args.goal, args.baseline or ()),
             "--goal and --baseline are the same prompts (up to case and spaces); change one or use --alpha 0.",
         ),
-        (not 0 < args.temperature < math.inf, f"--temperature must be a positive number, got {args.temperature}."),
-        (not 0 < args.threshold < 1, f"--threshold must be in (0, 1), got {args.threshold}."),
         (args.learning_starts < 0, f"--learning-starts must be 0 or more, got {args.learning_starts}."),
         (
             args.learning_starts >= args.total_timesteps,
@@ -97,8 +101,6 @@ def check_common_args(args, positive: str, unit_interval: str, network: str, def
     ]:
         if failed:
             raise UserError(message)
-    if args.reward_family == "softmax":
-        args.negatives = resolve_negatives(args.goal, args.negatives, "--reward-family softmax", default_negatives)
     if args.evaluate is not None:  # the checks of --resume, then networks of this env
         saved = read_checkpoint(args.evaluate, type(args), "--evaluate")
         if network not in saved or saved["args"].get("env_id", args.env_id) != args.env_id:
@@ -152,330 +154,6 @@ def check_writable(folder: str, what: str = "", advice: str = "run from another"
         raise UserError(f"cannot write to {where} ({existing} {why}); {advice}.")
 
 
-# ----------------------------------------------------------------------------------------------
-# The evaluation tools' files: read with one sentence per problem, written whole or not at all
-# ----------------------------------------------------------------------------------------------
-PARTIAL_FOLDER = re.compile(r"^\..+\.partial-(\d+)-\d+$")  # .<out>.partial-<pid>-<ns>: a folder being written
-
-
-def read_text(path: str, what: str = "") -> str:
-    """A small text file (UTF-8, a BOM allowed), or one sentence naming it (and the line of a bad byte)."""
-    name = f"{what} {path}" if what else path
-    if not os.path.exists(path):
-        raise UserError(f"{name}: no such file.")
-    if not os.path.isfile(path):  # a folder, or a named pipe that would block the read forever
-        raise UserError(f"{name} is not a regular file.")
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise UserError(f"{name} cannot be read ({e.strerror}).") from None
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise UserError(
-            f"{name} line {line} is not UTF-8 text (byte {data[e.start]:#04x}), so not a file this tool reads."
-        ) from None
-
-
-def read_json(path: str, what: str = ""):
-    """A JSON file, or one sentence naming it and the line where it stops being JSON."""
-    import json
-
-    text = read_text(path, what)
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{f'{what} {path}' if what else path} line {e.lineno} is not valid JSON ({e.msg}).") from None
-
-
-def read_csv(path: str, needed: list[str], what: str = "") -> list[tuple[int, dict]]:
-    """(line number, row) of a CSV file with a header; one sentence naming the file and line when it is empty, lacks
-    a needed column, or a row has more or fewer fields than the header (a hand edit gone wrong: never guessed)."""
-    import csv
-    import io
-
-    name = f"{what} {path}" if what else path
-    reader = csv.reader(io.StringIO(read_text(path, what), newline=""))
-    try:
-        header = next(reader, None)
-        if header is None:
-            raise UserError(f"{name} is empty: it has no header line.")
-        missing = [c for c in needed if c not in header]
-        if missing:
-            raise UserError(f"{name} lacks the column{'s' * (len(missing) > 1)} {', '.join(missing)} in its header (line 1).")
-        rows = []
-        for row in reader:
-            if not row:  # a blank line
-                continue
-            if len(row) != len(header):
-                raise UserError(
-                    f"{name} line {reader.line_num} has {len(row)} fields but the header has {len(header)}; "
-                    "fix or remove that line."
-                )
-            rows.append((reader.line_num, dict(zip(header, row))))
-    except csv.Error as e:
-        raise UserError(f"{name} line {reader.line_num} is not CSV ({e}).") from None
-    return rows
-
-
-def check_new_folder(path: str, flag: str, why: str) -> None:
-    """An output folder written whole or not at all: absent, an empty folder or an empty file, in a writable folder."""
-    if os.path.islink(path):  # the finished folder is renamed onto it, which a link (even to an empty folder) refuses
-        raise UserError(
-            f"{flag} {path} is a symbolic link (to {os.readlink(path)}); pass a new path or the folder it points to."
-        )
-    empty = os.path.isdir(path) and not os.listdir(path) or os.path.isfile(path) and os.path.getsize(path) == 0
-    if os.path.lexists(path) and not empty:
-        raise UserError(f"{flag} {path} already exists and is not empty; pass a new {flag} ({why}).")
-    check_writable(os.path.dirname(os.path.abspath(path)), flag, "choose another path")
-
-
-def check_output_file(path: str, flag: str) -> None:
-    """A file to (over)write: nothing but a regular file in the way, in a writable folder."""
-    if os.path.lexists(path) and not os.path.isfile(path):
-        raise UserError(f"{flag}: {path} exists and is not a regular file; choose another {flag}.")
-    check_writable(os.path.dirname(os.path.abspath(path)), flag, "choose another path")
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
-def new_partial_folder(out: str) -> str:
-    """A hidden folder beside `out` to write into, renamed into place once complete (see publish_folder); stale ones
-    of a writer that was killed (SIGKILL, power cut) are removed first, so that they never pile up."""
-    parent, base = os.path.split(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    for name in os.listdir(parent):
-        match = PARTIAL_FOLDER.match(name)
-        if match and not pid_alive(int(match.group(1))):
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-            print(f"removed {os.path.join(parent, name)}, left unfinished by a run that was killed")
-    partial = os.path.join(parent, f".{base}.partial-{os.getpid()}-{time.time_ns()}")
-    os.makedirs(partial)
-    return partial
-
-
-def publish_folder(partial: str, out: str, flag: str) -> None:
-    """Rename the complete `partial` folder to `out` (atomic; replaces an empty folder or empty file, nothing else)."""
-    try:
-        if os.path.isfile(out) and os.path.getsize(out) == 0:
-            os.remove(out)
-        os.rename(partial, out)
-    except OSError:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise UserError(f"{flag} {out} was filled by something else meanwhile; nothing was written.") from None
-
-
-def write_atomic(path: str, write: Callable) -> None:
-    """`write(file)` into a temporary file beside `path`, renamed onto it: never half a file at `path`."""
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.")
-        os.fchmod(fd, new_file_mode())
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException as e:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
-        if isinstance(e, OSError):
-            raise UserError(f"could not write {path} ({e.strerror}); nothing was written there.") from None
-        raise
-
-
-def frames_in_flight(args) -> tuple[int, int]:
-    """(frames the loop holds at once, frames scored in one go). Transitions wait until each reward device has a chunk
-    (whole vector steps, at least one). At most two chunks are with the reward model (RewardQueue's in_flight) when a
-    third is made: the waiting list and its np.concatenate copy beside them; and a vector step's frames are in the
-    envs' shared memory and in the copy the step returns (measured before the background scoring: frames + env
-    surfaces = 4.5 MB a CartPole env at 100 to 400 envs)."""
-    chunks = args.reward_batch_size * max(1, len(args.reward_devices))
-    waiting = -(-chunks // args.num_envs) * args.num_envs
-    return 4 * waiting + 2 * args.num_envs, waiting
-
-
-def memory_needs(args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple, env_bytes: float) -> dict:
-    """{what: (the flag that sets it, bytes)}: the memory a run allocates beyond the process as it is when checked
-    (Python, torch and the libraries are loaded by then). `env_bytes`: one env's objects or process, measured per script."""
-    action_bytes = 8 if isinstance(action_space, gym.spaces.Discrete) else 4 * int(np.prod(action_space.shape))
-    transition = 2 * 4 * int(np.prod(observation_space.shape)) + action_bytes + 4 + 4  # obs, next_obs, action, reward, done
-    held, waiting = frames_in_flight(args)
-    frame, clip = int(np.prod(frame_shape)), args.reward == "clip"
-    copies = 2 if args.save_buffer and args.resume is None else 1  # --resume loads the saved buffer, then copies it in
-    needs = {
-        "--buffer-size": ("--buffer-size", args.buffer_size * transition * copies),
-        "--batch-size": ("--batch-size", args.batch_size * (transition + 16 * 256 * 4)),  # + activations, ~16 layers of 256
-        f"{args.num_envs} envs": ("--num-envs", args.num_envs * env_bytes),
-        "frames in flight": ("--num-envs" if waiting == args.num_envs else "--reward-batch-size", held * frame * clip),
-    }
-    cuda = args.cuda and torch.cuda.is_available()
-    if clip and all(torch.device(d).type == "cpu" for d in args.reward_devices or ["cuda" if cuda else "cpu"]):
-        # CLIP on the CPU: its weights (float32), and each chunk's frames as float32 before the squash to its input size
-        needs["CLIP weights"] = ("--clip-model", 4 * clip_parameters(args.clip_model))
-        needs["CLIP input"] = ("--reward-batch-size", 4 * min(args.reward_batch_size, waiting) * frame)
-    return needs
-
-
-def new_file_mode() -> int:
-    """The mode open() gives a new file, 0o666 less the umask: mkstemp's 0o600 would stay on the renamed output."""
-    try:
-        with open("/proc/self/status") as f:  # read, not set: os.umask() changes it for every thread meanwhile
-            return 0o666 & ~next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
-    except (OSError, StopIteration):
-        mask = os.umask(0o022)
-        os.umask(mask)
-        return 0o666 & ~mask
-
-
-def check_resources(args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple, env_bytes: float) -> int:
-    """Refuse a run whose buffer, batch, envs, frames in flight and CPU CLIP do not fit in the available memory; the
-    estimate (bytes)."""
-    needs = memory_needs(args, observation_space, action_space, frame_shape, env_bytes)
-    total, available, gib = sum(v for _, v in needs.values()), available_memory(), 2**30
-    if total > gib or (available and total > 0.25 * available):  # said only when it matters (not 0.00 GiB for CartPole)
-        terms = ", ".join(f"{k} {v / gib:.2f}" for k, (_, v) in needs.items() if v >= 0.005 * gib)
-        print(f"memory: {total / gib:.2f} GiB ({terms} GiB)" + (f", {available / gib:.1f} GiB available" if available else ""))
-    if available and total > 0.9 * available:
-        by_flag: dict = {}
-        for flag, value in needs.values():
-            by_flag[flag] = by_flag.get(flag, 0) + value
-        flag = max(by_flag, key=by_flag.get)
-        advice = "use a GPU or a smaller --clip-model" if flag == "--clip-model" else f"lower {flag}"
-        raise UserError(
-            f"{flag} {getattr(args, flag[2:].replace('-', '_'))} makes the run need {total / gib:.1f} GiB of memory, "
-            f"but {available / gib:.1f} GiB is available; {advice}."
-        )
-    return total
-
-
-def clip_parameters(model: str) -> int:
-    """The parameters of an open_clip architecture (or model config), counted on the meta device: no memory, well under
-    a second even for ViT-bigG-14; 0 when the name is unknown (check_clip_args says so)."""
-    import open_clip
-
-    logging.disable(logging.WARNING)  # the model counted here has random weights, as open_clip would warn
-    try:
-        if model.endswith(".json"):
-            open_clip.add_model_config(model)
-        with torch.device("meta"):
-            return sum(p.numel() for p in open_clip.create_model(Path(model).stem, device="meta").parameters())
-    except Exception:  # noqa: BLE001 - a bad name or config: refused later, in one sentence
-        return 0
-    finally:
-        logging.disable(logging.NOTSET)
-
-
-def available_memory() -> int:
-    """Bytes of memory available to a new allocation (Linux MemAvailable), 0 when unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return 0
-
-
-def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict:
-    """A checkpoint of the script whose flags are `args_class` (resumable for --resume), or a one-sentence error."""
-    script = os.path.basename(sys.modules[args_class.__module__].__file__)  # run directly, the module is __main__
-    if not os.path.isfile(path):  # a folder, a named pipe (torch.load would wait on it forever), nothing at all
-        what = "is a folder" if os.path.isdir(path) else "is not a regular file" if os.path.exists(path) else "does not exist"
-        raise UserError(f"{flag} {path} {what}; pass a checkpoint.pt of {script}.")
-    check_intact(path, f"{flag} {path}", "pass another checkpoint.pt")
-    try:  # our own file with RNG states and arrays: weights_only=False, so only load checkpoints you trust
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
-        raise UserError(f"{flag} {path} is not a readable checkpoint ({type(e).__name__}); pass a checkpoint.pt.") from None
-    saved = checkpoint.get("args") if isinstance(checkpoint, dict) else None
-    if not isinstance(saved, dict) or not set(saved) <= {f.name for f in fields(args_class)}:
-        raise UserError(f"{flag} {path} was written by another script; pass a checkpoint.pt of {script}.")
-    if flag == "--resume" and not {"iteration", "rng"} <= set(checkpoint):
-        raise UserError(f"--resume {path} holds no resumable training state; pass a checkpoint.pt saved during training.")
-    if flag == "--resume" and os.path.abspath(os.path.dirname(path)) != os.path.abspath(f"runs/{checkpoint['run_name']}"):
-        raise UserError(  # the run continues in its own folder: a copy elsewhere would write into another run's logs
-            f"--resume {path} belongs to runs/{checkpoint['run_name']}/, not to {os.path.dirname(path) or '.'}/; "
-            "resume it from the folder that holds that run (or move the whole run folder there)."
-        )
-    if flag == "--resume":  # said now, before anything starts; start_run takes the lock itself
-        lock_run(checkpoint["run_name"], keep=False)
-    return checkpoint
-
-
-RUN_LOCKS: dict[str, int] = {}  # runs/<run>/run.lock of the run this process trains -> its open file
-
-
-def lock_run(run_name: str, keep: bool = True) -> None:
-    """One process trains a run folder: an flock the kernel drops when its holder ends (even by SIGKILL, never stale),
-    so a --resume of a run still training is refused. Held (keep), the files a killed writer left (*.tmp) are removed."""
-    path = os.path.abspath(f"runs/{run_name}/run.lock")
-    if path in RUN_LOCKS or not (keep or os.path.exists(path)):
-        return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise UserError(f"runs/{run_name} is being trained by another process (pid {holder}); wait for it to end.") from None
-    if not keep:
-        return os.close(fd)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    RUN_LOCKS[path] = fd
-    for tmp in Path(f"runs/{run_name}").glob("**/*.pt.*.tmp"):  # save_checkpoint's, of a writer killed mid-write
-        tmp.unlink()
-        print(f"removed {tmp}, left half-written by a run that was killed")
-
-
-def check_intact(path: str, name: str, advice: str) -> None:
-    """Every loaded checkpoint first: torch.save's zip keeps a CRC-32 of each entry, and a flipped byte in the weights (a
-    bad disk, a damaged copy) would otherwise load silently as another number. A file that is no zip: torch.load says."""
-    try:
-        archive = zipfile.ZipFile(path)
-    except Exception:  # noqa: BLE001 - not a zip (truncated, foreign): left to torch.load's own error
-        return
-    with archive:
-        try:
-            damaged = archive.testzip() is not None
-        except Exception:  # noqa: BLE001 - a header field itself flipped (a length, a compression method)
-            damaged = True
-    if damaged:
-        raise UserError(f"{name} is damaged: its bytes do not match the checksums saved in it (a bad disk or copy); {advice}.")
-
-
-def resumed_args(args, checkpoint: dict):
-    """The run's own flags; a flag given next to --resume that would change them is refused, never silently ignored,
-    except a larger --total-timesteps: it extends the run (same folder, TensorBoard and random streams)."""
-    args_class = type(args)
-    saved, default = checkpoint["args"], vars(args_class())
-    changed = [
-        k
-        for k, v in vars(args).items()
-        if k not in ("resume", "total_timesteps") and default[k] != v != saved.get(k, default[k])
-    ]
-    if changed:
-        flags = ", ".join("--" + k.replace("_", "-") for k in changed)
-        raise UserError(f"--resume continues a run with its own flags; drop {flags} (or start a new run).")
-    total = saved["total_timesteps"]
-    if args.total_timesteps != default["total_timesteps"] and args.total_timesteps != total:
-        if args.total_timesteps < checkpoint["global_step"]:
-            raise UserError(
-                f"--total-timesteps {args.total_timesteps} is below the step the run reached, {checkpoint['global_step']}; "
-                "pass a larger value to extend it."
-            )
-        total = args.total_timesteps
-        print(f"note: the run is extended from {saved['total_timesteps']} to {total} steps")
-    return args_class(**{"episodes": "fixed", **saved, "resume": args.resume, "total_timesteps": total})  # older: fixed
-
-
 def check_clip_args(args, model_flag: str = "--clip-model", checkpoint_flag: str = "--clip-checkpoint") -> None:
     """Refuse an unknown CLIP architecture, pretrained tag, config file or weights file before anything is loaded; the
     flags named as the calling tool names them (epic_eval.py: --clip-models, --clip-checkpoints)."""
@@ -526,29 +204,222 @@ def resolve_negatives(
     return negatives
 
 
-def warn_long_prompts(tokenizer, args) -> None:
-    """CLIP reads a prompt's first tokens only (77 with its start and end marks): say so when one is cut."""
-    if not hasattr(tokenizer, "encode"):  # open_clip's own tokenizer; a Hugging Face one is not checked
+def frames_in_flight(args) -> tuple[int, int]:
+    """(frames the loop holds at once, frames scored in one go). Transitions wait until each reward device has a chunk
+    (whole vector steps, at least one). At most two chunks are with the reward model (RewardQueue's in_flight) when a
+    third is made: the waiting list and its np.concatenate copy beside them; and a vector step's frames are in the
+    envs' shared memory and in the copy the step returns (measured before the background scoring: frames + env
+    surfaces = 4.5 MB a CartPole env at 100 to 400 envs)."""
+    chunks = args.reward_batch_size * max(1, len(args.reward_devices))
+    waiting = -(-chunks // args.num_envs) * args.num_envs
+    return 4 * waiting + 2 * args.num_envs, waiting
+
+
+def memory_needs(args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple, env_bytes: float,
+                 activations: int) -> dict:  # fmt: skip
+    """{what: (the flag that sets it, bytes)}: the memory a run allocates beyond the process as it is when checked
+    (Python, torch and the libraries are loaded by then). `env_bytes`: one env's objects or process, measured per script."""
+    action_bytes = 8 if isinstance(action_space, gym.spaces.Discrete) else 4 * int(np.prod(action_space.shape))
+    transition = 2 * 4 * int(np.prod(observation_space.shape)) + action_bytes + 4 + 4  # obs, next_obs, action, reward, done
+    held, waiting = frames_in_flight(args)
+    frame, clip = int(np.prod(frame_shape)), args.reward == "clip"
+    copies = 2 if args.save_buffer and args.resume is None else 1  # --resume loads the saved buffer, then copies it in
+    needs = {
+        "--buffer-size": ("--buffer-size", args.buffer_size * transition * copies),
+        "--batch-size": ("--batch-size", args.batch_size * (transition + 4 * activations)),
+        f"{args.num_envs} envs": ("--num-envs", args.num_envs * env_bytes),
+        "frames in flight": ("--num-envs" if waiting == args.num_envs else "--reward-batch-size", held * frame * clip),
+    }
+    cuda = args.cuda and torch.cuda.is_available()
+    if clip and all(torch.device(d).type == "cpu" for d in args.reward_devices or ["cuda" if cuda else "cpu"]):
+        # CLIP on the CPU: its weights (float32), and each chunk's frames as float32 before the squash to its input size
+        needs["CLIP weights"] = ("--clip-model", 4 * clip_parameters(args.clip_model))
+        needs["CLIP input"] = ("--reward-batch-size", 4 * min(args.reward_batch_size, waiting) * frame)
+    return needs
+
+
+def check_resources(args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple, env_bytes: float,
+                    activations: int) -> int:  # fmt: skip
+    """Refuse a run whose buffer, batch, envs, frames in flight and CPU CLIP do not fit in the available memory; the
+    estimate (bytes). `activations`: the floats one sampled transition takes through the networks."""
+    needs = memory_needs(args, observation_space, action_space, frame_shape, env_bytes, activations)
+    total, available, gib = sum(v for _, v in needs.values()), available_memory(), 2**30
+    if total > gib or (available and total > 0.25 * available):  # said only when it matters (not 0.00 GiB for CartPole)
+        terms = ", ".join(f"{k} {v / gib:.2f}" for k, (_, v) in needs.items() if v >= 0.005 * gib)
+        print(f"memory: {total / gib:.2f} GiB ({terms} GiB)" + (f", {available / gib:.1f} GiB available" if available else ""))
+    if available and total > 0.9 * available:
+        by_flag: dict = {}
+        for flag, value in needs.values():
+            by_flag[flag] = by_flag.get(flag, 0) + value
+        flag = max(by_flag, key=by_flag.get)
+        advice = "use a GPU or a smaller --clip-model" if flag == "--clip-model" else f"lower {flag}"
+        raise UserError(
+            f"{flag} {getattr(args, flag[2:].replace('-', '_'))} makes the run need {total / gib:.1f} GiB of memory, "
+            f"but {available / gib:.1f} GiB is available; {advice}."
+        )
+    return total
+
+
+def clip_parameters(model: str) -> int:
+    """The parameters of an open_clip architecture (or model config), counted on the meta device: no memory, well under
+    a second even for ViT-bigG-14; 0 when the name is unknown (check_clip_args says so)."""
+    import open_clip
+
+    logging.disable(logging.WARNING)  # the model counted here has random weights, as open_clip would warn
+    try:
+        if model.endswith(".json"):
+            open_clip.add_model_config(model)
+        with torch.device("meta"):
+            return sum(p.numel() for p in open_clip.create_model(Path(model).stem, device="meta").parameters())
+    except Exception:  # noqa: BLE001 - a bad name or config: refused later, in one sentence
+        return 0
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def available_memory() -> int:
+    """Bytes of memory available to a new allocation (Linux MemAvailable), 0 when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def check_checkpoint_disk(args, networks: dict[str, dict], rb) -> None:
+    """With --save-model: say the disk the checkpoints take, and refuse a run whose checkpoints would not fit. Each
+    --checkpoint-frequency steps leaves a file of the networks; checkpoint.pt, the run state (networks, targets, Adam's
+    moments: at most 4x the networks, and the replay buffer with --save-buffer), exists twice while it is replaced."""
+    if not args.save_model:
         return
-    used = ["goal"] + ["baseline"] * (args.alpha > 0 and args.reward_family == "projection")
-    for flag in used + ["negatives"] * (args.reward_family == "softmax"):
-        for prompt in getattr(args, flag) or ():
-            tokens, read = len(tokenizer.encode(prompt)) + 2, tokenizer.context_length
-            if tokens > read:
-                shown = prompt if len(prompt) <= 60 else prompt[:57] + "..."
-                print(f"note: --{flag} {shown!r} is {tokens} tokens, and CLIP reads its first {read}: the rest is cut")
+    size = sum(p.numel() * p.element_size() for m in networks.values() for p in m.values()) + 2**16
+    buffer = sum(v.nbytes for v in rb.data.values()) if args.save_buffer else 0
+    count, state = args.total_timesteps // args.checkpoint_frequency, 4 * size + buffer
+    free, total = shutil.disk_usage(os.path.abspath("runs") if os.path.isdir("runs") else ".").free, size * count + 2 * state
+    steps = f"{count} step checkpoint{'s' * (count > 1)} of {format_bytes(size)}" if count else "no step checkpoints"
+    what = f"checkpoint.pt {format_bytes(state)}{' with the replay buffer' if buffer else ''} twice while replaced, {steps}"
+    print(f"disk: checkpoints take up to {format_bytes(total)} in runs/ ({what}), {format_bytes(free)} free")
+    if total > 0.9 * free:
+        advice = "lower --buffer-size or drop --save-buffer" if buffer else "free some disk space"
+        raise UserError(
+            f"the checkpoints take up to {format_bytes(total)} ({what}), but {format_bytes(free)} is free; "
+            + ("raise --checkpoint-frequency." if size * count > 2 * state else f"{advice}.")
+        )
 
 
-def check_goal_direction(
-    goal_embeddings: torch.Tensor, baseline_embeddings: torch.Tensor, alpha: float, flag: str = "--alpha"
-) -> None:
-    """d = g - b must not vanish when alpha > 0: different strings can have one embedding (e.g. past CLIP's 77 tokens)."""
-    g = F.normalize(goal_embeddings.float(), dim=-1).mean(0)
-    b = F.normalize(baseline_embeddings.float(), dim=-1).mean(0)
-    if alpha > 0 and (g - b).norm() < 1e-4:  # real prompt pairs are > 0.1 apart; float32 round-off is ~1e-6
-        raise UserError(f"--goal and --baseline have the same CLIP embedding, so d = g - b is 0; change one or use {flag} 0.")
+def format_bytes(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+# ----------------------------------------------------------------------------------------------
+# A resumed or evaluated run: its checkpoint and its flags
+# ----------------------------------------------------------------------------------------------
+def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict:
+    """A checkpoint of the script whose flags are `args_class` (resumable for --resume), or a one-sentence error."""
+    script = os.path.basename(sys.modules[args_class.__module__].__file__)  # run directly, the module is __main__
+    if not os.path.isfile(path):  # a folder, a named pipe (torch.load would wait on it forever), nothing at all
+        what = "is a folder" if os.path.isdir(path) else "is not a regular file" if os.path.exists(path) else "does not exist"
+        raise UserError(f"{flag} {path} {what}; pass a checkpoint.pt of {script}.")
+    check_intact(path, f"{flag} {path}", "pass another checkpoint.pt")
+    try:  # our own file with RNG states and arrays: weights_only=False, so only load checkpoints you trust
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise UserError(f"{flag} {path} is not a readable checkpoint ({type(e).__name__}); pass a checkpoint.pt.") from None
+    saved = checkpoint.get("args") if isinstance(checkpoint, dict) else None
+    if not isinstance(saved, dict) or not set(saved) <= {f.name for f in fields(args_class)}:
+        raise UserError(f"{flag} {path} was written by another script; pass a checkpoint.pt of {script}.")
+    if flag == "--resume" and not {"iteration", "rng"} <= set(checkpoint):
+        raise UserError(f"--resume {path} holds no resumable training state; pass a checkpoint.pt saved during training.")
+    if flag == "--resume" and os.path.abspath(os.path.dirname(path)) != os.path.abspath(f"runs/{checkpoint['run_name']}"):
+        raise UserError(  # the run continues in its own folder: a copy elsewhere would write into another run's logs
+            f"--resume {path} belongs to runs/{checkpoint['run_name']}/, not to {os.path.dirname(path) or '.'}/; "
+            "resume it from the folder that holds that run (or move the whole run folder there)."
+        )
+    if flag == "--resume":  # said now, before anything starts; start_run takes the lock itself
+        lock_run(checkpoint["run_name"], keep=False)
+    return checkpoint
+
+
+def check_intact(path: str, name: str, advice: str) -> None:
+    """Every loaded checkpoint first: torch.save's zip keeps a CRC-32 of each entry, and a flipped byte in the weights (a
+    bad disk, a damaged copy) would otherwise load silently as another number. A file that is no zip: torch.load says."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except Exception:  # noqa: BLE001 - not a zip (truncated, foreign): left to torch.load's own error
+        return
+    with archive:
+        try:
+            damaged = archive.testzip() is not None
+        except Exception:  # noqa: BLE001 - a header field itself flipped (a length, a compression method)
+            damaged = True
+    if damaged:
+        raise UserError(f"{name} is damaged: its bytes do not match the checksums saved in it (a bad disk or copy); {advice}.")
+
+
+RUN_LOCKS: dict[str, int] = {}  # runs/<run>/run.lock of the run this process trains -> its open file
+
+
+def lock_run(run_name: str, keep: bool = True) -> None:
+    """One process trains a run folder: an flock the kernel drops when its holder ends (even by SIGKILL, never stale),
+    so a --resume of a run still training is refused. Held (keep), the files a killed writer left (*.tmp) are removed."""
+    path = os.path.abspath(f"runs/{run_name}/run.lock")
+    if path in RUN_LOCKS or not (keep or os.path.exists(path)):
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise UserError(f"runs/{run_name} is being trained by another process (pid {holder}); wait for it to end.") from None
+    if not keep:
+        return os.close(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    RUN_LOCKS[path] = fd
+    for tmp in Path(f"runs/{run_name}").glob("**/*.pt.*.tmp"):  # save_checkpoint's, of a writer killed mid-write
+        tmp.unlink()
+        print(f"removed {tmp}, left half-written by a run that was killed")
+
+
+def resumed_args(args, checkpoint: dict):
+    """The run's own flags; a flag given next to --resume that would change them is refused, never silently ignored,
+    except a larger --total-timesteps: it extends the run (same folder, TensorBoard and random streams)."""
+    args_class = type(args)
+    saved, default = checkpoint["args"], vars(args_class())
+    changed = [
+        k
+        for k, v in vars(args).items()
+        if k not in ("resume", "total_timesteps") and default[k] != v != saved.get(k, default[k])
+    ]
+    if changed:
+        flags = ", ".join("--" + k.replace("_", "-") for k in changed)
+        raise UserError(f"--resume continues a run with its own flags; drop {flags} (or start a new run).")
+    total = saved["total_timesteps"]
+    if args.total_timesteps != default["total_timesteps"] and args.total_timesteps != total:
+        if args.total_timesteps < checkpoint["global_step"]:
+            raise UserError(
+                f"--total-timesteps {args.total_timesteps} is below the step the run reached, {checkpoint['global_step']}; "
+                "pass a larger value to extend it."
+            )
+        total = args.total_timesteps
+        print(f"note: the run is extended from {saved['total_timesteps']} to {total} steps")
+    return args_class(**{"episodes": "fixed", **saved, "resume": args.resume, "total_timesteps": total})  # older: fixed
+
+
+def evaluated_args(args, saved: dict, as_trained: str):
+    """--evaluate rolls out with the run's own env, frames and CLIP model: the flags named in `as_trained` come from the
+    checkpoint `saved`, unless the user set one to another value than its default."""
+    default = vars(type(args)())
+    for key in as_trained.split():
+        if key in saved["args"] and key in default and getattr(args, key) == default[key]:
+            setattr(args, key, saved["args"][key])
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# The reward model's CLIP: weights, prompts and cost
+# ----------------------------------------------------------------------------------------------
 def load_clip(args, device: torch.device) -> tuple[nn.Module, object]:
     """The open_clip model and tokenizer of --clip-model/--clip-pretrained/--clip-checkpoint, or one sentence why not."""
     import huggingface_hub.constants as hub
@@ -626,6 +497,19 @@ def can_reach(url: str, timeout: float = 5.0) -> Optional[str]:
     return None
 
 
+def warn_long_prompts(tokenizer, args) -> None:
+    """CLIP reads a prompt's first tokens only (77 with its start and end marks): say so when one is cut."""
+    if not hasattr(tokenizer, "encode"):  # open_clip's own tokenizer; a Hugging Face one is not checked
+        return
+    used = ["goal"] + ["baseline"] * (args.alpha > 0 and args.reward_family == "projection")
+    for flag in used + ["negatives"] * (args.reward_family == "softmax"):
+        for prompt in getattr(args, flag) or ():
+            tokens, read = len(tokenizer.encode(prompt)) + 2, tokenizer.context_length
+            if tokens > read:
+                shown = prompt if len(prompt) <= 60 else prompt[:57] + "..."
+                print(f"note: --{flag} {shown!r} is {tokens} tokens, and CLIP reads its first {read}: the rest is cut")
+
+
 def say_reward_model_cost(reward_model: nn.Module, args, frame_shape: tuple[int, int, int]) -> None:
     """What the reward model costs, measured once before training: on CPU the time per frame (a real-size CLIP takes
     seconds: say what to do instead); on a GPU the memory of each replica while it scores a full chunk."""
@@ -655,360 +539,15 @@ def say_reward_model_cost(reward_model: nn.Module, args, frame_shape: tuple[int,
     )
 
 
-def save_video(frames: list[np.ndarray], path: str, fps: int) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    imageio.mimwrite(path, frames, fps=fps, macro_block_size=8)
-    if "wandb" in sys.modules and sys.modules["wandb"].run is not None:  # --track: the videos go to W&B too
-        wandb = sys.modules["wandb"]
-        wandb.log({f"videos/{Path(path).stem}": wandb.Video(path, format="mp4")})
-
-
-def save_episodes(results: list[dict], run_name: str, fps: int) -> None:
-    """--evaluate: each episode as an MP4 and its frames as PNGs under videos/<run_name>/eval-episode-<i>, the trained
-    run's folder; an earlier evaluation there is replaced whole (a longer one would leave frames past this one's end)."""
-    stale = sorted(Path(f"videos/{run_name}").glob("eval-episode-*"))
-    for path in stale:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-    if stale:
-        print(f"replacing the earlier evaluation in videos/{run_name}/")
-    for i, result in enumerate(results):
-        folder = f"videos/{run_name}/eval-episode-{i}"
-        save_video(result["frames"], folder + ".mp4", fps)
-        os.makedirs(folder, exist_ok=True)
-        for t, frame in enumerate(result["frames"]):
-            imageio.imwrite(f"{folder}/frame-{t:04d}.png", frame)
-        print(f"eval episode {i}: {returns_text(result)} -> {folder}.mp4")
-
-
-def returns_text(result: dict) -> str:
-    """An evaluation episode's returns; the CLIP return only where there is one (not with --reward gt)."""
-    clip = f"clip_return={result['clip_return']:.2f} " if math.isfinite(result["clip_return"]) else ""
-    return f"{clip}gt_return={result['gt_return']:.1f}"
-
-
-def save_checkpoint(path: str, state: dict) -> None:
-    """Atomic and durable: a crash, power cut or full disk mid-write never replaces a good checkpoint with half of one."""
-    folder = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")  # own temp file per write
-    try:
-        os.fchmod(fd, new_file_mode())
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())  # the data is on disk before the rename makes it the checkpoint
-        os.replace(tmp, path)
-    except BaseException as e:
-        os.unlink(tmp)
-        cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__  # torch wraps a full disk in a RuntimeError
-        if isinstance(e, (OSError, RuntimeError)):  # the machine's failure, not the input's: exit code 1 (see cli)
-            why = getattr(cause, "strerror", None) or str(e).splitlines()[0][:120]
-            raise OSError(f"could not write {path} ({why}); the previous file there is intact.") from None
-        raise
-    dir_fd = os.open(folder, os.O_RDONLY)
-    os.fsync(dir_fd)  # the rename itself survives a power cut
-    os.close(dir_fd)
-
-
-def make_run_folder(run_name: str) -> str:
-    """Create runs/<run_name>/ exclusively: two runs started in the same second get different folders."""
-    for name in [run_name, *(f"{run_name}-{i}" for i in range(1, 1000))]:
-        try:
-            os.makedirs(f"runs/{name}")
-            return name
-        except FileExistsError:
-            pass
-    raise UserError(f"runs/{run_name} and 999 variants of it exist already; remove old runs or change --exp-name.")
-
-
-def rng_state(envs: gym.vector.VectorEnv) -> dict:
-    """Every random number generator the run draws from, so a resumed run continues the same streams."""
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "envs": list(envs.get_attr("np_random")),
-    }
-
-
-def save_nonfinite(run_name: str, networks: dict) -> str:
-    """Saves the networks of a run stopped on a NaN beside (never over) its checkpoint; says where both are."""
-    path, checkpoint = f"runs/{run_name}/nonfinite_networks.pt", f"runs/{run_name}/checkpoint.pt"
-    save_checkpoint(path, networks)
-    kept = f" and the last resumable checkpoint {checkpoint} is kept" if os.path.exists(checkpoint) else ""
-    return f"finite networks from before it were saved to {path}{kept}"
-
-
-def all_finite(state) -> bool:
-    """True when every floating-point tensor of a (nested) state dict is finite."""
-    if isinstance(state, (dict, list, tuple)):
-        return all(map(all_finite, state.values() if isinstance(state, dict) else state))
-    return not (torch.is_tensor(state) and state.is_floating_point()) or bool(torch.isfinite(state).all())
-
-
-def install_stop_handlers() -> dict:
-    """First Ctrl-C or SIGTERM: finish the current episodes, save a checkpoint, exit cleanly. Second: quit at once."""
-    stop = {"requested": False}
-
-    def handler(signum: int, frame) -> None:
-        if stop["requested"]:
-            raise KeyboardInterrupt
-        stop["requested"] = True
-        print(f"\n{signal.Signals(signum).name} received: checkpoint after the current episodes (again: quit now)", flush=True)
-
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
-    return stop
-
-
-def set_torch_threads(args, device: torch.device) -> torch.device:
-    """One torch thread on CPU unless asked otherwise: measured 8-12x faster for these small networks on a shared CPU."""
-    if args.torch_threads is None and device.type == "cpu":
-        torch.set_num_threads(1)
-    elif args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    return device
-
-
-def format_duration(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    s = int(round(seconds))
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
-
-
-class Progress:
-    """One progress line: redrawn in place on a terminal, else printed every `interval` seconds (logs stay small)."""
-
-    def __init__(self, total_steps: int, start_step: int, clip: bool, recent: int, interval: float = 10.0):
-        self.total, self.start_step, self.clip, self.tty = total_steps, start_step, clip, sys.stdout.isatty()
-        self.interval, self.start = 0.5 if self.tty else interval, time.time()
-        self.last, self.printed = self.start, None  # printed: the step of the last line in a log, not repeated at the end
-        self.returns = deque(maxlen=recent)  # (gt_return, clip_return) of the last episodes
-
-    def sps(self, step: int) -> int:
-        return int((step - self.start_step) / max(time.time() - self.start, 1e-9))
-
-    def episode(self, gt_return: float, clip_return: float) -> None:
-        self.returns.append((gt_return, clip_return))
-
-    def update(self, step: int, final: bool = False) -> None:
-        now = time.time()
-        if (not final and now - self.last < self.interval) or (final and not self.tty and self.printed == step):
-            return
-        elapsed, self.last = now - self.start, now
-        sps = (step - self.start_step) / max(elapsed, 1e-9)
-        left = (self.total - step) / sps if sps > 0 and elapsed >= 5 else math.inf  # "?" until a few seconds measured
-        left = format_duration(0 if step >= self.total else left)
-        line = f"step {step}/{self.total} ({100 * step / self.total:.0f}%) | {sps:.0f} steps/s"
-        line += f" | elapsed {format_duration(elapsed)} | left {left}"
-        if self.returns:
-            gt_return, clip_return = np.mean(self.returns, axis=0)
-            line += f" | last {len(self.returns)} episodes: gt_return {gt_return:.1f}"
-            line += f", clip_return {clip_return:.2f}" if self.clip else ""
-        if self.tty:  # back to the line start: the next update, or any other message, overwrites it
-            print("\r\x1b[K" + line, end="\n" if final else "\r", flush=True)
-        else:
-            print(line, flush=True)
-            self.printed = step
-
-
 # ----------------------------------------------------------------------------------------------
-# A run: its folder, TensorBoard (and W&B with --track), episode statistics, checkpoints and exact resume
+# The envs: frames with the step, workers that end with the run
 # ----------------------------------------------------------------------------------------------
-def start_run(args, run_name: str, checkpoint: Optional[dict], device: torch.device) -> tuple[str, SummaryWriter]:
-    """The run folder (new, or the resumed run's own), W&B when --track, and TensorBoard; prints what runs where."""
-    if checkpoint is None:
-        run_name = make_run_folder(run_name)
-    lock_run(run_name)
-    if args.track:  # as CleanRL: W&B mirrors the TensorBoard logs, with the flags as config and the script's code
-        import wandb
-
-        resumed = {"id": checkpoint["wandb_id"], "resume": "allow"} if checkpoint and checkpoint.get("wandb_id") else {}
-        wandb.init(  # W&B's own folder is ./wandb, as CleanRL's: inside runs/<run> it would sync copies of itself
-            project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args),
-            name=run_name, save_code=True, **resumed,
-        )  # fmt: skip
-    # purge_step drops what a crashed run logged after its checkpoint: from the first step still pending in it
-    purge_step = (checkpoint["iteration"] - len(checkpoint["pending"]["obs"])) * args.num_envs if checkpoint else None
-    writer = name_write_errors(SummaryWriter(f"runs/{run_name}", purge_step=purge_step))
-    if checkpoint is None:
-        table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
-        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-    print(
-        f"run: runs/{run_name} on {device}, reward: {args.reward}"
-        + (f", goal={args.goal}, baseline={args.baseline}, alpha={args.alpha}" if args.reward == "clip" else "")
-        + (f", resumed at step {checkpoint['global_step']}" if checkpoint else "")
-    )
-    return run_name, writer
-
-
-def name_write_errors(writer: SummaryWriter) -> SummaryWriter:
-    """TensorBoard writes from a thread: a full disk there printed the thread's traceback, then surfaced at a later
-    add_scalar naming no file. The thread is quiet now (its error still surfaces) and the error names the event file."""
-    threading.excepthook = lambda hook: (
-        None if type(hook.thread).__name__ == "_AsyncWriterThread" and isinstance(hook.exc_value, OSError)
-        else threading.__excepthook__(hook)
-    )  # fmt: skip
-    event_writer = writer.file_writer.event_writer
-    path, queue = event_writer._file_name, event_writer._async_writer  # the private parts of tensorboard 2.x's writer
-
-    def named(call: Callable) -> Callable:
-        def call_named(*args):
-            try:
-                return call(*args)
-            except OSError as e:
-                raise OSError(f"could not write {os.path.relpath(path)} ({e.strerror or e}); free some disk space") from None
-
-        return call_named
-
-    queue._check_worker_status, queue.close = named(queue._check_worker_status), named(queue.close)
-    return writer
-
-
-class EpisodeLog:
-    """Per-env sums of the running episodes, vectorised over envs; an ended episode's sums are returned and its env reset.
-
-    `recent` keeps the CLIP return of the last 100 ended episodes: the paper's checkpoint criterion (SB3's window).
-    charts/gt_success: with success "flag", the env's latched flag (MountainCar: 1 if the flag was reached); with a time
-    limit (CartPole), the share of its steps the return counts."""
-
-    def __init__(self, num_envs: int, state: Optional[dict] = None, success=None):
-        self.num_envs, self.sums, self.success = num_envs, {"length": np.zeros(num_envs)}, success
-        self.recent: deque = deque(maxlen=100)
-        if state is not None:
-            self.sums.update(state["sums"])
-            self.recent.extend(state["recent"])
-
-    def add(self, values: dict[str, np.ndarray], latched: dict[str, np.ndarray], dones: np.ndarray) -> list[dict]:
-        """values: (T, num_envs) per-step terms to sum; latched: (T, num_envs) terms whose last value counts (e.g. success);
-        dones: (T, num_envs). Returns the ended episodes in step order, each with "t" (its row) and "env"."""
-        ended = []
-        for t in range(len(dones)):
-            self.sums["length"] += 1
-            for k, v in values.items():
-                self.sums.setdefault(k, np.zeros(self.num_envs))[:] += v[t]
-            for k, v in latched.items():
-                self.sums[k] = np.array(v[t], dtype=float)  # e.g. success: latched by the env, cleared at its reset
-            for i in np.flatnonzero(dones[t]):
-                ended.append({"t": t, "env": i, **{k: float(v[i]) for k, v in self.sums.items()}})
-                if "clip_return" in self.sums:
-                    self.recent.append(float(self.sums["clip_return"][i]))
-                for v in self.sums.values():
-                    v[i] = 0
-        return ended
-
-    def log(self, args, writer, progress: "Progress", batch: dict, rewards, clip_rewards, step: int, components=()) -> None:
-        """Adds a scored batch (rows are step-major: env i of step t is row t * num_envs + i) and logs each episode
-        that ended at the step it ended at."""
-        steps, gt = len(rewards) // args.num_envs, batch["gt"].reshape(len(rewards) // args.num_envs, args.num_envs, -1)
-        sums = {"return": rewards, "gt_return": gt[..., 0], "clip_return": clip_rewards}
-        sums.update({f"gt/{name}": gt[..., 2 + c] for c, name in enumerate(components)})
-        sums = {k: np.reshape(v, (steps, args.num_envs)) for k, v in sums.items()}
-        for ep in self.add(sums, {"success": gt[..., 1]}, batch["dones"].reshape(steps, args.num_envs)):
-            ended_at = step - (steps - 1 - ep["t"]) * args.num_envs
-            progress.episode(ep["gt_return"], ep["clip_return"])
-            if args.log_episodes:
-                print(f"global_step={ended_at}, episodic_return={ep['return']:.2f}, gt_return={ep['gt_return']:.1f}")
-            scalars = {"charts/episodic_return": ep["return"], "charts/episodic_length": ep["length"]}
-            scalars.update({"charts/gt_return": ep["gt_return"], **{n: ep[n] for n in ep if n.startswith("gt/")}})
-            if self.success is not None:
-                scalars["charts/gt_success"] = ep["success"] if self.success == "flag" else ep["gt_return"] / self.success
-            if args.reward == "clip":
-                scalars.update(
-                    {"charts/clip_return": ep["clip_return"], "charts/clip_reward_mean": ep["clip_return"] / ep["length"]}
-                )
-            for tag, value in scalars.items():
-                writer.add_scalar(tag, value, ended_at)
-
-    def clip_return(self) -> float:
-        """The mean CLIP return of the last 100 ended episodes (NaN before the first)."""
-        return float(np.mean(self.recent)) if self.recent else math.nan
-
-    def restart(self) -> None:  # stock episodes in flight restart on resume: their partial sums are dropped
-        for v in self.sums.values():
-            v[:] = 0
-
-    def state_dict(self) -> dict:
-        return {"sums": copy.deepcopy(self.sums), "recent": list(self.recent)}
-
-
-def run_state(learner: dict, **extra) -> dict:
-    """A checkpoint: every module and optimiser of the learner by name, the random streams and whatever `extra` holds."""
-    return {**{name: module.state_dict() for name, module in learner.items() if module is not None}, **extra}
-
-
-def restore_run(checkpoint: dict, learner: dict, envs: gym.vector.VectorEnv, rb) -> np.ndarray:
-    """Continue a run exactly: the learner, the replay buffer (when saved), every random stream; the envs reset again
-    with their saved generators (fixed-length checkpoints are taken at an episode boundary, just before the reset)."""
-    for name, module in learner.items():
-        if module is not None:  # e.g. no entropy-coefficient optimiser without --autotune
-            module.load_state_dict(checkpoint[name])
-    if checkpoint["replay_buffer"] is not None:
-        rb.load_state_dict(checkpoint["replay_buffer"])
-        checkpoint["replay_buffer"] = None  # frees the loaded copy (counted by the memory check)
-    envs.set_attr("np_random", checkpoint["rng"]["envs"])
-    obs, _ = envs.reset(options={"reset_mask": np.ones(envs.num_envs, dtype=bool)})
-    random.setstate(checkpoint["rng"]["python"])
-    np.random.set_state(checkpoint["rng"]["numpy"])
-    torch.set_rng_state(checkpoint["rng"]["torch"])
-    if checkpoint["rng"]["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
-    return obs
-
-
-def save_step_checkpoint(run_name: str, step: int, networks: dict, args, clip_return: float) -> None:
-    """runs/<run>/checkpoints/step-<N>.pt, all kept (the paper's): the networks only, with the run's training-time CLIP
-    return at that step, from which `success_eval.py best` picks across runs and across training time."""
-    os.makedirs(f"runs/{run_name}/checkpoints", exist_ok=True)
-    state = {**networks, "args": asdict(args), "run_name": run_name, "global_step": step, "clip_return": clip_return}
-    save_checkpoint(f"runs/{run_name}/checkpoints/step-{step}.pt", state)
-
-
-def check_checkpoint_disk(args, networks: dict[str, dict], rb) -> None:
-    """With --save-model: say the disk the checkpoints take, and refuse a run whose checkpoints would not fit. Each
-    --checkpoint-frequency steps leaves a file of the networks; checkpoint.pt, the run state (networks, targets, Adam's
-    moments: at most 4x the networks, and the replay buffer with --save-buffer), exists twice while it is replaced."""
-    if not args.save_model:
-        return
-    size = sum(p.numel() * p.element_size() for m in networks.values() for p in m.values()) + 2**16
-    buffer = sum(v.nbytes for v in rb.data.values()) if args.save_buffer else 0
-    count, state = args.total_timesteps // args.checkpoint_frequency, 4 * size + buffer
-    free, total = shutil.disk_usage(os.path.abspath("runs") if os.path.isdir("runs") else ".").free, size * count + 2 * state
-    steps = f"{count} step checkpoint{'s' * (count > 1)} of {format_bytes(size)}" if count else "no step checkpoints"
-    what = f"checkpoint.pt {format_bytes(state)}{' with the replay buffer' if buffer else ''} twice while replaced, {steps}"
-    print(f"disk: checkpoints take up to {format_bytes(total)} in runs/ ({what}), {format_bytes(free)} free")
-    if total > 0.9 * free:
-        advice = "lower --buffer-size or drop --save-buffer" if buffer else "free some disk space"
-        raise UserError(
-            f"the checkpoints take up to {format_bytes(total)} ({what}), but {format_bytes(free)} is free; "
-            + ("raise --checkpoint-frequency." if size * count > 2 * state else f"{advice}.")
-        )
-
-
-def format_bytes(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-# what --evaluate takes from the checkpoint unless given: the env, the frames CLIP saw and the reward model
-EVALUATE_AS_TRAINED = """env_id episodes episode_length render_size render_quality realistic camera reward goal baseline alpha
-clip_model clip_pretrained clip_checkpoint clip_cache_dir reward_family negatives temperature threshold soft antialias"""
-
-
-def evaluated_args(args):
-    """--evaluate rolls out with the run's own CLIP model, render size and quality, look, camera and episodes (the
-    checkpoint stores them), unless the user set a flag to another value than its default."""
-    saved, default = read_checkpoint(args.evaluate, type(args), "--evaluate")["args"], vars(type(args)())
-    for key in EVALUATE_AS_TRAINED.split():
-        if key in saved and key in default and getattr(args, key) == default[key]:
-            setattr(args, key, saved[key])
-    return args
-
-
-def make_vector_env(vector_env: type, env_fns: list, frame_shape: Optional[tuple] = None) -> gym.vector.VectorEnv:
-    """The training envs, autoreset off (the loop resets finished envs itself). With `frame_shape`, each step also
-    returns the frame rendered after it, in infos["frames"] (see FrameAfterStep). Env processes ignore Ctrl-C and
-    SIGTERM, so that the main process decides when to stop (and closes them on every exit)."""
+def make_vector_env(
+    vector_env: type, env_fns: list, autoreset_mode, frame_shape: Optional[tuple] = None
+) -> gym.vector.VectorEnv:
+    """The training envs. With `frame_shape`, each step also returns the frame rendered after it, in infos["frames"]
+    (FrameAfterStep). Env processes ignore Ctrl-C and SIGTERM, so that the main process decides when to stop (and
+    closes them on every exit), and end with it."""
     import functools
 
     if frame_shape is not None:
@@ -1017,7 +556,7 @@ def make_vector_env(vector_env: type, env_fns: list, frame_shape: Optional[tuple
         env_fns = [functools.partial(die_with_parent, fn, os.getpid()) for fn in env_fns]
     handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        envs = vector_env(env_fns, autoreset_mode=gym.vector.AutoresetMode.DISABLED)
+        envs = vector_env(env_fns, autoreset_mode=autoreset_mode)
     finally:
         signal.signal(signal.SIGINT, handlers[0])
         signal.signal(signal.SIGTERM, handlers[1])
@@ -1066,10 +605,12 @@ class FrameAfterStep(gym.Wrapper):
 
 
 class FramesInInfo(gym.vector.VectorWrapper):
-    """The vector side of FrameAfterStep: the envs' own observations, and each step's frames in infos["frames"]."""
+    """The vector side of FrameAfterStep: the envs' own observations, each step's frames in infos["frames"], and the
+    seconds spent rendering (in-process envs render one after another; env processes at once)."""
 
     def __init__(self, envs: gym.vector.VectorEnv):
         super().__init__(envs)
+        self.render_s = 0.0  # seconds of the steps' round trips spent rendering
         self.single_observation_space, self.observation_space = envs.single_observation_space[0], envs.observation_space[0]
 
     def reset(self, **kwargs):
@@ -1079,7 +620,8 @@ class FramesInInfo(gym.vector.VectorWrapper):
     def step(self, actions):
         (obs, frames), rewards, terminations, truncations, info = self.env.step(actions)
         render_s = info["render_s"].sum() if isinstance(self.env, gym.vector.SyncVectorEnv) else info["render_s"].max()
-        return obs, rewards, terminations, truncations, {**info, "frames": frames, "render_s": float(render_s)}
+        self.render_s += float(render_s)
+        return obs, rewards, terminations, truncations, {**info, "frames": frames}
 
     def __getattr__(self, name: str):  # call, get_attr, set_attr: the wrapped vector env's
         return getattr(self.env, name)
@@ -1108,6 +650,398 @@ def die_with_parent(env_fn: Callable, parent: int) -> gym.Env:
     return env_fn()
 
 
+# ----------------------------------------------------------------------------------------------
+# The run around the loop: folder, progress, rewards in flight, episodes, NaN guard, checkpoints, videos
+# ----------------------------------------------------------------------------------------------
+def set_torch_threads(args, device: torch.device) -> torch.device:
+    """One torch thread on CPU unless asked otherwise: measured 8-12x faster for these small networks on a shared CPU."""
+    if args.torch_threads is None and device.type == "cpu":
+        torch.set_num_threads(1)
+    elif args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    return device
+
+
+class Run:
+    """A training run's lifecycle around the loop that each script writes out, in a few calls at fixed points of it:
+    `Run(...)` takes the flags (a resumed run's own) and seeds everything; `closing(envs)` closes the env processes and
+    TensorBoard on every exit; `start` opens the run folder; `restore` continues a resumed run; `iterations` counts the
+    vector steps and draws the progress line; `timer` times a part of the loop; `check_rewards`, `snapshot` and
+    `check_losses` are the NaN guard; `log_episodes` and `log_losses` write TensorBoard; `checkpoint_due` and `save`
+    checkpoint at episode ends (and on Ctrl-C or SIGTERM); `video_due` and `record_video` film the policy; `finish`
+    says where the time went. It reads only the flags both training scripts share."""
+
+    def __init__(self, args, check_args: Callable, evaluate_as_trained: str):
+        self.checkpoint = None  # of --resume (the run to continue) or --evaluate (the policy to roll out)
+        if args.resume is not None:  # continue the same run: its flags, step, TensorBoard folder and random streams
+            self.checkpoint = read_checkpoint(args.resume, type(args))
+            args = resumed_args(args, self.checkpoint)
+        if args.evaluate is not None:  # the run's own env, CLIP model and frames, unless a flag says otherwise
+            self.checkpoint = read_checkpoint(args.evaluate, type(args), "--evaluate")
+            args = evaluated_args(args, self.checkpoint, evaluate_as_trained)
+        check_args(args)
+        self.args, self.script = args, os.path.basename(sys.modules[type(args).__module__].__file__)
+        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        self.name = self.checkpoint.get("run_name", self.name) if self.checkpoint else self.name
+        random.seed(args.seed)
+        np.random.seed(args.seed)
+        torch.manual_seed(args.seed)
+        torch.backends.cudnn.deterministic = args.torch_deterministic
+        self.device = set_torch_threads(args, torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu"))
+        if args.reward == "clip":  # a download that cannot happen fails here, in seconds, before the envs start
+            fetch_clip_weights(args)
+        self.timing = dict.fromkeys(["env", "render", "reward_model", "reward_wait", "learning"], 0.0)
+        self.start_iteration = self.checkpoint["iteration"] if args.resume is not None else 0
+        self.last_iteration = args.total_timesteps // args.num_envs - 1
+        self.iteration = self.start_iteration - 1
+        self.last_save = self.start_iteration * args.num_envs  # the step of the last checkpoint
+        self.stop = {"requested": False}
+        self.stopping = self.periodic = False
+        self.dones = np.ones(args.num_envs, dtype=bool)  # as they stay when no step is left
+        self.writer = self.envs = None
+
+    @contextlib.contextmanager
+    def closing(self, envs: gym.vector.VectorEnv):
+        """Every exit closes TensorBoard and the env processes (they ignore SIGTERM: a process exiting under them would
+        hang) and frees the run for a --resume, also on an error or a second Ctrl-C."""
+        self.envs = envs
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            try:
+                if self.writer is not None:
+                    self.writer.close()  # may fail (a full disk): the envs are closed all the same
+            finally:
+                envs.close()
+                for fd in RUN_LOCKS.values():
+                    os.close(fd)
+                RUN_LOCKS.clear()
+
+    def start(self, networks: dict, rb, reward_model, frame_shape: tuple, success: Optional[Callable]) -> None:
+        """Before the first step: the checkpoints' disk and the reward model's cost said, then the run folder (new, or
+        the resumed run's own), W&B with --track, TensorBoard, the episode log (`success`: an ended episode's
+        charts/gt_success), the progress line and the stop signal."""
+        args = self.args
+        check_checkpoint_disk(args, networks, rb)  # before the run folder: a refused run leaves none
+        if reward_model is not None:
+            say_reward_model_cost(reward_model, args, frame_shape)
+        if self.checkpoint is None:
+            self.name = make_run_folder(self.name)
+        lock_run(self.name)
+        if args.track:  # as CleanRL: W&B mirrors the TensorBoard logs, with the flags as config and the script's code
+            import wandb
+
+            resumed = {"id": self.checkpoint.get("wandb_id"), "resume": "allow"} if self.checkpoint else {}
+            wandb.init(  # W&B's own folder is ./wandb, as CleanRL's: inside runs/<run> it would sync copies of itself
+                project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args),
+                name=self.name, save_code=True, **(resumed if resumed.get("id") else {}),
+            )  # fmt: skip
+        # purge_step drops what a crashed run logged after its checkpoint
+        purge_step = self.start_iteration * args.num_envs if self.checkpoint else None
+        self.writer = name_write_errors(SummaryWriter(f"runs/{self.name}", purge_step=purge_step))
+        if self.checkpoint is None:
+            table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+            self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+        prompts = f", goal={args.goal}, baseline={args.baseline}, alpha={args.alpha}" if args.reward == "clip" else ""
+        resumed = f", resumed at step {self.checkpoint['global_step']}" if self.checkpoint else ""
+        print(f"run: runs/{self.name} on {self.device}, reward: {args.reward}{prompts}{resumed}")
+        self.episode_log = EpisodeLog(args.num_envs, self.checkpoint["episodes"] if self.checkpoint else None, success)
+        self.last_finite = LastFinite(self.name, args)
+        start_step = self.start_iteration * args.num_envs
+        self.progress = Progress(args.total_timesteps, start_step, args.reward == "clip", max(10, args.num_envs))
+        self.stop = install_stop_handlers()
+
+    def restore(self, learner: dict, envs: gym.vector.VectorEnv, rb) -> None:
+        """A resumed run as saved: the learner, the replay buffer (with --save-buffer), every random stream, and the
+        envs' generators, so that their next reset starts the episodes the run would have started. Stock episodes were
+        in flight when saved: they restart, so their partial sums are dropped."""
+        for name, module in learner.items():
+            if module is not None:  # e.g. no entropy-coefficient optimiser without --autotune
+                module.load_state_dict(self.checkpoint[name])
+        if self.checkpoint["replay_buffer"] is not None:
+            rb.load_state_dict(self.checkpoint["replay_buffer"])
+            self.checkpoint["replay_buffer"] = None  # frees the loaded copy (counted by the memory check)
+        envs.set_attr("np_random", self.checkpoint["rng"]["envs"])
+        random.setstate(self.checkpoint["rng"]["python"])
+        np.random.set_state(self.checkpoint["rng"]["numpy"])
+        torch.set_rng_state(self.checkpoint["rng"]["torch"])
+        if self.checkpoint["rng"]["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(self.checkpoint["rng"]["cuda"])
+        if self.args.episodes == "stock":
+            self.episode_log.restart()
+
+    def iterations(self):
+        """The vector steps left, from a resumed run's own; the progress line after each."""
+        for self.iteration in range(self.start_iteration, self.last_iteration + 1):
+            yield self.iteration
+            self.progress.update((self.iteration + 1) * self.args.num_envs)
+
+    @contextlib.contextmanager
+    def timer(self, part: str):
+        start = time.perf_counter()
+        yield
+        self.timing[part] += time.perf_counter() - start
+
+    def check_rewards(self, rewards: np.ndarray, step: int, networks: Callable[[], dict]) -> None:
+        """The NaN guard's first line: a NaN or inf reward never reaches the buffer, where it would poison every
+        Q-value; the run stops (exit 1) with its networks, still finite, saved beside the checkpoint."""
+        if not np.all(np.isfinite(rewards)):
+            hint = "; on a GPU, --clip-dtype bfloat16 has float32's range" if self.args.reward == "clip" else ""
+            bad = f"{np.sum(~np.isfinite(rewards))} of {len(rewards)} frames at step {step}"
+            self.last_finite.stop(f"the {self.args.reward} reward is not finite for {bad}", networks(), hint)
+
+    def snapshot(self, networks: Callable[[], dict], gradient_steps: int) -> None:
+        """Before a training phase: a finite copy of the networks, about every 100 gradient steps."""
+        self.last_finite.snapshot(networks, gradient_steps)
+
+    def check_losses(self, finite: torch.Tensor, losses: dict, step: int, flags: str) -> None:
+        """After a training phase (one host-device sync): a NaN or inf loss stops the run (exit 1), the last finite
+        networks saved beside the checkpoint."""
+        if not finite:
+            values = ", ".join(f"{name} {torch.as_tensor(value).item()}" for name, value in losses.items())
+            self.last_finite.stop(f"a loss ({values}) is not finite in the training phase at step {step}",
+                                  hint=f"; lower {flags} or check the rewards")  # fmt: skip
+
+    def log_episodes(self, batch: dict, rewards: np.ndarray, clip_rewards: np.ndarray, components=()) -> list[dict]:
+        """The scored batch's ended episodes, each logged at the step it ended; returned, oldest first."""
+        args = self.args
+        return self.episode_log.log(args, self.writer, self.progress, batch, rewards, clip_rewards, components)
+
+    def log_losses(self, step: int, losses: dict) -> None:
+        """losses/<name>, charts/SPS and time/<part>_s every 10th training phase: reading the losses is one
+        host-device sync."""
+        if self.iteration % (10 * self.args.train_frequency) == 0:
+            scalars = {name if "/" in name else f"losses/{name}": value for name, value in losses.items()}
+            scalars = {tag: torch.as_tensor(value).item() for tag, value in scalars.items()}
+            scalars["charts/SPS"] = self.progress.sps(step)
+            scalars.update({f"time/{part}_s": seconds for part, seconds in self.times().items()})
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, step)
+
+    def times(self) -> dict:
+        """Seconds in each part of the loop; the envs' rendering (inside their step) apart from the step."""
+        render = getattr(self.envs, "render_s", 0.0)
+        return {**self.timing, "env": self.timing["env"] - render, "render": render}
+
+    def video_due(self) -> bool:
+        """--capture-video: every --video-frequency steps and at the end."""
+        args = self.args
+        step, next_step = self.iteration * args.num_envs, (self.iteration + 1) * args.num_envs
+        new_period = step // args.video_frequency != next_step // args.video_frequency
+        return args.capture_video and (new_period or self.iteration == self.last_iteration)
+
+    def record_video(self, result: dict) -> None:
+        """One evaluation episode as videos/<run_name>/step-<N>.mp4, its returns in TensorBoard."""
+        step = (self.iteration + 1) * self.args.num_envs
+        save_video(result["frames"], f"videos/{self.name}/step-{step}.mp4", result["fps"])
+        self.writer.add_scalar("eval/gt_return", result["gt_return"], step)
+        if math.isfinite(result["clip_return"]):
+            self.writer.add_scalar("eval/clip_return", result["clip_return"], step)
+
+    def checkpoint_due(self, dones: np.ndarray) -> bool:
+        """A checkpoint at the end of this step? Only where episodes end: fixed-length ones all end together (nothing
+        in flight to save), stock ones restart on resume. Due every --checkpoint-frequency steps and at the end with
+        --save-model, and at the first such step after Ctrl-C or SIGTERM (which then stops the run)."""
+        args = self.args
+        self.dones = dones
+        self.stopping = self.stop["requested"]  # read once: a signal arriving later is handled at the next step
+        boundary = dones.all() or args.episodes == "stock"
+        period = (self.iteration + 1) * args.num_envs // args.checkpoint_frequency
+        self.periodic = args.save_model and period > self.last_save // args.checkpoint_frequency
+        last = args.save_model and self.iteration == self.last_iteration
+        return boundary and (self.stopping or self.periodic or last)
+
+    def save(self, learner: dict, envs, rb, networks: Callable[[], dict], recent, clip_return: float, **state) -> None:
+        """checkpoint.pt: the whole run state (what --resume reads); when periodic, also the paper's
+        checkpoints/step-<N>.pt, the networks with the training-time CLIP return that ranks them; on a stop signal,
+        how to continue."""
+        args = self.args
+        step = (self.iteration + 1) * args.num_envs
+        state.update(run_name=self.name, iteration=self.iteration + 1, global_step=step, args=asdict(args))
+        state.update(rng=rng_state(envs), episodes={**self.episode_log.state_dict(), "recent": list(recent)})
+        state.update(clip_return=clip_return, replay_buffer=rb.state_dict() if args.save_buffer else None)
+        state.update(wandb_id=wandb_id())
+        save_checkpoint(f"runs/{self.name}/checkpoint.pt", run_state(learner, **state))
+        if self.periodic:
+            save_step_checkpoint(self.name, step, networks(), args, clip_return)
+        without = "" if args.save_buffer else " (without the replay buffer: pass --save-buffer for an exact resume)"
+        print(f"checkpoint saved at step {step}: runs/{self.name}/checkpoint.pt{without}")
+        self.last_save = step
+        if self.stopping:
+            print(f"stopped; continue with: python {self.script} --resume runs/{self.name}/checkpoint.pt")
+
+    def finish(self, networks: Callable[[], dict], clip_return: float, evaluate: Callable[[], list]) -> None:
+        """The last progress line, where the time went, the end of W&B tracking. With --save-model: the final networks
+        where the run ended mid-episode (fixed-length episodes: no resumable state there), the final policy's
+        evaluation episodes (eval/gt_return, as CleanRL's dqn.py) and how to roll it out."""
+        args, step = self.args, (self.iteration + 1) * self.args.num_envs
+        self.progress.update(step, final=True)
+        elapsed, steps = time.time() - self.progress.start, step - self.progress.start_step
+        times = ", ".join(f"{part} {seconds:.2f} s" for part, seconds in self.times().items())
+        print(f"done: {steps} steps in {elapsed:.0f} s ({int(steps / max(elapsed, 1e-9))} SPS); time in {times}")
+        if args.track and wandb_id() is not None:
+            sys.modules["wandb"].finish()
+        if not args.save_model or self.stop["requested"]:
+            return
+        if args.episodes == "fixed" and not self.dones.all():
+            final = {**networks(), "clip_return": clip_return, "args": asdict(args), "run_name": self.name}
+            save_checkpoint(f"runs/{self.name}/checkpoint.pt", final)
+        for i, result in enumerate(evaluate()):
+            print(f"eval episode {i}: {returns_text(result)}")
+            self.writer.add_scalar("eval/gt_return", result["gt_return"], step)
+        print(f"roll the policy out with: python {self.script} --evaluate runs/{self.name}/checkpoint.pt")
+
+    def save_episodes(self, results: list[dict]) -> None:
+        """--evaluate: the episodes under the trained run's videos/<run_name>/."""
+        save_episodes(results, self.name)
+
+
+class RewardQueue:
+    """Transitions wait here for the CLIP score of their frame (the one rendered after their step). A full chunk per
+    reward device is scored in a background thread while the envs step on (torch's kernels release the GIL, CUDA's
+    run asynchronously); `add` hands chunks back oldest first once scored, and every one when `wait` is set, so that the
+    replay buffer receives what a serial loop gives it, in the same order. At most `in_flight` chunks are with the
+    reward model: when it is the slower side, the loop waits for the oldest rather than piling frames up."""
+
+    def __init__(self, reward_model, chunk: int, timing: dict, in_flight: int = 2):
+        self.reward_model, self.chunk, self.timing, self.in_flight = reward_model, chunk, timing, in_flight
+        self.pending: dict[str, list] = {}
+        self.scoring: deque = deque()  # (transitions, step, future of their CLIP rewards or None), oldest first
+        self.pool = ThreadPoolExecutor(1) if reward_model is not None else None
+
+    def add(self, step: int, wait: bool, frames=None, **transition) -> list[tuple[dict, np.ndarray]]:
+        """One vector step's transitions (and frames, with the CLIP reward); the scored chunks ready to store."""
+        for key, value in {**transition, **({} if frames is None else {"frames": frames})}.items():
+            self.pending.setdefault(key, []).append(value)
+        if wait or len(self.pending["obs"]) * len(transition["obs"]) >= self.chunk:
+            batch = {key: np.concatenate(values) for key, values in self.pending.items()}
+            frames = batch.pop("frames", None)
+            self.scoring.append((batch, step, self.pool.submit(self.score, frames) if self.pool else None))
+            self.pending = {}
+        ready, start = [], time.perf_counter()
+        while self.scoring and (wait or len(self.scoring) > self.in_flight or self.done(self.scoring[0][2])):
+            batch, step, future = self.scoring.popleft()
+            clip_rewards = future.result() if future else np.zeros(len(batch["gt"]), np.float32)
+            ready.append(({**batch, "step": step}, clip_rewards))
+        self.timing["reward_wait"] += time.perf_counter() - start
+        return ready
+
+    def score(self, frames: np.ndarray) -> np.ndarray:  # in the scoring thread: the reward model's own time
+        start = time.perf_counter()
+        rewards = self.reward_model(frames)
+        self.timing["reward_model"] += time.perf_counter() - start
+        return rewards
+
+    @staticmethod
+    def done(future) -> bool:
+        return future is None or future.done()
+
+
+class EpisodeLog:
+    """Per-env sums of the running episodes, vectorised over envs; an ended episode's sums are logged and its env's
+    reset. `success(episode)` is an ended episode's charts/gt_success (the script's definition; None: not logged)."""
+
+    def __init__(self, num_envs: int, state: Optional[dict] = None, success: Optional[Callable] = None):
+        self.num_envs, self.success = num_envs, success
+        self.sums = {"length": np.zeros(num_envs)}
+        if state is not None:
+            self.sums.update(state["sums"])
+
+    def add(self, values: dict[str, np.ndarray], latched: dict[str, np.ndarray], dones: np.ndarray) -> list[dict]:
+        """values: (T, num_envs) per-step terms to sum; latched: (T, num_envs) terms whose last value counts (e.g. success);
+        dones: (T, num_envs). Returns the ended episodes in step order, each with "t" (its row) and "env"."""
+        ended = []
+        for t in range(len(dones)):
+            self.sums["length"] += 1
+            for k, v in values.items():
+                self.sums.setdefault(k, np.zeros(self.num_envs))[:] += v[t]
+            for k, v in latched.items():
+                self.sums[k] = np.array(v[t], dtype=float)  # e.g. success: latched by the env, cleared at its reset
+            for i in np.flatnonzero(dones[t]):
+                ended.append({"t": t, "env": i, **{k: float(v[i]) for k, v in self.sums.items()}})
+                for v in self.sums.values():
+                    v[i] = 0
+        return ended
+
+    def log(self, args, writer, progress: "Progress", batch: dict, rewards, clip_rewards, components=()) -> list[dict]:
+        """Adds a scored batch (rows are step-major: env i of step t is row t * num_envs + i, the last step is
+        batch["step"]), logs each episode that ended at the step it ended at, and returns them in order."""
+        steps = len(rewards) // args.num_envs
+        gt = batch["gt"].reshape(steps, args.num_envs, -1)
+        sums = {"return": rewards, "gt_return": gt[..., 0], "clip_return": clip_rewards}
+        sums.update({f"gt/{name}": gt[..., 2 + c] for c, name in enumerate(components)})
+        sums = {k: np.reshape(v, (steps, args.num_envs)) for k, v in sums.items()}
+        ended = self.add(sums, {"success": gt[..., 1]}, batch["dones"].reshape(steps, args.num_envs))
+        for ep in ended:
+            ended_at = batch["step"] - (steps - 1 - ep["t"]) * args.num_envs
+            progress.episode(ep["gt_return"], ep["clip_return"])
+            if args.log_episodes:
+                print(f"global_step={ended_at}, episodic_return={ep['return']:.2f}, gt_return={ep['gt_return']:.1f}")
+            scalars = {"charts/episodic_return": ep["return"], "charts/episodic_length": ep["length"]}
+            scalars.update({"charts/gt_return": ep["gt_return"], **{n: ep[n] for n in ep if n.startswith("gt/")}})
+            if self.success is not None:
+                scalars["charts/gt_success"] = self.success(ep)
+            if args.reward == "clip":
+                scalars.update(
+                    {"charts/clip_return": ep["clip_return"], "charts/clip_reward_mean": ep["clip_return"] / ep["length"]}
+                )
+            for tag, value in scalars.items():
+                writer.add_scalar(tag, value, ended_at)
+        return ended
+
+    def restart(self) -> None:  # stock episodes in flight restart on resume: their partial sums are dropped
+        for v in self.sums.values():
+            v[:] = 0
+
+    def state_dict(self) -> dict:
+        return {"sums": copy.deepcopy(self.sums)}
+
+
+class Progress:
+    """One progress line: redrawn in place on a terminal, else printed every `interval` seconds (logs stay small)."""
+
+    def __init__(self, total_steps: int, start_step: int, clip: bool, recent: int, interval: float = 10.0):
+        self.total, self.start_step, self.clip, self.tty = total_steps, start_step, clip, sys.stdout.isatty()
+        self.interval, self.start = 0.5 if self.tty else interval, time.time()
+        self.last, self.printed = self.start, None  # printed: the step of the last line in a log, not repeated at the end
+        self.returns = deque(maxlen=recent)  # (gt_return, clip_return) of the last episodes
+
+    def sps(self, step: int) -> int:
+        return int((step - self.start_step) / max(time.time() - self.start, 1e-9))
+
+    def episode(self, gt_return: float, clip_return: float) -> None:
+        self.returns.append((gt_return, clip_return))
+
+    def update(self, step: int, final: bool = False) -> None:
+        now = time.time()
+        if (not final and now - self.last < self.interval) or (final and not self.tty and self.printed == step):
+            return
+        elapsed, self.last = now - self.start, now
+        sps = (step - self.start_step) / max(elapsed, 1e-9)
+        left = (self.total - step) / sps if sps > 0 and elapsed >= 5 else math.inf  # "?" until a few seconds measured
+        left = format_duration(0 if step >= self.total else left)
+        line = f"step {step}/{self.total} ({100 * step / self.total:.0f}%) | {sps:.0f} steps/s"
+        line += f" | elapsed {format_duration(elapsed)} | left {left}"
+        if self.returns:
+            gt_return, clip_return = np.mean(self.returns, axis=0)
+            line += f" | last {len(self.returns)} episodes: gt_return {gt_return:.1f}"
+            line += f", clip_return {clip_return:.2f}" if self.clip else ""
+        if self.tty:  # back to the line start: the next update, or any other message, overwrites it
+            print("\r\x1b[K" + line, end="\n" if final else "\r", flush=True)
+        else:
+            print(line, flush=True)
+            self.printed = step
+
+
+def format_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
 class LastFinite:
     """The NaN guard: an on-device copy of the networks, checked finite, about every 100 gradient steps; on a NaN the
     last finite copy is saved beside (never over) the resumable checkpoint and the run stops with exit code 1."""
@@ -1130,78 +1064,162 @@ class LastFinite:
         raise NonFiniteError(f"{what}; {saved}{hint}.")
 
 
+def install_stop_handlers() -> dict:
+    """First Ctrl-C or SIGTERM: finish the current episodes, save a checkpoint, exit cleanly. Second: quit at once."""
+    stop = {"requested": False}
+
+    def handler(signum: int, frame) -> None:
+        if stop["requested"]:
+            raise KeyboardInterrupt
+        stop["requested"] = True
+        print(f"\n{signal.Signals(signum).name} received: checkpoint after the current episodes (again: quit now)", flush=True)
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    return stop
+
+
+def name_write_errors(writer: SummaryWriter) -> SummaryWriter:
+    """TensorBoard writes from a thread: a full disk there printed the thread's traceback, then surfaced at a later
+    add_scalar naming no file. The thread is quiet now (its error still surfaces) and the error names the event file."""
+    threading.excepthook = lambda hook: (
+        None if type(hook.thread).__name__ == "_AsyncWriterThread" and isinstance(hook.exc_value, OSError)
+        else threading.__excepthook__(hook)
+    )  # fmt: skip
+    event_writer = writer.file_writer.event_writer
+    path, queue = event_writer._file_name, event_writer._async_writer  # the private parts of tensorboard 2.x's writer
+
+    def named(call: Callable) -> Callable:
+        def call_named(*args):
+            try:
+                return call(*args)
+            except OSError as e:
+                raise OSError(f"could not write {os.path.relpath(path)} ({e.strerror or e}); free some disk space") from None
+
+        return call_named
+
+    queue._check_worker_status, queue.close = named(queue._check_worker_status), named(queue.close)
+    return writer
+
+
+def make_run_folder(run_name: str) -> str:
+    """Create runs/<run_name>/ exclusively: two runs started in the same second get different folders."""
+    for name in [run_name, *(f"{run_name}-{i}" for i in range(1, 1000))]:
+        try:
+            os.makedirs(f"runs/{name}")
+            return name
+        except FileExistsError:
+            pass
+    raise UserError(f"runs/{run_name} and 999 variants of it exist already; remove old runs or change --exp-name.")
+
+
 def wandb_id() -> Optional[str]:
     wandb = sys.modules.get("wandb")
     return wandb.run.id if wandb is not None and wandb.run is not None else None
 
 
-def save_run(args, run_name: str, learner: dict, envs, rb, episodes: EpisodeLog, pending: dict, iteration: int,
-             networks: Optional[dict], extra: dict) -> None:  # fmt: skip
-    """checkpoint.pt: the whole run state, in one place (what --resume reads); with `networks`, also the paper's
-    checkpoints/step-<N>.pt, kept, with the training-time CLIP return at that step."""
-    step = iteration * args.num_envs
-    state = dict(run_name=run_name, iteration=iteration, global_step=step, args=asdict(args), rng=rng_state(envs))
-    state.update(pending=pending, episodes=episodes.state_dict(), clip_return=episodes.clip_return(), wandb_id=wandb_id())
-    state.update(replay_buffer=rb.state_dict() if args.save_buffer else None, **extra)
-    save_checkpoint(f"runs/{run_name}/checkpoint.pt", run_state(learner, **state))
-    if networks is not None:
-        save_step_checkpoint(run_name, step, networks, args, episodes.clip_return())
-    print(
-        f"checkpoint saved at step {step}: runs/{run_name}/checkpoint.pt"
-        + ("" if args.save_buffer else " (without the replay buffer: pass --save-buffer for an exact resume)")
-    )
+def run_state(learner: dict, **extra) -> dict:
+    """A checkpoint: every module and optimiser of the learner by name, the random streams and whatever `extra` holds."""
+    return {**{name: module.state_dict() for name, module in learner.items() if module is not None}, **extra}
 
 
-def finish_run(args, run_name: str, progress: "Progress", step: int, timing: dict, stopped: bool, script: str,
-               final: Optional[dict] = None) -> None:  # fmt: skip
-    """The last progress line, where the time went, the end of W&B tracking; with --save-model, the final networks
-    (`final`: a run that ended mid-episode has no resumable state, only networks to evaluate) and how to roll them out."""
-    progress.update(step, final=True)
-    elapsed, steps = time.time() - progress.start, step - progress.start_step
-    times = ", ".join(f"{k} {v:.2f} s" for k, v in timing.items())
-    print(f"done: {steps} steps in {elapsed:.0f} s ({int(steps / max(elapsed, 1e-9))} SPS); time in {times}")
-    if args.track and wandb_id() is not None:
-        sys.modules["wandb"].finish()
-    if args.save_model and not stopped:
-        if final is not None:
-            save_checkpoint(f"runs/{run_name}/checkpoint.pt", {**final, "args": asdict(args), "run_name": run_name})
-        print(f"roll the policy out with: python {os.path.basename(script)} --evaluate runs/{run_name}/checkpoint.pt")
+def rng_state(envs: gym.vector.VectorEnv) -> dict:
+    """Every random number generator the run draws from, so a resumed run continues the same streams."""
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "envs": list(envs.get_attr("np_random")),
+    }
 
 
-def record_video(writer: SummaryWriter, run_name: str, step: int, result: dict, fps: int) -> None:
-    """--capture-video: one evaluation episode as videos/<run_name>/step-<N>.mp4, its returns in TensorBoard."""
-    save_video(result["frames"], f"videos/{run_name}/step-{step}.mp4", fps)
-    writer.add_scalar("eval/gt_return", result["gt_return"], step)
-    if math.isfinite(result["clip_return"]):
-        writer.add_scalar("eval/clip_return", result["clip_return"], step)
+def save_step_checkpoint(run_name: str, step: int, networks: dict, args, clip_return: float) -> None:
+    """runs/<run>/checkpoints/step-<N>.pt, all kept (the paper's): the networks only, with the run's training-time CLIP
+    return at that step, from which `success_eval.py best` picks across runs and across training time."""
+    os.makedirs(f"runs/{run_name}/checkpoints", exist_ok=True)
+    state = {**networks, "args": asdict(args), "run_name": run_name, "global_step": step, "clip_return": clip_return}
+    save_checkpoint(f"runs/{run_name}/checkpoints/step-{step}.pt", state)
 
 
-def close_run(writer: Optional[SummaryWriter], envs: gym.vector.VectorEnv) -> None:
-    """Every exit closes TensorBoard and the env processes (they ignore SIGTERM: a process exiting under them would hang)."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+def save_nonfinite(run_name: str, networks: dict) -> str:
+    """Saves the networks of a run stopped on a NaN beside (never over) its checkpoint; says where both are."""
+    path, checkpoint = f"runs/{run_name}/nonfinite_networks.pt", f"runs/{run_name}/checkpoint.pt"
+    save_checkpoint(path, networks)
+    kept = f" and the last resumable checkpoint {checkpoint} is kept" if os.path.exists(checkpoint) else ""
+    return f"finite networks from before it were saved to {path}{kept}"
+
+
+def all_finite(state) -> bool:
+    """True when every floating-point tensor of a (nested) state dict is finite."""
+    if isinstance(state, (dict, list, tuple)):
+        return all(map(all_finite, state.values() if isinstance(state, dict) else state))
+    return not (torch.is_tensor(state) and state.is_floating_point()) or bool(torch.isfinite(state).all())
+
+
+# ----------------------------------------------------------------------------------------------
+# Files written whole: checkpoints, videos
+# ----------------------------------------------------------------------------------------------
+def save_checkpoint(path: str, state: dict) -> None:
+    """Atomic and durable: a crash, power cut or full disk mid-write never replaces a good checkpoint with half of one."""
+    folder = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")  # own temp file per write
     try:
-        if writer is not None:
-            writer.close()  # may fail (a full disk): the envs are closed all the same
-    finally:
-        envs.close()
-        for fd in RUN_LOCKS.values():  # the run is free for a --resume (in this process too: the tests train, then resume)
-            os.close(fd)
-        RUN_LOCKS.clear()
+        os.fchmod(fd, new_file_mode())
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())  # the data is on disk before the rename makes it the checkpoint
+        os.replace(tmp, path)
+    except BaseException as e:
+        os.unlink(tmp)
+        cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__  # torch wraps a full disk in a RuntimeError
+        if isinstance(e, (OSError, RuntimeError)):  # the machine's failure, not the input's: exit code 1 (see cli)
+            why = getattr(cause, "strerror", None) or str(e).splitlines()[0][:120]
+            raise OSError(f"could not write {path} ({why}); the previous file there is intact.") from None
+        raise
+    dir_fd = os.open(folder, os.O_RDONLY)
+    os.fsync(dir_fd)  # the rename itself survives a power cut
+    os.close(dir_fd)
 
 
-def reward_model_before_envs(args, device: torch.device, make_reward_model: Callable):
-    """The reward model before anything starts, so a bad download or prompt fails first; on CUDA only its weights (the
-    model is built after the env processes fork: CUDA does not survive a fork). None when it is built later."""
-    if args.reward == "clip" and (device.type == "cuda" or any(d.startswith("cuda") for d in args.reward_devices)):
-        fetch_clip_weights(args)
-    elif args.reward == "clip":
-        return make_reward_model(args, device)
+def new_file_mode() -> int:
+    """The mode open() gives a new file, 0o666 less the umask: mkstemp's 0o600 would stay on the renamed output."""
+    try:
+        with open("/proc/self/status") as f:  # read, not set: os.umask() changes it for every thread meanwhile
+            return 0o666 & ~next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return 0o666 & ~mask
 
 
-def log_losses(writer: SummaryWriter, step: int, losses: dict, progress: "Progress", timing: dict) -> None:
-    """losses/<name> (tensors read here, every 10th training phase: one host-device sync), charts/SPS, time/<part>_s."""
-    scalars = {f"losses/{k}": v.item() if torch.is_tensor(v) else v for k, v in losses.items()}
-    scalars.update({"charts/SPS": progress.sps(step), **{f"time/{k}_s": v for k, v in timing.items()}})
-    for tag, value in scalars.items():
-        writer.add_scalar(tag, value, step)
+def save_video(frames: list[np.ndarray], path: str, fps: int) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    imageio.mimwrite(path, frames, fps=fps, macro_block_size=8)
+    if "wandb" in sys.modules and sys.modules["wandb"].run is not None:  # --track: the videos go to W&B too
+        wandb = sys.modules["wandb"]
+        wandb.log({f"videos/{Path(path).stem}": wandb.Video(path, format="mp4")})
+
+
+def save_episodes(results: list[dict], run_name: str) -> None:
+    """--evaluate: each episode as an MP4 and its frames as PNGs under videos/<run_name>/eval-episode-<i>, the trained
+    run's folder; an earlier evaluation there is replaced whole (a longer one would leave frames past this one's end)."""
+    stale = sorted(Path(f"videos/{run_name}").glob("eval-episode-*"))
+    for path in stale:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if stale:
+        print(f"replacing the earlier evaluation in videos/{run_name}/")
+    for i, result in enumerate(results):
+        folder = f"videos/{run_name}/eval-episode-{i}"
+        save_video(result["frames"], folder + ".mp4", result["fps"])
+        os.makedirs(folder, exist_ok=True)
+        for t, frame in enumerate(result["frames"]):
+            imageio.imwrite(f"{folder}/frame-{t:04d}.png", frame)
+        print(f"eval episode {i}: {returns_text(result)} -> {folder}.mp4")
+
+
+def returns_text(result: dict) -> str:
+    """An evaluation episode's returns; the CLIP return only where there is one (not with --reward gt)."""
+    clip = f"clip_return={result['clip_return']:.2f} " if math.isfinite(result["clip_return"]) else ""
+    return f"{clip}gt_return={result['gt_return']:.1f}"

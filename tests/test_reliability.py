@@ -26,6 +26,7 @@ from conftest import (
 
 import vlmrm_dqn_classic as classic
 import vlmrm_sac_humanoid as sac
+import vlmrm_tools
 import vlmrm_utils
 
 DQN = "vlmrm_dqn_classic.py"
@@ -103,7 +104,7 @@ def test_stock_episodes_stop_at_the_next_step_and_resume_with_restarted_episodes
     (run_dir,) = (tmp_path / "runs").iterdir()
     saved = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     assert saved["args"]["episodes"] == "stock"
-    assert all(not v for v in saved["pending"].values())  # every transition so far is in the saved buffer
+    assert len(saved["replay_buffer"]["rewards"]) == saved["global_step"]  # every transition so far is in the saved buffer
     eighth = [int(line.split(",")[0].split("=")[1]) for line in output.splitlines() if line.startswith("global_step=")][7]
     assert 0 < saved["iteration"] * 4 - eighth < 1000, (saved["iteration"], eighth)  # soon after the signal
     resumed = run_script(script, "--resume", str(run_dir / "checkpoint.pt"), cwd=tmp_path)
@@ -430,7 +431,12 @@ def test_memory_check_counts_the_batch_and_the_resume_copy_and_names_the_flag(in
 
     def check(**kw):
         vlmrm_utils.check_resources(
-            sac.Args(env_id="Hopper-v5", reward="gt", **kw), probe.observation_space, probe.action_space, (224, 224, 3), 0
+            sac.Args(env_id="Hopper-v5", reward="gt", **kw),
+            probe.observation_space,
+            probe.action_space,
+            (224, 224, 3),
+            0,
+            16 * 256,
         )
 
     per_transition = 2 * 4 * 11 + 4 * 3 + 8
@@ -441,7 +447,7 @@ def test_memory_check_counts_the_batch_and_the_resume_copy_and_names_the_flag(in
         check(buffer_size=1_000_000, batch_size=1_000_000)
     with pytest.raises(vlmrm_utils.UserError, match="^--reward-batch-size"):
         vlmrm_utils.check_resources(
-            sac.Args(reward_batch_size=100_000), probe.observation_space, probe.action_space, (224, 224, 3), 0
+            sac.Args(reward_batch_size=100_000), probe.observation_space, probe.action_space, (224, 224, 3), 0, 16 * 256
         )
 
 
@@ -507,18 +513,18 @@ def test_damaged_checkpoints_are_refused_by_every_loader(in_tmp):
 def test_a_run_still_training_is_not_resumed_twice_and_a_killed_writers_temp_files_go(in_tmp, monkeypatch, capsys):
     import fcntl
 
-    held, save_run = [], vlmrm_utils.save_run
+    held, save = [], vlmrm_utils.Run.save
 
-    def look_from_outside(args, run_name, *rest):  # what another process sees while this run trains
-        save_run(args, run_name, *rest)
-        with open(f"runs/{run_name}/run.lock") as f:
+    def look_from_outside(run, *rest, **state):  # what another process sees while this run trains
+        save(run, *rest, **state)
+        with open(f"runs/{run.name}/run.lock") as f:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 held.append(False)
             except BlockingIOError:
                 held.append(True)
 
-    monkeypatch.setattr(vlmrm_utils, "save_run", look_from_outside)
+    monkeypatch.setattr(vlmrm_utils.Run, "save", look_from_outside)
     flags = dict(reward="gt", total_timesteps=400, learning_starts=100, save_model=True, checkpoint_frequency=200)
     classic.main(classic.Args(**flags))
     assert held == [True, True], held
@@ -650,13 +656,13 @@ def test_a_sigkilled_sac_run_takes_its_env_workers_along_without_tracebacks(tmp_
 
 
 def test_checkpoints_and_outputs_get_the_mode_of_any_new_file(tmp_path):
-    from sweep import write_json
+    from sweep import write_state
 
     old = os.umask(0o027)
     try:
         vlmrm_utils.save_checkpoint(str(tmp_path / "checkpoint.pt"), {"w": torch.ones(1)})
-        vlmrm_utils.write_atomic(str(tmp_path / "episodes.csv"), lambda f: f.write(b"a\n"))
-        write_json(tmp_path / "state.json", {})
+        vlmrm_tools.write_atomic(str(tmp_path / "episodes.csv"), lambda f: f.write(b"a\n"))
+        write_state(tmp_path / "state.json", {})
         (tmp_path / "plain.txt").write_text("")  # what open() gives: the umask's, not mkstemp's 0o600
     finally:
         os.umask(old)

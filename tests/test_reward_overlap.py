@@ -58,19 +58,19 @@ def test_rewards_that_complete_late_are_in_the_buffer_before_anything_uses_them(
         return check
 
     make_reward_model, frames_step, add = script.make_reward_model, vlmrm_utils.FramesInInfo.step, script.ReplayBuffer.add
-    original = {"sample": script.ReplayBuffer.sample, "save_run": vlmrm_utils.save_run, "finish_run": vlmrm_utils.finish_run}
+    original = {"sample": script.ReplayBuffer.sample, "save": vlmrm_utils.Run.save, "finish": vlmrm_utils.Run.finish}
     monkeypatch.setattr(script, "make_reward_model", slow_reward_model)
     monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
     monkeypatch.setattr(vlmrm_utils.FramesInInfo, "step", timed_step)
     monkeypatch.setattr(script.ReplayBuffer, "add", counted_add)
     monkeypatch.setattr(script.ReplayBuffer, "sample", all_stored("sample"))
-    monkeypatch.setattr(vlmrm_utils, "save_run", all_stored("save_run"))
-    monkeypatch.setattr(vlmrm_utils, "finish_run", all_stored("finish_run"))
+    monkeypatch.setattr(vlmrm_utils.Run, "save", all_stored("save"))
+    monkeypatch.setattr(vlmrm_utils.Run, "finish", all_stored("finish"))
     torch.manual_seed(0)
     flags = dict(clip_model=TINY_CLIP, clip_pretrained="none", reward_batch_size=6 // max(1, len(devices)), alpha=0.0)
     script.main(script.Args(**flags, **SMALL[name], reward_devices=devices, save_model=True, checkpoint_frequency=100))
 
-    assert {what for what, _, _ in checks} == {"sample", "save_run", "finish_run"}
+    assert {what for what, _, _ in checks} == {"sample", "save", "finish"}
     for what, have, stepped in checks:
         assert have == stepped, f"at a {what}, {stepped - have} of {stepped} transitions had no reward yet"
     # the envs stepped while each replica was scoring: the chunks overlapped the stepping, they did not block it
@@ -100,7 +100,6 @@ def test_a_failing_reward_model_stops_the_run_with_its_error(name, in_tmp, monke
 
 
 def test_the_reward_queue_hands_chunks_back_in_order_and_bounds_what_is_in_flight():
-    sac = importlib.import_module("vlmrm_sac_humanoid")
     release, calls = threading.Event(), []
 
     def reward_model(frames):  # waits until released: a device that is still busy
@@ -108,15 +107,15 @@ def test_the_reward_queue_hands_chunks_back_in_order_and_bounds_what_is_in_fligh
         release.wait(10)
         return frames[:, 0, 0, 0].astype(np.float32)
 
-    queue = sac.RewardQueue(reward_model, chunk=4, in_flight=2)
+    timing = {"reward_model": 0.0, "reward_wait": 0.0}
+    queue = vlmrm_utils.RewardQueue(reward_model, chunk=4, timing=timing, in_flight=2)
     transition = lambda t: dict(obs=np.full((2, 1), t), frames=np.full((2, 1, 1, 1), t, np.uint8), gt=np.zeros((2, 2)))  # noqa: E731
     out = [queue.add(t, False, **transition(t)) for t in range(5)]  # 2 chunks in flight (steps 0-1, 2-3), the device busy
     assert out == [[]] * 5  # nothing is handed back before it is scored
     threading.Timer(0.2, release.set).start()
     third = queue.add(5, False, **transition(5))  # a 3rd chunk: the loop waits for the oldest
-    assert third[0][0]["step"] == 1 and len(queue.scoring) <= 2 and queue.waited >= 0.1
+    assert third[0][0]["step"] == 1 and len(queue.scoring) <= 2 and timing["reward_wait"] >= 0.1
     rest = queue.add(6, True, **transition(6))  # wait: everything, oldest first
     assert [b["step"] for b, _ in third + rest] == [1, 3, 5, 6]
     np.testing.assert_array_equal(np.concatenate([r for _, r in third + rest]), np.repeat(np.arange(7), 2))
-    assert calls == [4, 4, 4, 2] and queue.busy > 0
-    queue.close()
+    assert calls == [4, 4, 4, 2] and timing["reward_model"] > 0

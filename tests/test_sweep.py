@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TINY_CLIP_FLAGS, assert_clean_error, read_scalars
 
-from sweep import slurm_answers, stopped_early, write_json
+from sweep import slurm_answers, stopped_early, write_state
+from vlmrm_utils import UserError
 
 SWEEP = [sys.executable, str(ROOT / "sweep.py"), "--script", str(ROOT / "vlmrm_dqn_classic.py"), "--gpus-per-job", "0"]
 SHORT_GT = ["--", "--reward", "gt", "--total-timesteps", "1000", "--learning-starts", "500", "--eval-episodes", "1"]
@@ -207,14 +208,14 @@ def test_failed_points_say_so_exit_non_zero_and_a_rerun_skips_the_done_ones(tmp_
 
 def test_state_files_are_replaced_whole(tmp_path, monkeypatch):
     path = tmp_path / "state.json"
-    write_json(path, {"wall_s": 1.0})
+    write_state(path, {"wall_s": 1.0})
 
     def full_disk(fd: int) -> None:
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", full_disk)  # the write fails once the file is open: the old one stays whole
-    with pytest.raises(OSError):
-        write_json(path, {"wall_s": 2.0})
+    with pytest.raises(UserError, match="No space left on device"):  # one sentence naming the file
+        write_state(path, {"wall_s": 2.0})
     assert json.loads(path.read_text()) == {"wall_s": 1.0} and os.listdir(tmp_path) == ["state.json"]
 
 

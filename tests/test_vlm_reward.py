@@ -231,8 +231,8 @@ def test_softmax_rejects_no_negatives(softmax_reward):
 
 # what the two training scripts still share, the method: the same text, in the same order, so that
 # `diff vlmrm_dqn_classic.py vlmrm_sac_humanoid.py` shows the algorithms; the plumbing lives once, in vlmrm_utils.py
-SHARED = """vlm_reward DEFAULT_NEGATIVES softmax_reward CLIPReward make_reward_model MOUNTAINCAR_GOAL FixedLengthMountainCar
-RealisticMountainCar ReplayBuffer""".split()
+SHARED = """DEFAULT_PROMPTS DEFAULT_NEGATIVES vlm_reward softmax_problem softmax_reward CLIPReward make_reward_model
+MOUNTAINCAR_GOAL FixedLengthMountainCar RealisticMountainCar ReplayBuffer""".split()
 
 
 def test_the_plumbing_is_written_once_and_imports_no_training_script():
@@ -241,7 +241,7 @@ def test_the_plumbing_is_written_once_and_imports_no_training_script():
     import vlmrm_utils
 
     modules = [importlib.import_module(script) for script in SCRIPTS]
-    for name in "UserError read_checkpoint save_checkpoint load_clip check_clip_args Progress start_run EpisodeLog".split():
+    for name in "UserError read_checkpoint save_checkpoint load_clip check_clip_args Progress Run RewardQueue".split():
         assert all(getattr(m, name, getattr(vlmrm_utils, name)) is getattr(vlmrm_utils, name) for m in modules), name
     tree = ast.parse(inspect.getsource(vlmrm_utils))
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
@@ -252,7 +252,7 @@ def test_the_plumbing_is_written_once_and_imports_no_training_script():
 @pytest.mark.parametrize("name", SHARED)
 def test_shared_code_is_identical_in_both_training_scripts_and_the_tools_use_it(name):
     objects = [getattr(importlib.import_module(script), name) for script in SCRIPTS]
-    if name in ("DEFAULT_NEGATIVES", "MOUNTAINCAR_GOAL"):  # values, not code
+    if name in ("DEFAULT_PROMPTS", "DEFAULT_NEGATIVES", "MOUNTAINCAR_GOAL"):  # values, not code
         assert objects[0] == objects[1]
     else:
         sources = [inspect.getsource(obj) for obj in objects]

@@ -1,0 +1,147 @@
+"""The evaluation tools' own file handling (epic_eval.py, success_eval.py, reward_shape.py, sweep.py, label_server.py):
+files read with one sentence per problem, outputs written whole or not at all. The training scripts never use it."""
+
+import csv
+import io
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from typing import Callable
+
+from vlmrm_utils import UserError, check_writable, new_file_mode
+
+PARTIAL_FOLDER = re.compile(r"^\..+\.partial-(\d+)-\d+$")  # .<out>.partial-<pid>-<ns>: a folder being written
+
+
+def read_text(path: str, what: str = "") -> str:
+    """A small text file (UTF-8, a BOM allowed), or one sentence naming it (and the line of a bad byte)."""
+    name = f"{what} {path}" if what else path
+    if not os.path.exists(path):
+        raise UserError(f"{name}: no such file.")
+    if not os.path.isfile(path):  # a folder, or a named pipe that would block the read forever
+        raise UserError(f"{name} is not a regular file.")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise UserError(f"{name} cannot be read ({e.strerror}).") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise UserError(
+            f"{name} line {line} is not UTF-8 text (byte {data[e.start]:#04x}), so not a file this tool reads."
+        ) from None
+
+
+def read_json(path: str, what: str = ""):
+    """A JSON file, or one sentence naming it and the line where it stops being JSON."""
+    text = read_text(path, what)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{f'{what} {path}' if what else path} line {e.lineno} is not valid JSON ({e.msg}).") from None
+
+
+def read_csv(path: str, needed: list[str], what: str = "") -> list[tuple[int, dict]]:
+    """(line number, row) of a CSV file with a header; one sentence naming the file and line when it is empty, lacks
+    a needed column, or a row has more or fewer fields than the header (a hand edit gone wrong: never guessed)."""
+    name = f"{what} {path}" if what else path
+    reader = csv.reader(io.StringIO(read_text(path, what), newline=""))
+    try:
+        header = next(reader, None)
+        if header is None:
+            raise UserError(f"{name} is empty: it has no header line.")
+        missing = [c for c in needed if c not in header]
+        if missing:
+            raise UserError(f"{name} lacks the column{'s' * (len(missing) > 1)} {', '.join(missing)} in its header (line 1).")
+        rows = []
+        for row in reader:
+            if not row:  # a blank line
+                continue
+            if len(row) != len(header):
+                raise UserError(
+                    f"{name} line {reader.line_num} has {len(row)} fields but the header has {len(header)}; "
+                    "fix or remove that line."
+                )
+            rows.append((reader.line_num, dict(zip(header, row))))
+    except csv.Error as e:
+        raise UserError(f"{name} line {reader.line_num} is not CSV ({e}).") from None
+    return rows
+
+
+def check_new_folder(path: str, flag: str, why: str) -> None:
+    """An output folder written whole or not at all: absent, an empty folder or an empty file, in a writable folder."""
+    if os.path.islink(path):  # the finished folder is renamed onto it, which a link (even to an empty folder) refuses
+        raise UserError(
+            f"{flag} {path} is a symbolic link (to {os.readlink(path)}); pass a new path or the folder it points to."
+        )
+    empty = os.path.isdir(path) and not os.listdir(path) or os.path.isfile(path) and os.path.getsize(path) == 0
+    if os.path.lexists(path) and not empty:
+        raise UserError(f"{flag} {path} already exists and is not empty; pass a new {flag} ({why}).")
+    check_writable(os.path.dirname(os.path.abspath(path)), flag, "choose another path")
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """A file to (over)write: nothing but a regular file in the way, in a writable folder."""
+    if os.path.lexists(path) and not os.path.isfile(path):
+        raise UserError(f"{flag}: {path} exists and is not a regular file; choose another {flag}.")
+    check_writable(os.path.dirname(os.path.abspath(path)), flag, "choose another path")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def new_partial_folder(out: str) -> str:
+    """A hidden folder beside `out` to write into, renamed into place once complete (see publish_folder); stale ones
+    of a writer that was killed (SIGKILL, power cut) are removed first, so that they never pile up."""
+    parent, base = os.path.split(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    for name in os.listdir(parent):
+        match = PARTIAL_FOLDER.match(name)
+        if match and not pid_alive(int(match.group(1))):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+            print(f"removed {os.path.join(parent, name)}, left unfinished by a run that was killed")
+    partial = os.path.join(parent, f".{base}.partial-{os.getpid()}-{time.time_ns()}")
+    os.makedirs(partial)
+    return partial
+
+
+def publish_folder(partial: str, out: str, flag: str) -> None:
+    """Rename the complete `partial` folder to `out` (atomic; replaces an empty folder or empty file, nothing else)."""
+    try:
+        if os.path.isfile(out) and os.path.getsize(out) == 0:
+            os.remove(out)
+        os.rename(partial, out)
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise UserError(f"{flag} {out} was filled by something else meanwhile; nothing was written.") from None
+
+
+def write_atomic(path: str, write: Callable) -> None:
+    """`write(file)` into a temporary file beside `path`, on disk, then renamed onto it: never half a file at `path`."""
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.")
+        os.fchmod(fd, new_file_mode())
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())  # the data is on disk before the rename makes it the file
+        os.replace(tmp, path)
+    except BaseException as e:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise UserError(f"could not write {path} ({e.strerror}); nothing was written there.") from None
+        raise
