@@ -53,6 +53,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--episodes", type=int, default=20, help="stochastic episodes per final checkpoint (and random policy)")
     p.add_argument("--out", default="runs/mountaincar_sac", help="new folder of the runs, rollouts and success table")
     p.add_argument("--ci", action="store_true", help="CI's stage: the default alpha only, judged, exit 1 on a fail")
+    p.add_argument("--no-autotune", action="store_true", help="SAC's entropy coefficient fixed at 0.1, not autotuned")
     args = p.parse_args()
     if min(args.steps, args.episodes, *args.seeds) < 1 or args.steps <= 1000:
         p.error("--steps must be above 1000 (learning starts there), --episodes and --seeds positive")
@@ -123,6 +124,7 @@ def main() -> None:
             command = [sys.executable, str(ROOT / "vlmrm_sac_humanoid.py"), *clip, "--goal", goal, "--baseline", BASELINE]
             command += ["--alpha", alpha] if alpha is not None else []
             command += [*SAC_FLAGS, "--total-timesteps", str(args.steps), "--seed", str(seed)]
+            command += ["--no-autotune"] if args.no_autotune else []
             log = open(out / name / "sac.log", "w")
             running[name] = subprocess.Popen(command, cwd=out / name, stdout=log, stderr=subprocess.STDOUT, env=env)
         time.sleep(5)
