@@ -9,6 +9,11 @@ intervals by `success_eval.py report`, against uniformly random actions in the s
 
     python experiments/mountaincar_sac.py                 # 27 minutes measured on 2 lightly shared cores
     python experiments/mountaincar_sac.py --steps 2000 --episodes 2 --seeds 1 --out /tmp/mc  # a smoke run
+    python experiments/mountaincar_sac.py --ci --out runs/ci-mountaincar  # CI's stage: pass or fail, exit 1 on fail
+
+--ci is CI's learning stage (.ci/run, after the suite): the paper's prompts at the script's default alpha (no --alpha
+flag, as a user types it) over --seeds and the valley control, judged: it passes when at least 2 of 3 seeds (two
+thirds of --seeds) reach the flag in at least 75% of the episodes (15 of 20) and the control in at most 10% (2 of 20).
 
 The paper's schedule, scaled to 2 cores (every change): 4 envs instead of 32, 20,000 steps per run instead of 10M,
 learning from step 1,000 instead of 50,000, batch 256 instead of 512, one gradient step per env step (16 every 4
@@ -38,6 +43,7 @@ BASELINE = "a car in the mountain"
 VALLEY = "a car in the valley, far from the yellow flag"  # the control's goal
 SAC_FLAGS = ["--env-id", "MountainCarContinuous-v0", "--num-envs", "4", "--learning-starts", "1000", "--batch-size", "256"]
 SAC_FLAGS += ["--train-frequency", "4", "--gradient-steps", "16", "--ent-coef", "0.1", "--gamma", "0.99", "--save-model"]
+SAC_FLAGS += ["--save-buffer"]  # where each run's car went, for experiments/mountaincar_seeds.py; an exact --resume
 
 
 def parse() -> argparse.Namespace:
@@ -46,6 +52,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="SAC seeds of each alpha")
     p.add_argument("--episodes", type=int, default=20, help="stochastic episodes per final checkpoint (and random policy)")
     p.add_argument("--out", default="runs/mountaincar_sac", help="new folder of the runs, rollouts and success table")
+    p.add_argument("--ci", action="store_true", help="CI's stage: the default alpha only, judged, exit 1 on a fail")
+    p.add_argument("--no-autotune", action="store_true", help="SAC's entropy coefficient fixed at 0.1, not autotuned")
     args = p.parse_args()
     if min(args.steps, args.episodes, *args.seeds) < 1 or args.steps <= 1000:
         p.error("--steps must be above 1000 (learning starts there), --episodes and --seeds positive")
@@ -74,6 +82,17 @@ def random_policy_successes(episodes: int) -> int:
     return successes
 
 
+def verdict(goal_successes: list[int], control_successes: int, episodes: int) -> tuple[bool, str]:
+    """CI's judgement: the sentence teaches SAC when at least two thirds of the seeds reach the flag in >= 75% of their
+    episodes (2 of 3 seeds, 15 of 20), and the valley control in <= 10% (2 of 20): a wrong sign or a reward that no
+    longer knows the flag fails it; one unlucky seed does not."""
+    need = -(-2 * len(goal_successes) // 3)
+    learned = sum(s >= 0.75 * episodes for s in goal_successes)
+    ok = learned >= need and control_successes <= 0.1 * episodes
+    why = f"{learned} of {len(goal_successes)} seeds reach the flag in >= 75% of episodes (needed: {need}); "
+    return ok, why + f"the control in {control_successes} of {episodes} (allowed: <= 10%)"
+
+
 def first_success_step(run: Path) -> str:
     """The env step of the first logged training episode that reached the flag (TensorBoard's charts/gt_success)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -90,8 +109,12 @@ def main() -> None:
     checkpoint = clip_trainer.cached_checkpoint(task=clip_trainer.MOUNTAINCAR)
     print(f"CLIP: {checkpoint} ({time.time() - start:.0f} s)", flush=True)
     clip = ["--clip-model", str(clip_trainer.MOUNTAINCAR.config), "--clip-checkpoint", checkpoint]
-    runs = {f"alpha{alpha}-seed{seed}": (GOAL, alpha, seed) for alpha in ("0.5", "0") for seed in args.seeds}
-    runs[f"valley-alpha0.5-seed{args.seeds[0]}"] = (VALLEY, "0.5", args.seeds[0])
+    if args.ci:  # the script's default alpha, as a user types the command (no --alpha)
+        runs = {f"goal-seed{seed}": (GOAL, None, seed) for seed in args.seeds}
+        runs[f"valley-seed{args.seeds[0]}"] = (VALLEY, None, args.seeds[0])
+    else:
+        runs = {f"alpha{alpha}-seed{seed}": (GOAL, alpha, seed) for alpha in ("0.5", "0") for seed in args.seeds}
+        runs[f"valley-alpha0.5-seed{args.seeds[0]}"] = (VALLEY, "0.5", args.seeds[0])
     queue, running, env = list(runs), {}, {**os.environ, "OMP_NUM_THREADS": "1"}
     while queue or running:  # two runs at a time, one core each
         while queue and len(running) < 2:
@@ -99,7 +122,9 @@ def main() -> None:
             goal, alpha, seed = runs[name]
             (out / name).mkdir()
             command = [sys.executable, str(ROOT / "vlmrm_sac_humanoid.py"), *clip, "--goal", goal, "--baseline", BASELINE]
-            command += ["--alpha", alpha, *SAC_FLAGS, "--total-timesteps", str(args.steps), "--seed", str(seed)]
+            command += ["--alpha", alpha] if alpha is not None else []
+            command += [*SAC_FLAGS, "--total-timesteps", str(args.steps), "--seed", str(seed)]
+            command += ["--no-autotune"] if args.no_autotune else []
             log = open(out / name / "sac.log", "w")
             running[name] = subprocess.Popen(command, cwd=out / name, stdout=log, stderr=subprocess.STDOUT, env=env)
         time.sleep(5)
@@ -128,6 +153,14 @@ def main() -> None:
         print(f"  {name:22s} {row['successes']:>3}/{row['n']}  {float(row['success_rate']):.2f} "
               f"[{float(row['low']):.2f}, {float(row['high']):.2f}]")  # fmt: skip
     print(f"  {'random actions':22s} {random:>3}/{args.episodes}")
+    if args.ci:
+        alpha = rows[f"goal-seed{args.seeds[0]}"]["alpha"]  # as the run resolved it
+        successes = [int(rows[f"goal-seed{seed}"]["successes"]) for seed in args.seeds]
+        ok, why = verdict(successes, int(rows[f"valley-seed{args.seeds[0]}"]["successes"]), args.episodes)
+        print(f"alpha {alpha} (the script's default): {why}")
+        print(f"wall time: {time.time() - start:.0f} s; table: {out / 'success.md'}")
+        print("passed: the paper's sentence teaches SAC to reach the flag" if ok else "FAILED: see the table above")
+        sys.exit(0 if ok else 1)
     for alpha in ("0", "0.5"):
         names = [f"alpha{alpha}-seed{seed}" for seed in args.seeds]
         learned = sum(int(rows[n]["successes"]) > 0 for n in names)

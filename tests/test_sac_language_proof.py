@@ -8,11 +8,12 @@ control and alpha 0 against 0.5 over three seeds, is `python experiments/mountai
 Numbers quoted in docs/language_proof.md come from these tests and that command."""
 
 import re
+import sys
 
 import clip_trainer
 import pytest
 import torch
-from conftest import only_run, read_csv, run_script
+from conftest import ROOT, only_run, read_csv, run_script
 
 TASK = clip_trainer.MOUNTAINCAR
 CONFIG = str(TASK.config)
@@ -144,3 +145,22 @@ def test_the_experiments_bad_flags_are_one_sentence_before_any_training(tmp_path
     (tmp_path / "file").write_text("")  # an output folder that cannot be made: one sentence, not a traceback
     result = run_script("experiments/mountaincar_sac.py", "--out", str(tmp_path / "file" / "out"), cwd=tmp_path, timeout=60)
     assert result.returncode == 2 and "cannot make the output folder" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    "goal, control, passes",
+    [
+        ([20, 20, 0], 0, True),  # one seed that never learned does not fail the stage
+        ([15, 15, 0], 2, True),  # at both thresholds
+        ([20, 14, 0], 0, False),  # a second seed below 15 of 20
+        ([20, 20, 20], 3, False),  # the valley sentence reaches the flag too: the reward no longer knows it
+        ([0, 0, 1], 0, False),  # e.g. a negated reward
+    ],
+)
+def test_the_ci_stage_passes_on_two_of_three_seeds_and_a_quiet_control(goal, control, passes):
+    """CI's learning stage (`experiments/mountaincar_sac.py --ci`, after the suite) judges its 20-episode rollouts so."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import mountaincar_sac
+
+    ok, why = mountaincar_sac.verdict(goal, control, 20)
+    assert ok == passes, why
