@@ -59,7 +59,9 @@ def worker(c: dict) -> dict:
     else:
         thunks = [ours.make_env("Humanoid-v5", 1, i, 100, c["size"], c["quality"], True) for i in range(c["num_envs"])]
     with_step = c["transport"] == "with the step"
-    envs = vlmrm_utils.make_vector_env(gym.vector.AsyncVectorEnv, thunks, (c["size"], c["size"], 3) if with_step else None)
+    envs = vlmrm_utils.make_vector_env(
+        gym.vector.AsyncVectorEnv, thunks, gym.vector.AutoresetMode.DISABLED, (c["size"], c["size"], 3) if with_step else None
+    )
     envs.reset(seed=1)
     rng = np.random.default_rng(0)
     for warm in (True, False):  # the first steps create each env's renderer
