@@ -55,13 +55,14 @@ class StandIn:
 def worker(c: dict) -> dict:
     import vlmrm_sac_humanoid as ours
 
+    model = os.path.abspath(c["model"]) if os.path.exists(c["model"]) else c["model"]  # a config file: found after cd
     os.chdir(tempfile.mkdtemp(prefix="bench_e2e_"))
     if c.get("stand_in_ms") is not None:
         ours.make_reward_model = lambda args, device: StandIn(c["stand_in_ms"])
         for name in ("say_reward_model_cost", "warn_if_slow_on_cpu"):  # the CPU speed note: this version's name
             setattr(ours.utils, name, lambda *a: None)
     args = ours.Args(
-        clip_model=c["model"],
+        clip_model=model,
         clip_pretrained="none",
         reward="clip",
         render_size=c["render_size"],

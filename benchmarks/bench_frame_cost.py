@@ -87,9 +87,9 @@ def clip_reward(spec: str):
     import vlmrm_sac_humanoid as ours
 
     config, _, weights = spec.partition("=")
-    args = ours.Args(
-        clip_model=config, clip_pretrained="none", clip_checkpoint=weights or None, reward_batch_size=8, alpha=0.0
-    )
+    goal, baseline = ours.DEFAULT_PROMPTS["Humanoid-v5"]  # the training script's default sentences
+    args = ours.Args(clip_model=config, clip_pretrained="none", clip_checkpoint=weights or None, reward_batch_size=8)
+    args.goal, args.baseline, args.alpha = (goal,), (baseline,), 0.0
     torch.manual_seed(0)
     return ours.make_reward_model(args, torch.device("cpu"))
 

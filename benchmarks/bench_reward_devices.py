@@ -43,6 +43,7 @@ def worker(c: dict) -> dict:
         alpha=0.5,
         reward_batch_size=c["batch_size"],
     )
+    args.goal, args.baseline = ((prompt,) for prompt in ours.DEFAULT_PROMPTS["Humanoid-v5"])  # the script's defaults
     reward_model = ours.make_reward_model(args, torch.device(c["devices"][0]))
     frames = np.random.default_rng(0).integers(0, 256, (c["frames"], c["frame_size"], c["frame_size"], 3), dtype=np.uint8)
     reward_model(frames)  # warm-up: allocator, cuDNN autotune, thread pools
