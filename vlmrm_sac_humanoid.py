@@ -44,28 +44,20 @@ mujoco.set_mju_user_warning(utils.mujoco_warning)
 
 @dataclass
 class Args:
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment"""
-    seed: int = 1
-    """seed of the experiment"""
-    torch_deterministic: bool = True
-    """if toggled, `torch.backends.cudnn.deterministic=True`"""
-    cuda: bool = True
-    """if toggled, CUDA (when available) runs SAC and the reward model"""
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # the name of this experiment
+    seed: int = 1  # seed of the experiment
+    torch_deterministic: bool = True  # if toggled, `torch.backends.cudnn.deterministic=True`
+    cuda: bool = True  # if toggled, CUDA (when available) runs SAC and the reward model
     torch_threads: Optional[int] = None
     """torch CPU threads; default 1 on CPU (more fight the env workers); 0 = torch's own"""
-    log_episodes: bool = False
-    """if toggled, print a line per finished episode, not only the progress line"""
+    log_episodes: bool = False  # if toggled, print a line per finished episode, not only the progress line
     capture_video: bool = False
     """if toggled, save an MP4 of a deterministic episode every --video-frequency steps"""
-    video_frequency: int = 100_000
-    """environment steps between two evaluation videos (videos/<run_name>/)"""
+    video_frequency: int = 100_000  # environment steps between two evaluation videos (videos/<run_name>/)
     track: bool = False
     """if toggled, this experiment is tracked with Weights and Biases (synced from TensorBoard)"""
-    wandb_project_name: str = "vlmrm"
-    """the W&B project name"""
-    wandb_entity: Optional[str] = None
-    """the entity (team) of W&B's project"""
+    wandb_project_name: str = "vlmrm"  # the W&B project name
+    wandb_entity: Optional[str] = None  # the entity (team) of W&B's project
     save_model: bool = False
     """if toggled, checkpoint.pt (for --resume) and checkpoints/step-<N>.pt (all kept), see below"""
     checkpoint_frequency: int = 128_000
@@ -76,8 +68,7 @@ class Args:
     """a checkpoint.pt to continue until its --total-timesteps (stock episodes restart)"""
     evaluate: Optional[str] = None
     """a checkpoint.pt: roll out its deterministic policy (video + frames) instead of training"""
-    eval_episodes: int = 3
-    """number of episodes of an evaluation"""
+    eval_episodes: int = 3  # number of episodes of an evaluation
 
     # Environment
     env_id: str = "Humanoid-v5"
@@ -86,8 +77,7 @@ class Args:
     """auto: fixed with --reward clip, else stock; fixed: never terminated"""
     episode_length: Optional[int] = None
     """fixed episode length; default: the paper's, 100 (200 for MountainCarContinuous-v0)"""
-    render_size: int = 480
-    """square frame size: 480 = the paper's frames; 224 renders ~2x faster"""
+    render_size: int = 480  # square frame size: 480 = the paper's frames; 224 renders ~2x faster
     render_quality: Literal["fast", "high"] = "high"
     """high: shadows and reflections (the paper's); fast: off, ~4x faster"""
     realistic: bool = True
@@ -108,12 +98,10 @@ class Args:
     """open_clip architecture name, or the path of an open_clip model config (.json)"""
     clip_pretrained: str = "laion2b_s39b_b160k"
     """open_clip pretrained tag ("none" = random weights, for tests only)"""
-    clip_checkpoint: Optional[str] = None
-    """local weights file for --clip-model (overrides --clip-pretrained)"""
+    clip_checkpoint: Optional[str] = None  # local weights file for --clip-model (overrides --clip-pretrained)
     clip_cache_dir: Optional[str] = None
     """where downloaded CLIP weights are cached (default: the Hugging Face cache)"""
-    reward_batch_size: int = 256
-    """frames scored per CLIP forward pass"""
+    reward_batch_size: int = 256  # frames scored per CLIP forward pass
     clip_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
     """CUDA: the image tower, cast once; CPU: float32"""
     reward_devices: tuple[str, ...] = ()
@@ -124,36 +112,24 @@ class Args:
     """softmax: prompts the goal is contrasted with (defaults for the default goal)"""
     temperature: float = 0.01
     """softmax: temperature of the softmax over cosine similarities (0.01 = CLIP's logit scale)"""
-    threshold: float = 0.5
-    """softmax: the reward is 1 when the goal's probability is above this, in (0, 1)"""
-    soft: bool = False
-    """softmax: if toggled, the reward is the goal's probability itself instead of 0/1"""
+    threshold: float = 0.5  # softmax: the reward is 1 when the goal's probability is above this, in (0, 1)
+    soft: bool = False  # softmax: if toggled, the reward is the goal's probability itself instead of 0/1
     antialias: bool = False
     """if toggled, antialias the bicubic squash of frames to CLIP's input (off in the paper's code)"""
 
     # SAC (the paper's humanoid settings)
     total_timesteps: int = 10_000_000
     """total environment steps (summed over envs), rounded up to a multiple of --num-envs"""
-    num_envs: int = 32
-    """the number of parallel environments (subprocesses)"""
-    buffer_size: int = 1_000_000
-    """the replay memory buffer size"""
-    gamma: float = 0.95
-    """the discount factor gamma"""
-    tau: float = 0.005
-    """target smoothing coefficient"""
-    batch_size: int = 512
-    """the batch size of sample from the replay memory"""
-    learning_starts: int = 50_000
-    """random-action steps before learning starts"""
-    policy_lr: float = 6e-4
-    """the learning rate of the policy network optimizer"""
-    q_lr: float = 6e-4
-    """the learning rate of the Q network optimizer"""
-    train_frequency: int = 100
-    """vector steps between two training phases"""
-    gradient_steps: int = 100
-    """gradient steps per training phase"""
+    num_envs: int = 32  # the number of parallel environments (subprocesses)
+    buffer_size: int = 1_000_000  # the replay memory buffer size
+    gamma: float = 0.95  # the discount factor gamma
+    tau: float = 0.005  # target smoothing coefficient
+    batch_size: int = 512  # the batch size of sample from the replay memory
+    learning_starts: int = 50_000  # random-action steps before learning starts
+    policy_lr: float = 6e-4  # the learning rate of the policy network optimizer
+    q_lr: float = 6e-4  # the learning rate of the Q network optimizer
+    train_frequency: int = 100  # vector steps between two training phases
+    gradient_steps: int = 100  # gradient steps per training phase
     ent_coef: float = 1.0
     """entropy coefficient (SAC's alpha; its initial value when autotuned, 1.0 as in Stable-Baselines3)"""
     autotune: bool = True
