@@ -310,7 +310,10 @@ class CLIPReward(nn.Module):
         """uint8 (N, H, W, 3) -> the model's normalised input (N, 3, S, S); frames travel as uint8 (4x less
         than float)."""
         device = device or self.device
-        x = frames.to(device, non_blocking=True).permute(0, 3, 1, 2).float().div_(255)
+        x = frames.to(device, non_blocking=True)
+        # on the CPU numpy's cast is ~3x faster (torch's .float() page-faults a fresh batch in); same values and strides
+        x = torch.from_numpy(x.numpy().astype(np.float32)) if x.device.type == "cpu" else x.float()
+        x = x.permute(0, 3, 1, 2).div_(255)
         # bicubic overshoots [0, 1] a little near edges: the reference kept it (no clamp), and so do we
         x = F.interpolate(x, size=self.image_size, mode="bicubic", align_corners=False, antialias=self.antialias)
         return (x - self.mean.to(device)) / self.std.to(device)
@@ -582,7 +585,8 @@ class RealisticMountainCar(gym.Wrapper):
         column, row = self.pixel(x)  # the car's centre stands 10 px above the road, along its normal
         self.canvas.blit(self.background, (0, 0))
         self.canvas.blit(car, car.get_rect(center=(column - 10 * math.sin(slope), row - 10 * math.cos(slope))))
-        return pygame.surfarray.array3d(self.canvas).transpose(1, 0, 2)
+        # row-major RGB bytes: surfarray.array3d(...).transpose(1, 0, 2)'s pixels, 3x faster (copied: writable)
+        return np.frombuffer(pygame.image.tobytes(self.canvas, "RGB"), np.uint8).reshape(400, 600, 3).copy()
 
 
 def make_env(env_id, seed, idx, episode_length, render_size, render_quality, realistic, camera="paper", fixed_length=True):

@@ -1,11 +1,11 @@
 """Does the paper's MountainCar sentence teach SAC to reach the flag, and does goal-baseline regularisation matter?
 
 One command, offline, on 2 CPU cores: the small MountainCar CLIP of the tests (tests/clip_trainer.py, task
-"mountaincar", cached like the tests' own), then SAC through `vlmrm_sac_humanoid.py` as a user types it, two runs at a
-time: the paper's prompts at alpha 0 and 0.5 (the script's MountainCar default) over seeds 1, 2, 3, and the swapped
+"mountaincar", cached like the tests' own), then SAC through `vlmrm_sac_humanoid.py` as a user types it, two processes
+at a time: the paper's prompts at alpha 0 and 0.5 (the script's MountainCar default) over seeds 1, 2, 3, and the swapped
 goal (the valley, same baseline, alpha 0.5, seed 1) as the control. Each final checkpoint is rolled out stochastically
-by `success_eval.py rollout` and judged by the ground truth (the flag x >= 0.45 reached), the success rates with Wilson
-intervals by `success_eval.py report`, against uniformly random actions in the same env.
+by `success_eval.py rollout` as its run ends and judged by the ground truth (the flag x >= 0.45 reached), the success
+rates with Wilson intervals by `success_eval.py report`, against uniformly random actions in the same env.
 
     python experiments/mountaincar_sac.py                 # 27 minutes measured on 2 lightly shared cores
     python experiments/mountaincar_sac.py --steps 2000 --episodes 2 --seeds 1 --out /tmp/mc  # a smoke run
@@ -115,30 +115,34 @@ def main() -> None:
     else:
         runs = {f"alpha{alpha}-seed{seed}": (GOAL, alpha, seed) for alpha in ("0.5", "0") for seed in args.seeds}
         runs[f"valley-alpha0.5-seed{args.seeds[0]}"] = (VALLEY, "0.5", args.seeds[0])
-    queue, running, env = list(runs), {}, {**os.environ, "OMP_NUM_THREADS": "1"}
-    while queue or running:  # two runs at a time, one core each
+    queue, running, env = [("train", name) for name in runs], {}, {**os.environ, "OMP_NUM_THREADS": "1"}
+    logs = {"train": "sac.log", "rollout": "rollout.log"}
+    while queue or running:  # two processes at a time, one core each: the SAC runs, and each one's rollout as it ends
         while queue and len(running) < 2:
-            name = queue.pop(0)
-            goal, alpha, seed = runs[name]
-            (out / name).mkdir()
-            command = [sys.executable, str(ROOT / "vlmrm_sac_humanoid.py"), *clip, "--goal", goal, "--baseline", BASELINE]
-            command += ["--alpha", alpha] if alpha is not None else []
-            command += [*SAC_FLAGS, "--total-timesteps", str(args.steps), "--seed", str(seed)]
-            command += ["--no-autotune"] if args.no_autotune else []
-            log = open(out / name / "sac.log", "w")
-            running[name] = subprocess.Popen(command, cwd=out / name, stdout=log, stderr=subprocess.STDOUT, env=env)
+            job, name = queue.pop(0)
+            if job == "train":
+                goal, alpha, seed = runs[name]
+                (out / name).mkdir()
+                command = [sys.executable, str(ROOT / "vlmrm_sac_humanoid.py"), *clip, "--goal", goal, "--baseline", BASELINE]
+                command += ["--alpha", alpha] if alpha is not None else []
+                command += [*SAC_FLAGS, "--total-timesteps", str(args.steps), "--seed", str(seed)]
+                command += ["--no-autotune"] if args.no_autotune else []
+            else:  # judged by the ground truth: no CLIP return
+                checkpoint_pt = next((out / name).glob("runs/*/checkpoint.pt"))
+                command = [sys.executable, str(ROOT / "success_eval.py"), "rollout", "--checkpoint", str(checkpoint_pt)]
+                command += ["--episodes", str(args.episodes), "--no-clip-return", "--out", str(out / name / "rollouts")]
+            with open(out / name / logs[job], "w") as log:
+                running[name] = job, subprocess.Popen(command, cwd=out / name, stdout=log, stderr=subprocess.STDOUT, env=env)
         time.sleep(5)
-        for name, proc in list(running.items()):
+        for name, (job, proc) in list(running.items()):
             if proc.poll() is None:
                 continue
             del running[name]
             if proc.returncode:
-                sys.exit(f"{name} failed: see {out / name / 'sac.log'}")
-            checkpoint_pt = next((out / name).glob("runs/*/checkpoint.pt"))
-            command = [sys.executable, str(ROOT / "success_eval.py"), "rollout", "--checkpoint", str(checkpoint_pt)]
-            command += ["--episodes", str(args.episodes), "--no-clip-return", "--out", str(out / name / "rollouts")]
-            if subprocess.run(command, cwd=out / name, capture_output=True, env=env).returncode:
-                sys.exit(f"the rollout of {name} failed: run it again with {' '.join(command[1:])}")
+                sys.exit(f"the {'SAC run' if job == 'train' else job} of {name} failed: see {out / name / logs[job]}")
+            if job == "train":  # its rollout before the next run: the results come in run by run
+                queue.insert(0, ("rollout", name))
+                continue
             print(f"{name}: done at {time.time() - start:.0f} s; first training episode at the flag: step "
                   f"{first_success_step(out / name)}", flush=True)  # fmt: skip
     command = [sys.executable, str(ROOT / "success_eval.py"), "report", "--out", str(out / "success"), "--rollouts"]

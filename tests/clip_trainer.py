@@ -330,8 +330,13 @@ def cached_checkpoint(folder: str | None = None, task: Task = CARTPOLE) -> str:
     folder = Path(folder or os.environ.get("VLMRM_TEST_CACHE", Path.home() / ".cache" / "vlmrm-tests"))
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{task.name}-clip-{cache_key(task)}.pt"
-    if not path.exists():
-        train(str(path), task)
+    if not path.exists():  # on one thread, as the tests train it: float sums (so the weights) can depend on the count
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            train(str(path), task)
+        finally:
+            torch.set_num_threads(threads)
     return str(path)
 
 
