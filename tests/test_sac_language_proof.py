@@ -165,3 +165,16 @@ def test_the_ci_stage_passes_on_two_of_three_seeds_and_a_quiet_control(goal, con
 
     ok, why = mountaincar_sac.verdict(goal, control, 20)
     assert ok == passes, why
+
+
+def test_the_test_clips_train_on_one_thread_whoever_trains_them(tmp_path, monkeypatch):
+    """The experiment trained its CLIP on two threads and the suite on one: other float sums, weights up to 1.5 apart,
+    and seeds that reach the flag with one and not the other. cached_checkpoint trains on one thread, then restores."""
+    threads = []
+    monkeypatch.setattr(clip_trainer, "train", lambda path, task: threads.append(torch.get_num_threads()) or path)
+    torch.set_num_threads(2)
+    try:
+        clip_trainer.cached_checkpoint(str(tmp_path), task=TASK)
+        assert threads == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)  # conftest's
