@@ -44,7 +44,13 @@ def main() -> None:
     frames = torch.from_numpy(np.stack([np.roll(frame, i, axis=1) for i in range(args.frames)]))
 
     def squash(x, size):
-        return F.interpolate(x.permute(0, 3, 1, 2).div_(255), size=size, mode="bicubic", align_corners=False)
+        return F.interpolate(x, size=size, mode="bicubic", align_corners=False)
+
+    def cast_before(size):  # CLIPReward.preprocess's cast as it was
+        return squash(frames.permute(0, 3, 1, 2).float().div_(255), size)
+
+    def cast_now(size):  # and as it is on the CPU
+        return squash(torch.from_numpy(frames.numpy().astype(np.float32)).permute(0, 3, 1, 2).div_(255), size)
 
     pairs = {
         "pixels out of pygame": (
@@ -54,8 +60,8 @@ def main() -> None:
         ),
         **{
             f"uint8 -> float + squash to {s} px": (
-                lambda s=s: squash(frames.float(), (s, s)),
-                lambda s=s: squash(torch.from_numpy(frames.numpy().astype(np.float32)), (s, s)),
+                lambda s=s: cast_before((s, s)),
+                lambda s=s: cast_now((s, s)),
                 args.frames,
             )
             for s in (64, 224)
