@@ -181,14 +181,13 @@ def check_args(args: Args) -> None:
         utils.check_clip_args(args)
     if args.evaluate is None:  # a rollout allocates no replay buffer
         probe = gym.make(args.env_id)  # cheap: no rendering, just the spaces
-        frame_shape = (400, 600, 3) if mountain_car else (args.render_size, args.render_size, 3)
         # measured (2 and 6 envs, Mesa's software EGL): a MuJoCo worker process that renders 180 MB (224 or
         # 480 pixels), a MountainCar one 40 MB; without rendering (gt) the envs live in this process, 2.5 MB
         # each
         env_bytes = (40e6 if mountain_car else 180e6) if args.reward == "clip" else 2.5e6
         # floats per sampled transition: actor and critics, forward and backward, ~16 layers of 256
         activations = 16 * 256
-        utils.check_resources(args, probe.observation_space, probe.action_space, frame_shape, env_bytes, activations)
+        utils.check_resources(args, probe.observation_space, probe.action_space, frame_shape_of(args), env_bytes, activations)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -589,6 +588,11 @@ class RealisticMountainCar(gym.Wrapper):
         return np.frombuffer(pygame.image.tobytes(self.canvas, "RGB"), np.uint8).reshape(400, 600, 3).copy()
 
 
+def frame_shape_of(args: Args) -> tuple[int, int, int]:
+    """The frames CLIP scores: MountainCar draws its own 600x400, MuJoCo renders --render-size squares."""
+    return (400, 600, 3) if args.env_id == "MountainCarContinuous-v0" else (args.render_size, args.render_size, 3)
+
+
 def make_env(env_id, seed, idx, episode_length, render_size, render_quality, realistic, camera="paper", fixed_length=True):
     """CleanRL-style thunk: fixed-length episodes (or the stock task's), rgb_array frames for the CLIP reward."""
 
@@ -764,7 +768,7 @@ def main(args: Args) -> None:
     # each env renders the frame after its step and returns it with the step (with the ground truth: nothing)
     clip = args.reward == "clip"
     mountain_car = args.env_id == "MountainCarContinuous-v0"
-    frame_shape = (400, 600, 3) if mountain_car else (args.render_size, args.render_size, 3)
+    frame_shape = frame_shape_of(args)
     vector_env = gym.vector.AsyncVectorEnv if clip else gym.vector.SyncVectorEnv
     env_fns = [make_env(args.env_id, args.seed, i, *opts) for i in range(args.num_envs)]
     # autoreset off: the loop resets finished envs, so no reset observation or frame forms a transition
