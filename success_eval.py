@@ -34,7 +34,6 @@ import imageio.v2 as imageio
 import numpy as np
 import torch
 import tyro
-from scipy.stats import binomtest
 
 # One source of truth: the environments, networks and reward model are the training scripts' own.
 import vlmrm_dqn_classic as dqn
@@ -492,6 +491,8 @@ def wilson(successes: int, n: int, confidence: float = 0.95) -> tuple[float, flo
     """Wilson score interval of a binomial proportion (good coverage at small n and near 0 or 1); nan for n = 0."""
     if n == 0:
         return float("nan"), float("nan")
+    from scipy.stats import binomtest  # here: scipy.stats takes seconds to import, and only the report needs it
+
     ci = binomtest(successes, n).proportion_ci(confidence_level=confidence, method="wilson")
     return min(1.0, max(0.0, float(ci.low))), min(1.0, max(0.0, float(ci.high)))  # a proportion: never past [0, 1]
 

@@ -32,7 +32,6 @@ import imageio.v2 as imageio
 import numpy as np
 import torch
 import torch.nn as nn
-from torch.utils.tensorboard import SummaryWriter
 
 
 # ----------------------------------------------------------------------------------------------
@@ -740,6 +739,8 @@ class Run:
             )  # fmt: skip
         # purge_step drops what a crashed run logged after its checkpoint
         purge_step = self.start_iteration * args.num_envs if self.checkpoint else None
+        from torch.utils.tensorboard import SummaryWriter  # here: half a second to import, which a refused flag needs not
+
         self.writer = name_write_errors(SummaryWriter(f"runs/{self.name}", purge_step=purge_step))
         if self.checkpoint is None:
             table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
@@ -1079,7 +1080,7 @@ def install_stop_handlers() -> dict:
     return stop
 
 
-def name_write_errors(writer: SummaryWriter) -> SummaryWriter:
+def name_write_errors(writer: "torch.utils.tensorboard.SummaryWriter") -> "torch.utils.tensorboard.SummaryWriter":
     """TensorBoard writes from a thread: a full disk there printed the thread's traceback, then surfaced at a later
     add_scalar naming no file. The thread is quiet now (its error still surfaces) and the error names the event file."""
     threading.excepthook = lambda hook: (
