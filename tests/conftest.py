@@ -157,3 +157,13 @@ def pytest_terminal_summary(terminalreporter) -> None:
     for report in terminalreporter.stats.get("skipped", []):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         terminalreporter.write_line(f"SKIPPED {report.nodeid}: {reason.removeprefix('Skipped: ')}", yellow=True)
+
+
+# pytest-xdist hands whole files to the two workers in collection order (pyproject: --no-loadscope-reorder; its default
+# order, most tests first, left these files, minutes of CLIP training and learning runs each, to run alone at the end)
+SLOWEST_FILES = ["test_language_proof.py", "test_sac_language_proof.py", "test_sweep.py", "test_reliability.py"]
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """The slowest files first, then the others as collected; each file's tests in their own order."""
+    items.sort(key=lambda item: SLOWEST_FILES.index(item.path.name) if item.path.name in SLOWEST_FILES else len(SLOWEST_FILES))

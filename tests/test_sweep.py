@@ -1,8 +1,10 @@
 """sweep.py: a 2x2 grid end to end on submitit's local executor, a preempted job resumes exactly, failed points, kills
 and concurrent sweeps, bad grids and names; SLURM when present."""
 
+import contextlib
 import csv
 import fcntl
+import io
 import json
 import os
 import re
@@ -16,7 +18,7 @@ import pytest
 from conftest import ROOT, TINY_CLIP_FLAGS, assert_clean_error, read_scalars
 
 from sweep import slurm_answers, stopped_early, write_state
-from vlmrm_utils import UserError
+from vlmrm_utils import UserError, cli
 
 SWEEP = [sys.executable, str(ROOT / "sweep.py"), "--script", str(ROOT / "vlmrm_dqn_classic.py"), "--gpus-per-job", "0"]
 SHORT_GT = ["--", "--reward", "gt", "--total-timesteps", "1000", "--learning-starts", "500", "--eval-episodes", "1"]
@@ -44,6 +46,25 @@ def sweep(*args: str, cwd: Path, env: dict | None = None, **kwargs) -> subproces
     return subprocess.Popen(
         [*SWEEP, *args], cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs
     )
+
+
+def sweep_here(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """sweep.py's command line run in this process (no interpreter or torch to start): its exit code and what it printed.
+    The real process's exit 2 and one line are checked by test_bad_grid_is_one_sentence."""
+    import sweep as sweep_module
+
+    argv, before = [*SWEEP[2:], *args], os.getcwd()
+    split = argv.index("--") if "--" in argv else len(argv)
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    try:
+        os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            cli(lambda a: sweep_module.main(a, argv[split + 1 :]), sweep_module.Args, argv=argv[:split])
+    except SystemExit as e:
+        code = e.code
+    finally:
+        os.chdir(before)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def table(cwd: Path, name: str) -> list[dict]:
@@ -165,7 +186,7 @@ def test_bad_grid_is_one_sentence(tmp_path):
 
 def test_refused_grids_and_names_are_one_sentence(tmp_path):
     def refused(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([*SWEEP, "--cluster", "local", *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        return sweep_here("--cluster", "local", *args, cwd=tmp_path)
 
     assert_clean_error(refused("--grid", "seed=1,1"), "same point twice (seed=1 and seed=1)")
     assert_clean_error(refused("--grid", "alpha=0,0.0"), "same point twice", "alpha=0 and alpha=0.0")
@@ -336,7 +357,7 @@ def test_a_rerun_with_other_fixed_flags_is_refused_not_reported_as_the_old_runs(
 
 def test_scripts_names_and_values_that_are_not_what_they_seem_are_one_sentence(tmp_path):
     def refused(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([*SWEEP, "--cluster", "local", *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        return sweep_here("--cluster", "local", *args, cwd=tmp_path)
 
     (tmp_path / "noargs.py").write_text("x = 1\n")
     assert_clean_error(refused("--script", str(ROOT / "README.md")), "README.md is not a Python file")
