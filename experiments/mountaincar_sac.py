@@ -138,7 +138,10 @@ def main() -> None:
             if proc.poll() is None:
                 continue
             del running[name]
-            if proc.returncode:
+            if proc.returncode:  # the other process stops too (a SAC run on SIGTERM saves its checkpoint first)
+                for _, other in running.values():
+                    other.terminate()
+                    other.wait()
                 sys.exit(f"the {'SAC run' if job == 'train' else job} of {name} failed: see {out / name / logs[job]}")
             if job == "train":  # its rollout before the next run: the results come in run by run
                 queue.insert(0, ("rollout", name))

@@ -9,6 +9,7 @@ the offline `python experiments/mountaincar_sac.py` compares alpha 0 with 0.5 (d
 Numbers quoted in docs/language_proof.md come from these tests and that command."""
 
 import re
+import subprocess
 import sys
 
 import clip_trainer
@@ -178,3 +179,26 @@ def test_the_test_clips_train_on_one_thread_whoever_trains_them(tmp_path, monkey
         assert threads == [1] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(1)  # conftest's
+
+
+def test_a_failed_run_stops_the_stage_and_the_run_beside_it(tmp_path, monkeypatch):
+    """One process of the two fails: the stage exits naming its log, and the other one (still training) is stopped,
+    not left running after CI has moved on."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import mountaincar_sac
+
+    started, real_popen = {}, subprocess.Popen
+
+    def stand_in(command, cwd, **kwargs):  # seed 1 trains "forever", seed 2 fails at once
+        started[cwd.name] = real_popen(["sleep", "300"] if cwd.name == "goal-seed1" else ["sh", "-c", "exit 3"], cwd=cwd)
+        return started[cwd.name]
+
+    monkeypatch.setattr(mountaincar_sac.clip_trainer, "cached_checkpoint", lambda task: "clip.pt")
+    monkeypatch.setattr(mountaincar_sac.subprocess, "Popen", stand_in)
+    monkeypatch.setattr(sys, "argv", ["mountaincar_sac.py", "--ci", "--out", str(tmp_path / "stage")])
+    try:
+        with pytest.raises(SystemExit, match=r"the SAC run of goal-seed2 failed: see .*goal-seed2/sac\.log"):
+            mountaincar_sac.main()
+        assert started["goal-seed1"].poll() is not None  # stopped, not sleeping on
+    finally:
+        started["goal-seed1"].kill()
