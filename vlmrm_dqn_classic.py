@@ -334,6 +334,23 @@ def make_reward_model(args: Args, device: torch.device) -> CLIPReward:
 # ----------------------------------------------------------------------------------------------
 # Environments: fixed-length episodes; the env's own reward is the ground truth (logged, not learned from)
 # ----------------------------------------------------------------------------------------------
+class GymnasiumPixels(gym.Wrapper):
+    """Gymnasium's own drawing of CartPole and MountainCar, its pixels read out as row-major RGB bytes: the frame its
+    render returns, 2.4x faster than with its surfarray copy (benchmarks/bench_cpu_frames.py)."""
+
+    def render(self) -> np.ndarray:
+        import pygame
+
+        env = self.env.unwrapped
+        env.render_mode = "screen"  # a mode gymnasium does not know: it draws onto env.screen and returns nothing
+        try:
+            env.render()
+        finally:
+            env.render_mode = "rgb_array"
+        shape = (env.screen_height, env.screen_width, 3)
+        return np.frombuffer(pygame.image.tobytes(env.screen, "RGB"), np.uint8).reshape(shape).copy()  # writable
+
+
 class FixedLengthCartPole(gym.Wrapper):
     """CartPole that never terminates: the pole angle wraps to [-pi, pi), the cart stops at the track ends.
     Reward = 1 while upright (|theta| < 12 deg and |x| < 2.4), else 0."""
@@ -464,10 +481,10 @@ def make_env(env_id: str, seed: int, idx: int, episode_length: int, realistic: b
     def thunk():
         # no early termination: the time limit is the only end, so survival alone earns nothing
         if fixed_length:
-            env = gym.make(env_id, render_mode="rgb_array", max_episode_steps=episode_length)
+            env = GymnasiumPixels(gym.make(env_id, render_mode="rgb_array", max_episode_steps=episode_length))
             env = FixedLengthCartPole(env) if env_id == "CartPole-v1" else FixedLengthMountainCar(env)
         else:
-            env = StockEpisodes(gym.make(env_id, render_mode="rgb_array"))
+            env = StockEpisodes(GymnasiumPixels(gym.make(env_id, render_mode="rgb_array")))
         env = RealisticMountainCar(env) if realistic and env_id == "MountainCar-v0" else env
         env.action_space.seed(seed + idx)
         return env

@@ -1,4 +1,4 @@
-"""Two CPU costs of every MountainCar frame, before and after their fix, side by side in one process (A B A B ...).
+"""CPU costs of every classic-control frame, before and after their fix, side by side in one process (A B A B ...).
 
     python benchmarks/bench_cpu_frames.py
     python benchmarks/bench_cpu_frames.py --rounds 9 --frames 32
@@ -7,6 +7,8 @@
    `frombuffer(image.tobytes(canvas, "RGB"))` (now, `RealisticMountainCar.render`).
 2. The reward's uint8 -> float cast of a batch of 600x400 frames before the bicubic squash: torch's `.float()` (before)
    against numpy's `astype` (now, `CLIPReward.preprocess` on the CPU), for the tiny test CLIP's 64 px and CLIP's 224.
+3. A whole CartPole frame, drawn by gymnasium: its own `render` (draws, then copies through `surfarray`: before)
+   against the DQN script's `GymnasiumPixels.render` (the same drawing, read out with `image.tobytes`: now).
 
 Each pair must give identical arrays (checked); the table shows milliseconds per frame (median over rounds, one
 thread) and the ratio before/now.
@@ -33,6 +35,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
+    import vlmrm_dqn_classic as classic
     import vlmrm_sac_humanoid as ours
 
     torch.set_num_threads(1)
@@ -42,6 +45,9 @@ def main() -> None:
     frame = env.render()
     canvas = env.get_wrapper_attr("canvas")
     frames = torch.from_numpy(np.stack([np.roll(frame, i, axis=1) for i in range(args.frames)]))
+    cartpole = classic.make_env("CartPole-v1", 0, 0, 200, False)()
+    cartpole.reset(seed=0)
+    cartpole.step(1)
 
     def squash(x, size):
         return F.interpolate(x, size=size, mode="bicubic", align_corners=False)
@@ -66,6 +72,7 @@ def main() -> None:
             )
             for s in (64, 224)
         },
+        "a CartPole frame (drawing included)": (cartpole.unwrapped.render, cartpole.render, 1),
     }
     times = {(name, side): [] for name in pairs for side in (0, 1)}
     for name, (before, now, _) in pairs.items():

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import TINY_CLIP, TINY_CLIP_FLAGS, assert_clean_error, assert_refused, read_scalars, run_script, run_timed
-from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 
 import vlmrm_dqn_classic as classic
 import vlmrm_utils
@@ -39,6 +38,26 @@ def test_cartpole_cart_stops_at_the_wall():
     env.unwrapped.state = np.array([2.39, 3.0, 0.0, 0.0])
     obs, reward, *_ = env.step(1)
     assert obs[0] == pytest.approx(2.4) and obs[1] == 0.0 and reward == 0.0
+
+
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "MountainCar-v0"])
+@pytest.mark.parametrize("fixed_length", [True, False], ids=["fixed", "stock"])
+def test_frames_are_the_pixels_gymnasium_renders(env_id, fixed_length, monkeypatch):
+    """GymnasiumPixels reads gymnasium's drawing out of pygame itself: the frames of the same env without it, step by
+    step (the flag MountainCar's fixed-length episodes draw at 0.45 included), writable."""
+    ours = classic.make_env(env_id, seed=0, idx=0, episode_length=100, realistic=False, fixed_length=fixed_length)()
+    monkeypatch.setattr(classic, "GymnasiumPixels", lambda env: env)
+    stock = classic.make_env(env_id, seed=0, idx=0, episode_length=100, realistic=False, fixed_length=fixed_length)()
+    actions = np.random.default_rng(0).integers(ours.action_space.n, size=250)
+    for env in (ours, stock):
+        env.reset(seed=0)
+    for action in actions:
+        ended = [any(env.step(action)[2:4]) for env in (ours, stock)]
+        frame, expected = ours.render(), stock.render()
+        assert frame.shape == (400, 600, 3) and frame.flags.writeable and np.array_equal(frame, expected)
+        if ended[0]:
+            for env in (ours, stock):
+                env.reset(seed=int(action))
 
 
 def test_mountaincar_success_persists_within_episode_and_resets():
@@ -89,10 +108,10 @@ def test_realistic_mountaincar_is_a_landscape_that_shows_the_car_position():
 
 
 # ---------------------------------------------------------------------------- reward-frame alignment
-def stamped_render(self: CartPoleEnv) -> np.ndarray:
+def stamped_render(self: classic.GymnasiumPixels) -> np.ndarray:
     """Instrumented renderer: the frame carries the float32 pole angle of the state it shows."""
     frame = np.zeros((400, 600, 3), dtype=np.uint8)  # the size CartPole draws
-    frame[0, :4, 0] = np.frombuffer(np.float32(self.state[2]).tobytes(), dtype=np.uint8)
+    frame[0, :4, 0] = np.frombuffer(np.float32(self.unwrapped.state[2]).tobytes(), dtype=np.uint8)
     return frame
 
 
@@ -102,7 +121,7 @@ def decoding_forward(self, frames: np.ndarray) -> np.ndarray:
 
 
 def test_reward_belongs_to_the_frame_after_the_step_across_autoresets(in_tmp, monkeypatch):
-    monkeypatch.setattr(CartPoleEnv, "render", stamped_render)
+    monkeypatch.setattr(classic.GymnasiumPixels, "render", stamped_render)
     monkeypatch.setattr(classic.CLIPReward, "forward", decoding_forward)
     monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
     added = []
