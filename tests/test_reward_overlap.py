@@ -30,16 +30,16 @@ def test_rewards_that_complete_late_are_in_the_buffer_before_anything_uses_them(
 
     def slow_reward_model(*a):  # the real CLIP reward, each replica's encoder made slow, as a busy GPU would be
         reward_model = make_reward_model(*a)
-        for i, (model, _) in enumerate(reward_model.replicas):
+        for model, _ in reward_model.replicas:
+            model.encode_image = lambda x, encode=model.encode_image: time.sleep(DELAY) or encode(x)  # the "device" is busy
 
-            def encode(x, encode=model.encode_image, i=i):
-                start = time.perf_counter()
-                time.sleep(DELAY)  # holds the "device", not a core
-                out = encode(x)
-                encoded.append((i, start, time.perf_counter()))
-                return out
+        def embed_images(frames, replica=0, embed=reward_model.embed_images):  # a replica's chunk, preprocessing included
+            start = time.perf_counter()
+            out = embed(frames, replica)
+            encoded.append((replica, start, time.perf_counter()))
+            return out
 
-            model.encode_image = encode
+        reward_model.embed_images = embed_images
         return reward_model
 
     def timed_step(self, actions):

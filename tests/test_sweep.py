@@ -48,6 +48,17 @@ def sweep(*args: str, cwd: Path, env: dict | None = None, **kwargs) -> subproces
     )
 
 
+@pytest.fixture(autouse=True)
+def same_scripts_for_the_other_tests():
+    """sweep.py imports --script from its file into sys.modules (tyro reads the flags' help from the source): run
+    in-process, it would leave this worker's later tests a second copy of the training script beside the tools' one."""
+    modules = dict(sys.modules)
+    yield
+    for name, module in modules.items():
+        if sys.modules.get(name) is not module:
+            sys.modules[name] = module
+
+
 def sweep_here(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     """sweep.py's command line run in this process (no interpreter or torch to start): its exit code and what it printed.
     The real process's exit 2 and one line are checked by test_bad_grid_is_one_sentence."""
