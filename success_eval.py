@@ -491,7 +491,7 @@ def wilson(successes: int, n: int, confidence: float = 0.95) -> tuple[float, flo
     """Wilson score interval of a binomial proportion (good coverage at small n and near 0 or 1); nan for n = 0."""
     if n == 0:
         return float("nan"), float("nan")
-    from scipy.stats import binomtest  # here: scipy.stats takes seconds to import, and only the report needs it
+    from scipy.stats import binomtest  # here: slow to import, and only the Wilson interval needs it
 
     ci = binomtest(successes, n).proportion_ci(confidence_level=confidence, method="wilson")
     return min(1.0, max(0.0, float(ci.low))), min(1.0, max(0.0, float(ci.high)))  # a proportion: never past [0, 1]

@@ -159,8 +159,8 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_line(f"SKIPPED {report.nodeid}: {reason.removeprefix('Skipped: ')}", yellow=True)
 
 
-# pytest-xdist hands whole files to the two workers in collection order (pyproject: --no-loadscope-reorder; its default
-# order, most tests first, left these files, minutes of CLIP training and learning runs each, to run alone at the end)
+# pytest-xdist hands whole files to the workers in collection order (pyproject: --no-loadscope-reorder): these files,
+# minutes of CLIP training and learning runs each, go first (xdist's own order, most tests first, handed them out last)
 SLOWEST_FILES = ["test_language_proof.py", "test_sac_language_proof.py", "test_sweep.py", "test_reliability.py"]
 
 
