@@ -343,12 +343,10 @@ class GymnasiumPixels(gym.Wrapper):
 
         env = self.env.unwrapped
         env.render_mode = "screen"  # a mode gymnasium does not know: it draws onto env.screen and returns nothing
-        try:
-            env.render()
-        finally:
-            env.render_mode = "rgb_array"
-        shape = (env.screen_height, env.screen_width, 3)
-        return np.frombuffer(pygame.image.tobytes(env.screen, "RGB"), np.uint8).reshape(shape).copy()  # writable
+        env.render()
+        env.render_mode = "rgb_array"
+        pixels = np.frombuffer(pygame.image.tobytes(env.screen, "RGB"), np.uint8)
+        return pixels.reshape(env.screen_height, env.screen_width, 3).copy()  # writable
 
 
 class FixedLengthCartPole(gym.Wrapper):
