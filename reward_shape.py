@@ -45,7 +45,6 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
-import mujoco
 import numpy as np
 import torch
 from scipy.spatial.transform import Rotation
@@ -66,6 +65,7 @@ from epic_eval import (
 )
 from vlmrm_dqn_classic import DEFAULT_PROMPTS, MOUNTAINCAR_GOAL, CLIPReward, make_env
 from vlmrm_sac_humanoid import make_env as make_sac_env  # MountainCarContinuous-v0: the paper's, trained with SAC
+from vlmrm_sac_humanoid import mujoco  # imported there on MUJOCO_GL's backend (a missing library: one sentence)
 from vlmrm_utils import UserError, available_memory, cli, load_clip, same_prompts
 
 

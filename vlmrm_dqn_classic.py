@@ -629,7 +629,7 @@ def main(args: Args) -> None:
         gt_success = upright if args.env_id == "CartPole-v1" else (lambda episode: episode["success"])
         run.start(networks(), rb, reward_model, frame_shape, gt_success)
         chunk = args.reward_batch_size * max(1, len(args.reward_devices))  # frames CLIP scores at once
-        queue = utils.RewardQueue(reward_model, chunk, run.timing)
+        queue = run.reward_queue(reward_model, chunk)
         recent = deque(maxlen=100)  # the paper ranks checkpoints by the mean CLIP return of the last 100
         components = []  # the env's own reward terms (e.g. reward_forward), logged as diagnostics
 

@@ -20,16 +20,8 @@ from functools import partial
 from pathlib import Path
 from typing import Literal, Optional
 
-# MuJoCo picks its OpenGL backend at import time: headless EGL unless the user chose otherwise; PyOpenGL must
-# agree
-os.environ.setdefault("MUJOCO_GL", "egl")
-if os.environ["MUJOCO_GL"] in ("egl", "osmesa"):
-    os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
-
 import gymnasium as gym
-import gymnasium.envs.mujoco  # noqa: F401  (makes gym.envs.mujoco, home of the stock XML, reachable)
 import imageio.v2 as imageio
-import mujoco
 import numpy as np
 import torch
 import torch.nn as nn
@@ -38,8 +30,7 @@ import torch.optim as optim
 
 import vlmrm_utils as utils
 
-# not MUJOCO_LOG.TXT, which MuJoCo leaves in the working directory
-mujoco.set_mju_user_warning(utils.mujoco_warning)
+mujoco = utils.import_mujoco()  # on headless EGL unless MUJOCO_GL says otherwise; gym.envs.mujoco with it
 
 
 @dataclass
@@ -800,7 +791,7 @@ def main(args: Args) -> None:
         gt_success = (lambda episode: episode["success"]) if mountain_car else None  # the flag reached
         run.start(networks(), rb, reward_model, frame_shape, gt_success)
         chunk = args.reward_batch_size * max(1, len(args.reward_devices))  # frames CLIP scores at once
-        queue = utils.RewardQueue(reward_model, chunk, run.timing)
+        queue = run.reward_queue(reward_model, chunk)
         recent = deque(maxlen=100)  # the paper ranks checkpoints by the mean CLIP return of the last 100
         components = []  # the env's own reward terms (e.g. reward_forward), logged as diagnostics
 

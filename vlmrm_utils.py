@@ -45,6 +45,11 @@ class NonFiniteError(Exception):
     """A NaN or infinite reward or loss: training stops (exit code 1) instead of poisoning the buffer."""
 
 
+class RunError(Exception):
+    """A failure during the run that no flag could have refused (an env worker died, an env's frame of the wrong dtype
+    or shape, the reward model out of GPU memory): one sentence and exit code 1."""
+
+
 def cli(main: Callable, args_class, argv: Optional[list] = None, interrupted: str = "interrupted") -> None:
     """Every script's and tool's entry point: parse the flags with tyro (`args_class`: a dataclass, or a union of them
     for subcommands), run `main`, and turn bad input into one sentence and exit 2, the machine's failures (a full disk, a
@@ -56,10 +61,12 @@ def cli(main: Callable, args_class, argv: Optional[list] = None, interrupted: st
     warnings.filterwarnings("ignore", message=".*No pretrained weights.*")
     try:
         main(tyro.cli(args_class, args=argv))
-    except (UserError, NonFiniteError, OSError) as e:
+    except (UserError, NonFiniteError, RunError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, UserError) else 1)
     except KeyboardInterrupt as e:
+        # another Ctrl-C ends the process at once: not a traceback from the exit's wait for a chunk being scored
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         print(str(e) or interrupted, file=sys.stderr)
         sys.exit(130)
 
@@ -516,7 +523,13 @@ def say_reward_model_cost(reward_model: nn.Module, args, frame_shape: tuple[int,
         devices = [device for _, device in reward_model.replicas]
         for device in devices:
             torch.cuda.reset_peak_memory_stats(device)
-        reward_model(np.zeros((args.reward_batch_size * len(devices), *frame_shape), dtype=np.uint8))  # a chunk each
+        try:
+            reward_model(np.zeros((args.reward_batch_size * len(devices), *frame_shape), dtype=np.uint8))  # a chunk each
+        except torch.cuda.OutOfMemoryError:  # before the run folder: refused as a flag would be
+            raise UserError(
+                f"the reward model runs out of GPU memory scoring --reward-batch-size {args.reward_batch_size} frames at "
+                "once on each device; lower --reward-batch-size."
+            ) from None
         for device in devices:
             peak, total = torch.cuda.max_memory_allocated(device), torch.cuda.get_device_properties(device).total_memory
             print(
@@ -584,7 +597,8 @@ def _batch_frame_space(space: FrameSpace, n: int = 1) -> FrameSpace:
 class FrameAfterStep(gym.Wrapper):
     """An env whose step renders the frame after it and returns it with the observation: one round trip to an env
     process per vector step, and the frame travels through the vector env's shared memory, never pickled. A reset's
-    frame is blank: no reset frame ever scores a transition."""
+    frame is blank: no reset frame ever scores a transition. A frame of another dtype or shape is checked here, where it
+    is made (the shared memory would cast floats in [0, 1] to black), and said by FramesInInfo."""
 
     def __init__(self, env: gym.Env, frame_shape: tuple):
         super().__init__(env)
@@ -600,7 +614,20 @@ class FrameAfterStep(gym.Wrapper):
         start = time.perf_counter()
         frame = self.env.render()
         info["render_s"] = time.perf_counter() - start  # the loop times one round trip: this says how much was rendering
+        if getattr(frame, "dtype", None) != np.uint8 or frame.shape != self.blank.shape:
+            info["bad_frame"], frame = self.frame_problem(frame), self.blank
         return (obs, frame), reward, terminated, truncated, info
+
+    def frame_problem(self, frame) -> str:
+        name = self.env.spec.id if self.env.spec is not None else type(self.env.unwrapped).__name__
+        what = "None" if frame is None else f"a {type(frame).__name__}"
+        if isinstance(frame, np.ndarray):
+            what = f"a {frame.dtype} array of shape {frame.shape}"
+            floats = frame.dtype.kind == "f" and frame.size
+            what += f" (values {np.nanmin(frame):g} to {np.nanmax(frame):g})" if floats else ""
+        hint = ", e.g. (frame * 255).astype(np.uint8)" if isinstance(frame, np.ndarray) and frame.dtype.kind == "f" else ""
+        needed = f"uint8 frames of shape {self.blank.shape}"
+        return f"{name} rendered {what}, but the reward model needs {needed}; make its render() return those{hint}"
 
 
 class FramesInInfo(gym.vector.VectorWrapper):
@@ -618,6 +645,8 @@ class FramesInInfo(gym.vector.VectorWrapper):
 
     def step(self, actions):
         (obs, frames), rewards, terminations, truncations, info = self.env.step(actions)
+        if "bad_frame" in info:  # said here, not raised in the env worker: gymnasium would add its traceback
+            raise RunError(next(problem for problem in info["bad_frame"] if problem) + ".")
         render_s = info["render_s"].sum() if isinstance(self.env, gym.vector.SyncVectorEnv) else info["render_s"].max()
         self.render_s += float(render_s)
         return obs, rewards, terminations, truncations, {**info, "frames": frames}
@@ -636,6 +665,29 @@ def mujoco_warning(message: str) -> None:
         print(f"warning: MuJoCo: {message.strip()} (its later warnings in this process are not shown)", flush=True)
 
 
+def import_mujoco():
+    """MuJoCo, which picks its OpenGL backend when imported: headless EGL unless MUJOCO_GL says otherwise (PyOpenGL must
+    agree), its warnings on stdout (not MUJOCO_LOG.TXT, which it leaves in the working directory). A backend whose
+    library is missing (MUJOCO_GL=osmesa without libOSMesa) is one sentence and exit code 2, not an import traceback."""
+    backend = os.environ.setdefault("MUJOCO_GL", "egl")
+    if backend in ("egl", "osmesa"):
+        os.environ.setdefault("PYOPENGL_PLATFORM", backend)
+    try:
+        import gymnasium.envs.mujoco  # noqa: F401  (makes gym.envs.mujoco, home of the stock XML, reachable)
+        import mujoco
+    except (ImportError, AttributeError, OSError, RuntimeError) as e:  # osmesa without its library: PyOpenGL's GL is None
+        library = {"egl": "libegl1", "osmesa": "libosmesa6", "glfw": "libglfw3 and a display"}.get(backend)
+        fix = f"install {library} (e.g. apt install {library.split()[0]}) or " if library else ""
+        print(
+            f"error: MuJoCo could not start its OpenGL backend MUJOCO_GL={backend} ({type(e).__name__}: "
+            f"{(str(e).splitlines() or [''])[0][:120]}); {fix}use MUJOCO_GL={'osmesa' if backend == 'egl' else 'egl'}.",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    mujoco.set_mju_user_warning(mujoco_warning)
+    return mujoco
+
+
 def die_with_parent(env_fn: Callable, parent: int) -> gym.Env:
     """An env worker process ends with the training process (Linux's PR_SET_PDEATHSIG): a SIGKILLed run left each worker
     printing a 30-line traceback of its broken pipe into the log. Not in the training process itself (gymnasium builds
@@ -647,6 +699,45 @@ def die_with_parent(env_fn: Callable, parent: int) -> gym.Env:
         if os.getppid() != parent:  # the training process ended before the prctl
             os._exit(0)
     return env_fn()
+
+
+def dead_worker(envs: gym.vector.VectorEnv, wait: float = 2.0) -> Optional[str]:
+    """Once a pipe to the env workers broke: which worker died and how (its signal or exit code); None if none did."""
+    processes = getattr(envs.unwrapped, "processes", [])
+    deadline = time.monotonic() + wait
+    while processes:  # the pipe breaks as the worker ends: its exit code follows within moments
+        for i, process in enumerate(processes):
+            code = process.exitcode
+            if code is not None:
+                how = f"exited with code {code}"
+                with contextlib.suppress(ValueError):
+                    how = f"killed by {signal.Signals(-code).name}" if code < 0 else how
+                return f"env worker {i} (pid {process.pid}) died ({how})"
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.02)
+    return None
+
+
+def close_envs(envs: gym.vector.VectorEnv) -> None:
+    """Close the envs. Gymnasium tells its workers to close over their pipes: a dead worker's pipe raises before the
+    others are told, and at exit multiprocessing would join them for ever (they ignore SIGTERM, which it sends). So
+    when a worker has died, or dies meanwhile, every worker still running is killed instead."""
+    base = envs.unwrapped
+    processes = getattr(base, "processes", [])
+    if all(process.exitcode is None for process in processes):
+        try:
+            return envs.close()
+        except (EOFError, OSError):  # a worker died while it was told to close
+            if not processes:
+                raise
+    for process in processes:
+        process.kill()
+        process.join()
+    for pipe in base.parent_pipes:
+        if pipe is not None:
+            pipe.close()
+    base.closed = True  # gymnasium's own close would wait on the dead pipes again
 
 
 # ----------------------------------------------------------------------------------------------
@@ -697,23 +788,33 @@ class Run:
         self.stop = {"requested": False}
         self.stopping = self.periodic = False
         self.dones = np.ones(args.num_envs, dtype=bool)  # as they stay when no step is left
-        self.writer = self.envs = None
+        self.writer = self.envs = self.queue = None
 
     @contextlib.contextmanager
     def closing(self, envs: gym.vector.VectorEnv):
-        """Every exit closes TensorBoard and the env processes (they ignore SIGTERM: a process exiting under them would
-        hang) and frees the run for a --resume, also on an error or a second Ctrl-C."""
+        """Every exit drops the chunks still queued for the reward model, closes TensorBoard and the env processes
+        (they ignore SIGTERM: a process exiting under them would hang) and frees the run for a --resume, also on an
+        error, a second Ctrl-C or an env worker's death (one sentence naming it, not the broken pipe)."""
         self.envs = envs
         try:
             yield
+        except (EOFError, ConnectionError):  # a pipe to an env worker broke: which one died, and how?
+            died = dead_worker(envs)
+            if died is None:
+                raise
+            resume = f"runs/{self.name}/checkpoint.pt"
+            resume = f"; continue from its last checkpoint with --resume {resume}" if os.path.exists(resume) else ""
+            raise RunError(f"{died}{resume}.") from None
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             try:
+                if self.queue is not None:
+                    self.queue.close()
                 if self.writer is not None:
                     self.writer.close()  # may fail (a full disk): the envs are closed all the same
             finally:
-                envs.close()
+                close_envs(envs)
                 for fd in RUN_LOCKS.values():
                     os.close(fd)
                 RUN_LOCKS.clear()
@@ -754,6 +855,11 @@ class Run:
         self.progress = Progress(args.total_timesteps, start_step, args.reward == "clip", max(10, args.num_envs))
         self.stop = install_stop_handlers()
 
+    def reward_queue(self, reward_model, chunk: int) -> "RewardQueue":
+        """The rewards in flight, timed with the loop's parts; on every exit its queued chunks are dropped (closing)."""
+        self.queue = RewardQueue(reward_model, chunk, self.timing)
+        return self.queue
+
     def restore(self, learner: dict, envs: gym.vector.VectorEnv, rb) -> None:
         """A resumed run as saved: the learner, the replay buffer (with --save-buffer), every random stream, and the
         envs' generators, so that their next reset starts the episodes the run would have started. Stock episodes were
@@ -790,7 +896,10 @@ class Run:
         Q-value; the run stops (exit 1) with its networks, still finite, saved beside the checkpoint."""
         if not np.all(np.isfinite(rewards)):
             hint = "; on a GPU, --clip-dtype bfloat16 has float32's range" if self.args.reward == "clip" else ""
-            bad = f"{np.sum(~np.isfinite(rewards))} of {len(rewards)} frames at step {step}"
+            # rows are step-major: env i of step t is row t * num_envs + i, and `step` is the chunk's last step
+            n, first = self.args.num_envs, int(np.flatnonzero(~np.isfinite(rewards))[0])
+            at = step - (len(rewards) // n - 1 - first // n) * n
+            bad = f"{np.sum(~np.isfinite(rewards))} of {len(rewards)} frames, the first at step {at} (env {first % n})"
             self.last_finite.stop(f"the {self.args.reward} reward is not finite for {bad}", networks(), hint)
 
     def snapshot(self, networks: Callable[[], dict], gradient_steps: int) -> None:
@@ -924,7 +1033,15 @@ class RewardQueue:
         ready, start = [], time.perf_counter()
         while self.scoring and (wait or len(self.scoring) > self.in_flight or self.done(self.scoring[0][2])):
             batch, step, future = self.scoring.popleft()
-            clip_rewards = future.result() if future else np.zeros(len(batch["gt"]), np.float32)
+            try:
+                clip_rewards = future.result() if future else np.zeros(len(batch["gt"]), np.float32)
+            except torch.cuda.OutOfMemoryError:  # torch's message is 20 lines; the flag that sets the memory is one
+                size = getattr(self.reward_model, "batch_size", None)
+                raise RunError(
+                    f"the reward model ran out of GPU memory scoring {len(batch['gt'])} frames; lower --reward-batch-size"
+                    + (f" {size} (the frames it scores at once on each device)" if size else "")
+                    + "."
+                ) from None
             ready.append(({**batch, "step": step}, clip_rewards))
         self.timing["reward_wait"] += time.perf_counter() - start
         return ready
@@ -938,6 +1055,12 @@ class RewardQueue:
     @staticmethod
     def done(future) -> bool:
         return future is None or future.done()
+
+    def close(self) -> None:
+        """On every exit of the run (an interrupt, an error): the queued chunks are dropped, never scored first; the one
+        being scored ends in the background."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 class EpisodeLog:

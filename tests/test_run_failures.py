@@ -1,0 +1,247 @@
+"""Failures during a run (issue 41): a dead env worker, a frame of the wrong dtype or shape, Ctrl-C while the scorer is
+slow, the reward model out of GPU memory, the NaN guard's step, and a MuJoCo OpenGL backend whose library is missing."""
+
+import ctypes.util
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, TINY_CLIP, TINY_CLIP_FLAGS, assert_clean_error, run_script
+
+import vlmrm_dqn_classic as classic
+import vlmrm_sac_humanoid as sac
+import vlmrm_utils
+
+CAR = dict(env_id="MountainCarContinuous-v0", num_envs=2, episode_length=50, learning_starts=100, reward_batch_size=20)
+
+
+def children(pid: int) -> list[str]:
+    found = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == str(pid):
+                found.append(p)
+        except (OSError, IndexError):  # ended meanwhile
+            pass
+    return found
+
+
+def gone(pids, seconds: float = 10) -> bool:
+    deadline = time.time() + seconds
+    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.time() < deadline:
+        time.sleep(0.1)
+    return not any(os.path.exists(f"/proc/{p}") for p in pids)
+
+
+def test_a_killed_env_worker_stops_the_run_in_one_sentence_and_frees_it(tmp_path, monkeypatch):
+    """SIGKILL of one env worker after a checkpoint: the trainer waited for ever, holding run.lock (4 of 5 tries)."""
+    flags = [*TINY_CLIP_FLAGS, *(f"--{k.replace('_', '-')}={v}" for k, v in CAR.items())]
+    flags += "--total-timesteps 100000 --save-model --checkpoint-frequency 100".split()
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "vlmrm_sac_humanoid.py"), *flags],
+        cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        for line in proc.stdout:  # training, with a checkpoint saved
+            if line.startswith("checkpoint saved"):
+                break
+        workers = children(proc.pid)
+        assert len(workers) == 2, workers
+        os.kill(int(workers[0]), signal.SIGKILL)
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:  # the hang: end it and its workers, then fail
+            for pid in [*children(proc.pid), proc.pid]:
+                os.kill(int(pid), signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 1, err[-3000:]
+    assert_clean_error(subprocess.CompletedProcess([], 1, out, err), f"env worker 0 (pid {workers[0]}) died", "SIGKILL")
+    assert gone(workers), workers  # the other worker was stopped too
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert f"--resume runs/{run_dir.name}/checkpoint.pt" in err
+    monkeypatch.chdir(tmp_path)  # --resume's checks, the lock among them: the run is free and its checkpoint whole
+    assert vlmrm_utils.read_checkpoint(f"runs/{run_dir.name}/checkpoint.pt", sac.Args)["global_step"] >= 100
+
+
+def test_a_worker_dead_when_the_trainer_sends_to_it_is_the_same_sentence(in_tmp, monkeypatch):
+    """A broken pipe on the send was `[Errno 32] Broken pipe` with the surviving worker's traceback."""
+    step, calls = vlmrm_utils.FramesInInfo.step, []
+
+    def kill_then_step(self, actions):
+        calls.append(1)
+        if len(calls) == 60:  # after the checkpoint at step 100
+            worker = self.env.unwrapped.processes[1]
+            worker.kill()
+            worker.join()
+        return step(self, actions)
+
+    monkeypatch.setattr(vlmrm_utils.FramesInInfo, "step", kill_then_step)
+    monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
+    args = sac.Args(**CAR, clip_model=TINY_CLIP, clip_pretrained="none", total_timesteps=400, save_model=True,
+                    checkpoint_frequency=100)  # fmt: skip
+    try:
+        with pytest.raises(vlmrm_utils.RunError, match=r"^env worker 1 \(pid \d+\) died \(killed by SIGKILL\); .*--resume"):
+            sac.main(args)
+    finally:
+        left = multiprocessing.active_children()
+        for worker in left:  # never leave a worker that ignores SIGTERM in the test process
+            worker.kill()
+            worker.join()
+    assert not left and not vlmrm_utils.RUN_LOCKS
+    (run_dir,) = (in_tmp / "runs").iterdir()
+    assert vlmrm_utils.read_checkpoint(f"runs/{run_dir.name}/checkpoint.pt", sac.Args)["global_step"] == 100
+
+
+@pytest.mark.parametrize(
+    "frame, said",
+    [
+        (lambda f: f / 255.0, "a float64 array of shape (400, 600, 3) (values 0 to 1)"),
+        (lambda f: f[:200], "a uint8 array of shape (200, 600, 3)"),
+        (lambda f: None, "None"),
+    ],
+    ids=["float", "shape", "none"],
+)
+def test_a_frame_of_the_wrong_dtype_or_shape_is_one_sentence_naming_the_env(in_tmp, monkeypatch, frame, said):
+    """Float frames in [0, 1] trained on black frames (gymnasium's shared memory casts them to 0), a wrong shape was a
+    broadcast traceback: in process (DQN) and in env workers (SAC)."""
+    render = classic.GymnasiumPixels.render
+    monkeypatch.setattr(classic.GymnasiumPixels, "render", lambda self: frame(render(self)))
+    monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
+    expected = f"CartPole-v1 rendered {said}, but the reward model needs uint8 frames of shape (400, 600, 3)"
+    with pytest.raises(vlmrm_utils.RunError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        classic.main(classic.Args(clip_model=TINY_CLIP, clip_pretrained="none", total_timesteps=300, learning_starts=100))
+
+
+def test_a_wrong_frame_from_an_env_worker_is_one_sentence(in_tmp, monkeypatch):
+    step = vlmrm_utils.FrameAfterStep.step
+
+    def float_frames(self, action):  # runs in the env workers (forked after the patch)
+        self.env.render = lambda render=self.env.render: render() / 255.0
+        return step(self, action)
+
+    monkeypatch.setattr(vlmrm_utils.FrameAfterStep, "step", float_frames)
+    monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
+    args = sac.Args(**CAR, clip_model=TINY_CLIP, clip_pretrained="none", total_timesteps=200)
+    with pytest.raises(vlmrm_utils.RunError, match=r"MountainCarContinuous-v0 rendered a float64 array of shape \(400, 600"):
+        sac.main(args)
+    assert not multiprocessing.active_children()
+
+
+def test_the_nan_guard_names_the_step_of_the_first_bad_frame():
+    run = object.__new__(vlmrm_utils.Run)
+    run.args = SimpleNamespace(reward="clip", num_envs=4)
+    run.last_finite = vlmrm_utils.LastFinite("run", run.args)
+    rewards = np.zeros(12, np.float32)  # rows are step-major: 3 vector steps of 4 envs, the last one is step 108
+    rewards[[5, 11]] = np.nan  # env 1 at step 104, env 3 at step 108
+    with pytest.raises(vlmrm_utils.NonFiniteError, match=r"not finite for 2 of 12 frames, the first at step 104 \(env 1\)"):
+        run.check_rewards(rewards, 108, lambda: None)
+
+
+def test_cuda_out_of_memory_in_the_scorer_is_one_sentence_naming_the_batch_size(monkeypatch):
+    def reward_model(frames):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 20 lines follow)")
+
+    reward_model.batch_size = 64
+    queue = vlmrm_utils.RewardQueue(reward_model, chunk=4, timing={"reward_model": 0.0, "reward_wait": 0.0})
+    transition = dict(obs=np.zeros((4, 1)), frames=np.zeros((4, 1, 1, 3), np.uint8), gt=np.zeros((4, 2)))
+    with pytest.raises(vlmrm_utils.RunError, match=r"out of GPU memory .* lower --reward-batch-size 64") as error:
+        queue.add(0, True, **transition)
+    assert "\n" not in str(error.value)
+    queue.close()
+    # at start-up, where the reward model's peak memory is measured on a full chunk: refused as a flag would be
+    reward_model.device, reward_model.replicas = torch.device("cuda"), [(None, torch.device("cuda", 0))]
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: None)
+    with pytest.raises(vlmrm_utils.UserError, match=r"scoring --reward-batch-size 64 frames .*; lower --reward-batch-size"):
+        vlmrm_utils.say_reward_model_cost(reward_model, SimpleNamespace(reward_batch_size=64), (8, 8, 3))
+
+
+def test_an_interrupt_drops_the_chunks_still_queued_for_the_scorer(in_tmp, monkeypatch):
+    """Ctrl-C (or an error) with chunks queued behind the one being scored: the queued ones are never scored."""
+    scored, calls, add = [], [], vlmrm_utils.RewardQueue.add
+
+    def slow(self, frames):  # a busy device
+        time.sleep(0.4)
+        scored.append(len(frames))
+        return np.zeros(len(frames), np.float32)
+
+    def add_then_ctrl_c(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 52:  # chunks of 16 steps: the 1st scored, the 2nd being scored, the 3rd queued
+            raise KeyboardInterrupt
+        return add(self, *a, **k)
+
+    monkeypatch.setattr(classic.CLIPReward, "forward", slow)
+    monkeypatch.setattr(vlmrm_utils.RewardQueue, "add", add_then_ctrl_c)
+    monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
+    args = classic.Args(clip_model=TINY_CLIP, clip_pretrained="none", total_timesteps=2000, learning_starts=1000,
+                        reward_batch_size=16)  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        classic.main(args)
+    time.sleep(1.5)  # long enough for the 2nd and a 3rd chunk
+    assert scored == [16, 16], scored
+
+
+def test_a_second_ctrl_c_while_the_scorer_is_slow_quits_without_scoring_the_queued_chunks(tmp_path):
+    """It quit only once every queued chunk was scored (26 s with three 8 s chunks); a third Ctrl-C printed a traceback."""
+    delay = 2.0  # seconds per chunk: the loop keeps two chunks queued behind the one being scored
+    wrapper = f"""
+        import sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        import vlmrm_dqn_classic as m
+        score = m.CLIPReward.forward
+        m.CLIPReward.forward = lambda self, x: time.sleep({delay}) or score(self, x) if len(x) > 8 else score(self, x)
+        m.utils.cli(m.main, m.Args)
+    """
+    (tmp_path / "run.py").write_text(textwrap.dedent(wrapper))
+    flags = [*TINY_CLIP_FLAGS, *"--total-timesteps 100000 --learning-starts 1000 --reward-batch-size 16".split()]
+    proc = subprocess.Popen(
+        [sys.executable, str(tmp_path / "run.py"), *flags], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        for line in proc.stdout:
+            if line.startswith("run: "):
+                break
+        time.sleep(delay)  # chunks queued
+        proc.send_signal(signal.SIGINT)
+        for line in proc.stdout:
+            if line.startswith("SIGINT received"):
+                break
+        proc.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        err = ""
+        while not err.endswith("interrupted\n"):  # the exit's own line: the process is ending
+            line = proc.stderr.readline()
+            assert line, err[-3000:]
+            err += line
+        proc.send_signal(signal.SIGINT)  # a third, while the exit waits for the chunk being scored
+        out, rest = proc.communicate(timeout=60)
+        err, took = err + rest, time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert took < 1.5 * delay, f"quit {took:.1f} s after the second Ctrl-C (a chunk takes {delay} s)"
+    assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
+    assert proc.returncode in (130, -signal.SIGINT), (proc.returncode, err[-3000:])
+
+
+@pytest.mark.skipif(ctypes.util.find_library("OSMesa") is not None, reason="libOSMesa is installed here: nothing is missing")
+def test_mujoco_gl_osmesa_without_osmesa_is_one_sentence(tmp_path):
+    result = run_script(
+        "vlmrm_sac_humanoid.py",
+        "--help",
+        cwd=tmp_path,
+        env={"MUJOCO_GL": "osmesa", "PYOPENGL_PLATFORM": "osmesa"},
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert_clean_error(result, "MUJOCO_GL=osmesa", "libosmesa6", "MUJOCO_GL=egl")
