@@ -52,8 +52,9 @@ class RunError(Exception):
 
 def cli(main: Callable, args_class, argv: Optional[list] = None, interrupted: str = "interrupted") -> None:
     """Every script's and tool's entry point: parse the flags with tyro (`args_class`: a dataclass, or a union of them
-    for subcommands), run `main`, and turn bad input into one sentence and exit 2, the machine's failures (a full disk, a
-    folder removed) into one sentence and exit 1, Ctrl-C into one line and exit 130 (`interrupted`, unless it says more)."""
+    for subcommands), run `main`, and turn bad input into one sentence and exit 2, the machine's and the run's failures (a
+    full disk, a folder removed, a dead env worker) into one sentence and exit 1, Ctrl-C into one line and exit 130
+    (`interrupted`, unless it says more; another Ctrl-C then ends the process at once)."""
     import warnings
 
     import tyro

@@ -210,7 +210,7 @@ def test_a_second_ctrl_c_while_the_scorer_is_slow_quits_without_scoring_the_queu
         for line in proc.stdout:
             if line.startswith("run: "):
                 break
-        time.sleep(delay)  # chunks queued
+        time.sleep(0.5)  # three chunks made at once, two of them queued behind the one being scored
         proc.send_signal(signal.SIGINT)
         for line in proc.stdout:
             if line.startswith("SIGINT received"):
