@@ -167,3 +167,15 @@ SLOWEST_FILES = ["test_language_proof.py", "test_sac_language_proof.py", "test_s
 def pytest_collection_modifyitems(items) -> None:
     """The slowest files first, then the others as collected; each file's tests in their own order."""
     items.sort(key=lambda item: SLOWEST_FILES.index(item.path.name) if item.path.name in SLOWEST_FILES else len(SLOWEST_FILES))
+
+
+def children(pid: int) -> list[str]:
+    """The processes whose parent is `pid` (/proc), read safely while processes come and go."""
+    found = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == str(pid):
+                found.append(p)
+        except (OSError, IndexError):  # ended meanwhile
+            pass
+    return found

@@ -19,6 +19,7 @@ from conftest import (
     TINY_CLIP_FLAGS,
     assert_clean_error,
     assert_refused,
+    children,
     interrupt_after,
     read_scalars,
     run_script,
@@ -640,11 +641,7 @@ def test_a_sigkilled_sac_run_takes_its_env_workers_along_without_tracebacks(tmp_
     while "global_step=" not in (tmp_path / "train.log").read_text():  # training: the workers render and step
         assert time.time() < deadline and proc.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
         time.sleep(0.2)
-    workers = [
-        p
-        for p in os.listdir("/proc")
-        if p.isdigit() and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == str(proc.pid)
-    ]
+    workers = children(proc.pid)
     assert len(workers) == 2, workers
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()

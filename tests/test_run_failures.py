@@ -14,24 +14,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY_CLIP, TINY_CLIP_FLAGS, assert_clean_error, run_script
+from conftest import ROOT, TINY_CLIP, TINY_CLIP_FLAGS, assert_clean_error, children, run_script
 
 import vlmrm_dqn_classic as classic
 import vlmrm_sac_humanoid as sac
 import vlmrm_utils
 
 CAR = dict(env_id="MountainCarContinuous-v0", num_envs=2, episode_length=50, learning_starts=100, reward_batch_size=20)
-
-
-def children(pid: int) -> list[str]:
-    found = []
-    for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == str(pid):
-                found.append(p)
-        except (OSError, IndexError):  # ended meanwhile
-            pass
-    return found
 
 
 def gone(pids, seconds: float = 10) -> bool:
