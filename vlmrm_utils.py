@@ -61,7 +61,8 @@ def cli(main: Callable, args_class, argv: Optional[list] = None, interrupted: st
     warnings.filterwarnings("ignore", message=".*No pretrained weights.*")
     argv = sys.argv[1:] if argv is None else argv
     GIVEN.clear()  # a flag typed with its default value still says what the user wants (--resume, --evaluate)
-    GIVEN.update(a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--") and a != "--")
+    flags = [a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--") and a != "--"]
+    GIVEN.update(name.removeprefix("no_") for name in flags)  # --no-cuda gives cuda
     try:
         main(tyro.cli(args_class, args=argv))
     except (UserError, NonFiniteError, OSError) as e:
