@@ -383,6 +383,14 @@ def import_script(checkpoint: dict, name: str):
     """The module of the script that wrote `checkpoint`, as it was (the tools roll a copy's checkpoint out with the
     copy's reward, env and networks), found where it ran or beside this file; or one sentence naming the script."""
     record = checkpoint_script(checkpoint, name)
+    for module in list(sys.modules.values()):  # already imported (the training scripts, or a copy loaded before)
+        file = getattr(module, "__file__", None) or ""
+        if (
+            os.path.basename(file) == record["file"]
+            and os.path.isfile(file)
+            and script_record(file)["sha256"] == record["sha256"]
+        ):
+            return module
     for path in dict.fromkeys([record["path"], os.path.join(os.path.dirname(os.path.abspath(__file__)), record["file"])]):
         if os.path.isfile(path) and script_record(path)["sha256"] == record["sha256"]:
             break
@@ -392,10 +400,6 @@ def import_script(checkpoint: dict, name: str):
             "or has changed since; put that version of it back there to use this checkpoint."
         )
     module_name = Path(path).stem
-    for module in list(sys.modules.values()):  # already imported (the training scripts, or a copy loaded before)
-        file = getattr(module, "__file__", None)
-        if file and os.path.abspath(file) == os.path.abspath(path) and script_record(file)["sha256"] == record["sha256"]:
-            return module
     if module_name in sys.modules:  # another file of that name is loaded: this one under a name of its own
         module_name += "_" + record["sha256"][:12]
     spec = importlib.util.spec_from_file_location(module_name, path)
