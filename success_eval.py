@@ -358,7 +358,7 @@ def rollout(args: Rollout) -> str:
             json.dump(
                 {
                     "checkpoint": os.path.abspath(args.checkpoint),
-                    "script": script.__name__ + ".py",
+                    "script": Path(script.__file__).name,
                     "mode": mode,
                     "seed": seed,
                     "episodes": args.episodes,
