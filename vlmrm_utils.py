@@ -988,14 +988,16 @@ class Run:
     def checkpoint_due(self, dones: np.ndarray) -> bool:
         """A checkpoint at the end of this step? Only where episodes end: fixed-length ones all end together (nothing
         in flight to save), stock ones restart on resume. Due every --checkpoint-frequency steps and at the end with
-        --save-model, and at the first such step after Ctrl-C or SIGTERM (which then stops the run)."""
+        --save-model (a run that ends mid-episode: at its last episode end, the state a larger --total-timesteps extends),
+        and at the first such step after Ctrl-C or SIGTERM (which then stops the run)."""
         args = self.args
         self.dones = dones
         self.stopping = self.stop["requested"]  # read once: a signal arriving later is handled at the next step
         boundary = dones.all() or args.episodes == "stock"
         period = (self.iteration + 1) * args.num_envs // args.checkpoint_frequency
         self.periodic = args.save_model and period > self.last_save // args.checkpoint_frequency
-        last = args.save_model and self.iteration == self.last_iteration
+        fixed_end = args.episodes == "fixed" and self.last_iteration - self.iteration < args.episode_length
+        last = args.save_model and (self.iteration == self.last_iteration or fixed_end)
         return boundary and (self.stopping or self.periodic or last)
 
     def save(self, learner: dict, envs, rb, networks: Callable[[], dict], recent, clip_return: float, **state) -> None:
