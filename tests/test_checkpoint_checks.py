@@ -59,6 +59,9 @@ def test_a_copied_scripts_checkpoint_is_used_with_its_own_script_or_refused(in_t
     _, script, _ = success_eval.load_checkpoint(checkpoint)
     assert script.MY_REWARD == 10 and script is mine
     epic_eval.check_collect_args(epic_eval.Collect(policy=checkpoint, out=str(in_tmp / "states")))
+    runs = [("a.pt", {}, classic, classic.Args(reward="clip")), ("b.pt", {}, mine, mine.Args(reward="clip"))]
+    with pytest.raises(vlmrm_utils.UserError, match="b.pt was written by my_reward.py and a.pt by vlmrm_dqn_classic.py"):
+        success_eval.check_like_with_like(runs)  # `best`: returns under two rewards do not compare
     # the copy changed since: refused by the copy itself, and by the tools, naming it
     copy.write_text(copy.read_text() + "MY_REWARD = 20\n")
     assert_refused(mine, ["--evaluate", checkpoint], "an earlier version of my_reward.py")
