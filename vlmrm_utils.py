@@ -341,7 +341,7 @@ def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict
     # the reward, env and networks are the code of the script that wrote it: this file, unchanged, or a refusal
     record, own = checkpoint_script(checkpoint, f"{flag} {path}"), script_record(sys.modules[args_class.__module__].__file__)
     if (record["file"], record["sha256"]) != (own["file"], own["sha256"]):
-        changed = "an earlier version of " if record["file"] == own["file"] else ""
+        changed = "another version of " if record["file"] == own["file"] else ""
         raise UserError(
             f"{flag} {path} was written by {changed}{record['file']} (sha256 {record['sha256'][:12]}), whose reward, env "
             f"and networks this {script} (sha256 {own['sha256'][:12]}) may not share; run it with that script as it was."

@@ -64,7 +64,7 @@ def test_a_copied_scripts_checkpoint_is_used_with_its_own_script_or_refused(in_t
         success_eval.check_like_with_like(runs)  # `best`: returns under two rewards do not compare
     # the copy changed since: refused by the copy itself, and by the tools, naming it
     copy.write_text(copy.read_text() + "MY_REWARD = 20\n")
-    assert_refused(mine, ["--evaluate", checkpoint], "an earlier version of my_reward.py")
+    assert_refused(mine, ["--evaluate", checkpoint], "another version of my_reward.py")
     with pytest.raises(vlmrm_utils.UserError, match="my_reward.py.*has changed since"):
         success_eval.load_checkpoint(checkpoint)
     copy.unlink()  # gone
