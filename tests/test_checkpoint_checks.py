@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, assert_refused, only_run
+from conftest import ROOT, TINY_CLIP, assert_refused, only_run
 
 import epic_eval
 import success_eval
@@ -132,3 +132,13 @@ def test_a_run_extended_to_mid_episode_keeps_its_resumable_state(run, capsys):
     classic.main(classic.Args(evaluate=str(run / "checkpoints" / "step-130.pt"), eval_episodes=1))
     classic.main(classic.Args(resume=path, total_timesteps=200))  # the next extension: from step 100
     assert torch.load(path, weights_only=False)["global_step"] == 200
+
+
+def test_evaluate_scores_with_the_runs_own_random_weight_clip(in_tmp, capsys):
+    """The checks draw no random numbers: a random-weight CLIP (the tests') is drawn from the seed as the run drew it."""
+    clip = dict(clip_model=TINY_CLIP, clip_pretrained="none", goal=("a pole",), baseline=("a cart",))
+    classic.main(classic.Args(**dict(RUN, reward="clip", save_buffer=False), **clip, total_timesteps=100, eval_episodes=1))
+    trained = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval episode 0:")]
+    classic.main(classic.Args(evaluate=str(only_run(in_tmp) / "checkpoint.pt"), eval_episodes=1))
+    evaluated = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval episode 0:")]
+    assert "clip_return=" in trained[0] and evaluated[0].startswith(trained[0]), (trained, evaluated)
