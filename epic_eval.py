@@ -53,12 +53,12 @@ from vlmrm_dqn_classic import (
     DEFAULT_PROMPTS,
     MOUNTAINCAR_GOAL,
     CLIPReward,
-    QNetwork,
+    QNetwork,  # noqa: F401 - the networks of --policy are its own script's (import_script): these are the originals
     make_env,
     softmax_reward,
     vlm_reward,
 )
-from vlmrm_sac_humanoid import Actor
+from vlmrm_sac_humanoid import Actor  # noqa: F401
 from vlmrm_sac_humanoid import make_env as make_humanoid_env
 from vlmrm_tools import (
     check_new_folder,
@@ -73,6 +73,7 @@ from vlmrm_utils import (
     check_intact,
     check_writable,
     cli,
+    import_script,
     load_clip,
     resolve_negatives,
     same_prompts,
@@ -254,6 +255,7 @@ def check_collect_args(args: Collect) -> Optional[dict]:
                 f"--policy {args.policy}: its {name} holds NaN or infinite weights, so it cannot act; pass a checkpoint "
                 "saved before its run diverged."
             )
+        import_script(checkpoint, f"--policy {args.policy}")  # its networks: those of the script that wrote it, as it was
         trained_on = checkpoint["args"].get("env_id")
         if args.env_id is not None and args.env_id != trained_on:
             raise UserError(f"--policy {args.policy} was trained on {trained_on}, not --env-id {args.env_id}.")
@@ -274,7 +276,8 @@ def check_collect_args(args: Collect) -> Optional[dict]:
 
 def load_policy(checkpoint: dict, envs: gym.vector.VectorEnv, args: Collect, device: torch.device) -> Callable:
     """observations -> actions on the device: greedy for the Q-network, the actor's deterministic action (as in evaluation)."""
-    name, network = ("q_network", QNetwork(envs)) if "q_network" in checkpoint else ("actor", Actor(envs))
+    script = import_script(checkpoint, f"--policy {args.policy}")  # a copy of a training script: its own networks
+    name, network = ("q_network", script.QNetwork(envs)) if "q_network" in checkpoint else ("actor", script.Actor(envs))
     try:
         network.to(device).load_state_dict(checkpoint[name])
     except (RuntimeError, TypeError, AttributeError) as e:  # wrong shapes or keys: another env or version

@@ -35,9 +35,8 @@ import numpy as np
 import torch
 import tyro
 
-# One source of truth: the environments, networks and reward model are the training scripts' own.
-import vlmrm_dqn_classic as dqn
-import vlmrm_sac_humanoid as sac
+# One source of truth: the environments, networks and reward model are those of the training script that wrote the
+# checkpoint (vlmrm_utils.import_script: vlmrm_dqn_classic.py, vlmrm_sac_humanoid.py or a copy of either).
 from epic_eval import ClipArgs, model_label
 from label_server import SKIP, VIDEOS, make_label_server, read_labels, serve
 from vlmrm_dqn_classic import MOUNTAINCAR_GOAL
@@ -56,6 +55,7 @@ from vlmrm_utils import (
     check_clip_args,
     check_intact,
     cli,
+    import_script,
 )
 
 CARTPOLE_THETA, CARTPOLE_X = 12 * 2 * math.pi / 360, 2.4  # Gymnasium's CartPole limits: "upright"
@@ -168,26 +168,26 @@ def load_checkpoint(path: str) -> tuple[dict, object, object]:
     policy_keys = {"q_network", "actor"} & checkpoint.keys() if isinstance(checkpoint, dict) else set()
     if not policy_keys or not isinstance(checkpoint.get("args"), dict):
         raise UserError(f"{path} holds no policy (no 'q_network' or 'actor' with its 'args'); pass {which}.")
-    script = dqn if "q_network" in checkpoint else sac
-    name = "q_network" if script is dqn else "actor"
+    name = "q_network" if "q_network" in checkpoint else "actor"
     if not all_finite(checkpoint[name]):  # it would roll out NaN actions (or argmax 0 every step) with exit 0
         raise UserError(
             f"{path}: its {name} holds NaN or infinite weights, so it cannot act; pass a checkpoint saved before its run "
             "diverged (e.g. runs/<run>/checkpoints/step-<N>.pt)."
         )
+    script = import_script(checkpoint, path)  # the script that wrote it, as it was: a copy's own reward, env, networks
     known = {f.name for f in fields(script.Args)}
     args = script.Args(**{"episodes": "fixed", **{k: v for k, v in checkpoint["args"].items() if k in known}})
-    if script is sac and args.episode_length is None:
+    if name == "actor" and args.episode_length is None:
         args.episode_length = 200 if args.env_id == "MountainCarContinuous-v0" else 100
     return checkpoint, script, args
 
 
 def make_envs(script, args, seed: int) -> gym.vector.SyncVectorEnv:
     """One env built exactly as the run's training envs: same id, episodes, length and look."""
-    if script is dqn:
-        thunk = dqn.make_env(args.env_id, seed, 0, args.episode_length, args.realistic, args.episodes == "fixed")
+    if hasattr(script, "QNetwork"):  # vlmrm_dqn_classic.py or a copy of it
+        thunk = script.make_env(args.env_id, seed, 0, args.episode_length, args.realistic, args.episodes == "fixed")
     else:
-        thunk = sac.make_env(
+        thunk = script.make_env(
             args.env_id,
             seed,
             0,
@@ -203,8 +203,8 @@ def make_envs(script, args, seed: int) -> gym.vector.SyncVectorEnv:
 
 def make_policy(path: str, checkpoint: dict, script, args, envs, deterministic: bool, device: torch.device):
     """obs tensor (1, obs_dim) -> env action array; stochastic unless `deterministic`."""
-    name = "q_network" if script is dqn else "actor"
-    network = (dqn.QNetwork(envs) if script is dqn else sac.Actor(envs)).to(device)
+    name = "q_network" if "q_network" in checkpoint else "actor"
+    network = (script.QNetwork(envs) if name == "q_network" else script.Actor(envs)).to(device)
     try:
         network.load_state_dict(checkpoint[name])
     except RuntimeError as e:
@@ -214,7 +214,7 @@ def make_policy(path: str, checkpoint: dict, script, args, envs, deterministic: 
 
     def act(obs: torch.Tensor) -> np.ndarray:
         with torch.no_grad():
-            if script is dqn:  # SB3's DQN.predict(deterministic=False): epsilon-greedy at the final exploration rate
+            if name == "q_network":  # SB3's DQN.predict(deterministic=False): epsilon-greedy at the final exploration rate
                 if not deterministic and rng.random() < args.end_e:
                     return np.array([rng.integers(envs.single_action_space.n)])
                 return network(obs).argmax(dim=1).cpu().numpy()
@@ -322,7 +322,7 @@ def rollout(args: Rollout) -> str:
     torch.manual_seed(seed)
     envs = make_envs(script, run, seed)
     act = make_policy(args.checkpoint, checkpoint, script, run, envs, args.deterministic, device)
-    fps = 50 if script is dqn else 30  # the training scripts' video rates
+    fps = 50 if hasattr(script, "QNetwork") else 30  # the training scripts' video rates
     partial = new_partial_folder(out)  # renamed to --out once complete: a rollout folder is whole or absent
     rows, (ctrl_c, previous_handler) = [], ctrl_c_between_episodes()
     try:
@@ -358,7 +358,7 @@ def rollout(args: Rollout) -> str:
             json.dump(
                 {
                     "checkpoint": os.path.abspath(args.checkpoint),
-                    "script": script.__name__ + ".py",
+                    "script": Path(script.__file__).name,
                     "mode": mode,
                     "seed": seed,
                     "episodes": args.episodes,
@@ -641,7 +641,13 @@ def check_like_with_like(loaded: list[tuple]) -> None:
     first_path, first = loaded[0][0], loaded[0][3]
     if first.reward != "clip":
         raise UserError(f"{first_path} was trained with --reward gt: there is no CLIP return to choose by.")
-    for path, _, _, run in loaded[1:]:
+    for path, _, script, run in loaded[1:]:
+        if script is not loaded[0][2]:  # another script, or another version of it: another reward
+            raise UserError(
+                f"{path} was written by {Path(script.__file__).name} and {first_path} by {Path(loaded[0][2].__file__).name}"
+                f"{' (another version)' if script.__file__ == loaded[0][2].__file__ else ''}; CLIP returns compare only "
+                "under one reward: pass runs of one script."
+            )
         differ = [k for k in LIKE_FLAGS if getattr(run, k, None) != getattr(first, k, None)]
         if differ:
             raise UserError(

@@ -210,15 +210,19 @@ class PointJob(submitit.helpers.Checkpointable):
 
 
 def checkpoint_step(run: Optional[Path]) -> Optional[tuple[int, int]]:
-    """(step, --total-timesteps) of the run's resumable checkpoint; None without one (a finished run's last checkpoint
-    may hold its final networks only). Tensors are mapped, not read: a replay buffer costs nothing."""
+    """(step, --total-timesteps) of the run's resumable checkpoint; None without one, or when the run ended mid-episode
+    (its final networks are checkpoints/step-<total>.pt; checkpoint.pt is its last episode end's). Tensors are mapped,
+    not read: a replay buffer costs nothing."""
     if run is None or not (run / "checkpoint.pt").is_file():
         return None
     import torch
 
     try:
         checkpoint = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=False, mmap=True)
-        return (checkpoint["global_step"], checkpoint["args"]["total_timesteps"]) if "global_step" in checkpoint else None
+        if "global_step" not in checkpoint:
+            return None
+        step, total = checkpoint["global_step"], checkpoint["args"]["total_timesteps"]
+        return None if step < total and (run / "checkpoints" / f"step-{total}.pt").is_file() else (step, total)
     except Exception:  # not ours to judge: the script's exit code says how it ended
         return None
 

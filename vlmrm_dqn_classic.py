@@ -593,6 +593,11 @@ def main(args: Args) -> None:
     opts = (args.episode_length, args.realistic, args.episodes == "fixed")
     eval_seed = args.seed + 10_000
     eval_envs = gym.vector.SyncVectorEnv([make_env(args.env_id, eval_seed, 0, *opts)])
+    if run.checkpoint:  # its tensors fit networks built as below (on the CPU): one sentence before anything starts
+        with torch.random.fork_rng(devices=[]):  # the run's random streams untouched (a random-weight CLIP too)
+            q = QNetwork(eval_envs)
+            fresh = dict(q_network=q, target_network=q, optimizer=optim.Adam(q.parameters()), schedule_steps=0)
+            run.check_fits(eval_envs, fresh)
     if args.evaluate is not None:  # roll the checkpoint's policy out
         reward_model = make_reward_model(args, device) if args.reward == "clip" else None
         q_network = QNetwork(eval_envs).to(device)

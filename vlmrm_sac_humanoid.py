@@ -749,6 +749,13 @@ def main(args: Args) -> None:
     opts = (args.episode_length, *look, args.episodes == "fixed")
     eval_seed = args.seed + 10_000
     eval_envs = gym.vector.SyncVectorEnv([make_env(args.env_id, eval_seed, 0, *opts)])
+    if run.checkpoint:  # its tensors fit networks built as below (on the CPU): one sentence before anything starts
+        with torch.random.fork_rng(devices=[]):  # the run's random streams untouched (a random-weight CLIP too)
+            a, q1, q2 = Actor(eval_envs), SoftQNetwork(eval_envs), SoftQNetwork(eval_envs)
+            fresh = dict(actor=a, qf1=q1, qf2=q2, qf1_target=q1, qf2_target=q2, actor_optimizer=optim.Adam(a.parameters()))
+            entropy = optim.Adam([torch.zeros(1)]) if args.autotune else None
+            fresh.update(q_optimizer=optim.Adam([*q1.parameters(), *q2.parameters()]), ent_coef_optimizer=entropy)
+            run.check_fits(eval_envs, dict(fresh, log_ent_coef=torch.zeros(1)))
     if args.evaluate is not None:  # roll the checkpoint's policy out
         reward_model = make_reward_model(args, device) if args.reward == "clip" else None
         actor = Actor(eval_envs).to(device)

@@ -10,6 +10,8 @@ reads only the flags both training scripts share; the tools' own file handling i
 import contextlib
 import copy
 import fcntl
+import hashlib
+import importlib.util
 import logging
 import math
 import os
@@ -50,6 +52,9 @@ class RunError(Exception):
     or shape, the reward model out of GPU memory): one sentence and exit code 1."""
 
 
+GIVEN: set[str] = set()  # the flags (as field names) on the command line that `cli` parsed
+
+
 def cli(main: Callable, args_class, argv: Optional[list] = None, interrupted: str = "interrupted") -> None:
     """Every script's and tool's entry point: parse the flags with tyro (`args_class`: a dataclass, or a union of them
     for subcommands), run `main`, and turn bad input into one sentence and exit 2, the machine's and the run's failures (a
@@ -60,6 +65,10 @@ def cli(main: Callable, args_class, argv: Optional[list] = None, interrupted: st
     import tyro
 
     warnings.filterwarnings("ignore", message=".*No pretrained weights.*")
+    argv = sys.argv[1:] if argv is None else argv
+    GIVEN.clear()  # a flag typed with its default value still says what the user wants (--resume, --evaluate)
+    flags = [a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--") and a != "--"]
+    GIVEN.update(name.removeprefix("no_") for name in flags)  # --no-cuda gives cuda
     try:
         main(tyro.cli(args_class, args=argv))
     except (UserError, NonFiniteError, RunError, OSError) as e:
@@ -70,6 +79,8 @@ def cli(main: Callable, args_class, argv: Optional[list] = None, interrupted: st
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         print(str(e) or interrupted, file=sys.stderr)
         sys.exit(130)
+    finally:
+        GIVEN.clear()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -335,16 +346,106 @@ def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict
     saved = checkpoint.get("args") if isinstance(checkpoint, dict) else None
     if not isinstance(saved, dict) or not set(saved) <= {f.name for f in fields(args_class)}:
         raise UserError(f"{flag} {path} was written by another script; pass a checkpoint.pt of {script}.")
+    # the reward, env and networks are the code of the script that wrote it: this file, unchanged, or a refusal
+    record, own = checkpoint_script(checkpoint, f"{flag} {path}"), script_record(sys.modules[args_class.__module__].__file__)
+    if (record["file"], record["sha256"]) != (own["file"], own["sha256"]):
+        changed = "another version of " if record["file"] == own["file"] else ""
+        raise UserError(
+            f"{flag} {path} was written by {changed}{record['file']} (sha256 {record['sha256'][:12]}), whose reward, env "
+            f"and networks this {script} (sha256 {own['sha256'][:12]}) may not share; run it with that script as it was."
+        )
     if flag == "--resume" and not {"iteration", "rng"} <= set(checkpoint):
         raise UserError(f"--resume {path} holds no resumable training state; pass a checkpoint.pt saved during training.")
+    if flag == "--resume":
+        check_run_state(checkpoint, path)
     if flag == "--resume" and os.path.abspath(os.path.dirname(path)) != os.path.abspath(f"runs/{checkpoint['run_name']}"):
         raise UserError(  # the run continues in its own folder: a copy elsewhere would write into another run's logs
             f"--resume {path} belongs to runs/{checkpoint['run_name']}/, not to {os.path.dirname(path) or '.'}/; "
             "resume it from the folder that holds that run (or move the whole run folder there)."
         )
     if flag == "--resume":  # said now, before anything starts; start_run takes the lock itself
+        check_writable(f"runs/{checkpoint['run_name']}", "the run folder", "make it writable to resume the run")
         lock_run(checkpoint["run_name"], keep=False)
     return checkpoint
+
+
+def script_record(path: str) -> dict:
+    """What a checkpoint says of the script that wrote it: its file name and a hash of its source."""
+    with open(path, "rb") as f:
+        return {"file": os.path.basename(path), "path": os.path.abspath(path), "sha256": hashlib.sha256(f.read()).hexdigest()}
+
+
+def checkpoint_script(checkpoint: dict, name: str) -> dict:
+    """The record of the script that wrote `checkpoint`; one written before scripts were recorded is refused: a copy
+    of a script (README: change the reward) would be read silently with the original's reward."""
+    record = checkpoint.get("script")
+    if not (isinstance(record, dict) and {"file", "path", "sha256"} <= record.keys()):
+        raise UserError(
+            f"{name} was written by an older version of this script, which did not record the script (and so the "
+            "reward) that wrote it; train it again with this version."
+        )
+    return record
+
+
+def import_script(checkpoint: dict, name: str):
+    """The module of the script that wrote `checkpoint`, as it was (the tools roll a copy's checkpoint out with the
+    copy's reward, env and networks), found where it ran or beside this file; or one sentence naming the script."""
+    record = checkpoint_script(checkpoint, name)
+    for module in list(sys.modules.values()):  # already imported (the training scripts, or a copy loaded before)
+        file = getattr(module, "__file__", None) or ""
+        if (
+            os.path.basename(file) == record["file"]
+            and os.path.isfile(file)
+            and script_record(file)["sha256"] == record["sha256"]
+        ):
+            return module
+    for path in dict.fromkeys([record["path"], os.path.join(os.path.dirname(os.path.abspath(__file__)), record["file"])]):
+        if os.path.isfile(path) and script_record(path)["sha256"] == record["sha256"]:
+            break
+    else:
+        raise UserError(
+            f"{name} was written by {record['file']} (sha256 {record['sha256'][:12]}), which is not at {record['path']} "
+            "or has changed since; put that version of it back there to use this checkpoint."
+        )
+    module_name = Path(path).stem
+    if module_name in sys.modules:  # another file of that name is loaded: this one under a name of its own
+        module_name += "_" + record["sha256"][:12]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # its dataclasses look their module up while it is executed
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_run_state(checkpoint: dict, path: str) -> None:
+    """--resume: a run state this version reads whole, and consistent (valid checksums do not make it so: a hand edit, a
+    bug), checked before anything starts instead of a KeyError, or empty buffer slots sampled, hours later."""
+    missing = [k for k in ("episodes", "global_step", "run_name", "replay_buffer") if k not in checkpoint]
+    if missing:
+        raise UserError(
+            f"--resume {path} was written by an older version of this script (it has no {', '.join(missing)}); "
+            "start a new run, or resume it with the version that wrote it."
+        )
+    args, rb, rng = checkpoint["args"], checkpoint["replay_buffer"], checkpoint["rng"]
+    num_envs, total = args.get("num_envs", 1), args.get("total_timesteps", 0)
+    problems = [
+        (not 0 < checkpoint["iteration"] * num_envs == checkpoint["global_step"] <= total,
+         f"step {checkpoint['global_step']} (iteration {checkpoint['iteration']}) is not a step of its run of {total}"),
+        (not isinstance(rng, dict) or len(rng.get("envs", ())) != num_envs,
+         f"it holds {len(rng.get('envs', ())) if isinstance(rng, dict) else 'no'} env random states for {num_envs} envs"),
+    ]  # fmt: skip
+    if rb is not None:  # ReplayBuffer.state_dict: the filled part, `pos` where the next transition goes
+        size, pos = args.get("buffer_size", 0), rb.get("pos") if isinstance(rb, dict) else None
+        arrays = [v for k, v in rb.items() if k not in ("pos", "full")] if pos is not None else [None]
+        lengths = {len(v) if torch.is_tensor(v) else -1 for v in arrays}
+        fits = isinstance(pos, int) and 0 <= pos < size and lengths == {size if rb.get("full") else pos}
+        held = "/".join(map(str, sorted(lengths)))
+        problems.append(
+            (not fits, f"its replay buffer (position {pos}, {held} transitions) does not fit --buffer-size {size}")
+        )
+    for failed, problem in problems:
+        if failed:
+            raise UserError(f"--resume {path} is inconsistent: {problem}; pass another checkpoint.pt of the run.")
 
 
 def check_intact(path: str, name: str, advice: str) -> None:
@@ -397,13 +498,14 @@ def resumed_args(args, checkpoint: dict):
     changed = [
         k
         for k, v in vars(args).items()
-        if k not in ("resume", "total_timesteps") and default[k] != v != saved.get(k, default[k])
+        if k not in ("resume", "total_timesteps") and (k in GIVEN or default[k] != v) and v != saved.get(k, default[k])
     ]
     if changed:
         flags = ", ".join("--" + k.replace("_", "-") for k in changed)
         raise UserError(f"--resume continues a run with its own flags; drop {flags} (or start a new run).")
     total = saved["total_timesteps"]
-    if args.total_timesteps != default["total_timesteps"] and args.total_timesteps != total:
+    given = "total_timesteps" in GIVEN or args.total_timesteps != default["total_timesteps"]
+    if given and args.total_timesteps != total:
         if args.total_timesteps < checkpoint["global_step"]:
             raise UserError(
                 f"--total-timesteps {args.total_timesteps} is below the step the run reached, {checkpoint['global_step']}; "
@@ -416,10 +518,10 @@ def resumed_args(args, checkpoint: dict):
 
 def evaluated_args(args, saved: dict, as_trained: str):
     """--evaluate rolls out with the run's own env, frames and CLIP model: the flags named in `as_trained` come from the
-    checkpoint `saved`, unless the user set one to another value than its default."""
+    checkpoint `saved`, unless the user gave one (`cli` knows which; in process: set to another value than its default)."""
     default = vars(type(args)())
     for key in as_trained.split():
-        if key in saved["args"] and key in default and getattr(args, key) == default[key]:
+        if key in saved["args"] and key in default and getattr(args, key) == default[key] and key not in GIVEN:
             setattr(args, key, saved["args"][key])
     return args
 
@@ -772,6 +874,15 @@ class Run:
             args = evaluated_args(args, self.checkpoint, evaluate_as_trained)
         check_args(args)
         self.args, self.script = args, os.path.basename(sys.modules[type(args).__module__].__file__)
+        self.source = script_record(sys.modules[type(args).__module__].__file__)  # in every checkpoint: who wrote it
+        if args.save_model and args.evaluate is None and args.episodes == "fixed":
+            mid = (args.total_timesteps // args.num_envs) % args.episode_length * args.num_envs
+            if mid:  # fixed-length episodes are all in flight there: no resumable state (see finish)
+                print(
+                    f"note: --total-timesteps {args.total_timesteps} ends {mid} steps into an episode (they end every "
+                    f"{args.episode_length * args.num_envs} steps): checkpoint.pt keeps the run state of the last episode "
+                    f"end, to extend the run from, and the final networks go to checkpoints/step-{args.total_timesteps}.pt"
+                )
         self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
         self.name = self.checkpoint.get("run_name", self.name) if self.checkpoint else self.name
         random.seed(args.seed)
@@ -790,6 +901,39 @@ class Run:
         self.stopping = self.periodic = False
         self.dones = np.ones(args.num_envs, dtype=bool)  # as they stay when no step is left
         self.writer = self.envs = self.queue = None
+
+    def check_fits(self, envs: gym.vector.VectorEnv, learner: dict) -> None:
+        """--resume and --evaluate, before anything starts: the checkpoint's entries fit the `learner` built as this run
+        builds it (on the CPU, from the spaces of `envs`; None: not used by this run; a value that is neither a module,
+        an optimiser nor a tensor: needed), and are finite; a resumed replay buffer holds transitions of these spaces."""
+        flag, path = ("--resume", self.args.resume) if self.args.resume is not None else ("--evaluate", self.args.evaluate)
+        for key, fresh in learner.items():
+            if fresh is None or (flag == "--evaluate" and key not in self.checkpoint):  # --evaluate: the networks it holds
+                continue
+            if key not in self.checkpoint:
+                raise UserError(
+                    f"{flag} {path} was written by an older version of this script (it has no {key}); start a new run, "
+                    "or resume it with the version that wrote it."
+                )
+            problem = misfit(self.checkpoint[key], fresh)
+            if problem:
+                raise UserError(
+                    f"{flag} {path} does not fit the networks of this run: its {key} {problem}; pass a "
+                    f"checkpoint.pt that {self.script} wrote with these flags."
+                )
+            if not all_finite(self.checkpoint[key]):  # a NaN policy would roll out (argmax 0) or train on, exit 0
+                raise UserError(
+                    f"{flag} {path}: its {key} holds NaN or infinite weights, so it cannot act or learn; "
+                    "pass a checkpoint saved before its run diverged (runs/<run>/checkpoints/step-<N>.pt)."
+                )
+        rb = self.checkpoint.get("replay_buffer") if flag == "--resume" else None
+        spaces = {"obs": envs.single_observation_space, "next_obs": envs.single_observation_space}
+        for key, space in {**spaces, "actions": envs.single_action_space}.items() if rb is not None else ():
+            if tuple(rb[key].shape[1:]) != space.shape:
+                raise UserError(
+                    f"--resume {path} does not fit the networks of this run: its replay buffer's {key} "
+                    f"are {tuple(rb[key].shape[1:])}, this env's {space.shape}; pass another checkpoint.pt."
+                )
 
     @contextlib.contextmanager
     def closing(self, envs: gym.vector.VectorEnv):
@@ -954,14 +1098,16 @@ class Run:
     def checkpoint_due(self, dones: np.ndarray) -> bool:
         """A checkpoint at the end of this step? Only where episodes end: fixed-length ones all end together (nothing
         in flight to save), stock ones restart on resume. Due every --checkpoint-frequency steps and at the end with
-        --save-model, and at the first such step after Ctrl-C or SIGTERM (which then stops the run)."""
+        --save-model (a run that ends mid-episode: at its last episode end, the state a larger --total-timesteps extends),
+        and at the first such step after Ctrl-C or SIGTERM (which then stops the run)."""
         args = self.args
         self.dones = dones
         self.stopping = self.stop["requested"]  # read once: a signal arriving later is handled at the next step
         boundary = dones.all() or args.episodes == "stock"
         period = (self.iteration + 1) * args.num_envs // args.checkpoint_frequency
         self.periodic = args.save_model and period > self.last_save // args.checkpoint_frequency
-        last = args.save_model and self.iteration == self.last_iteration
+        fixed_end = args.episodes == "fixed" and self.last_iteration - self.iteration < args.episode_length
+        last = args.save_model and (self.iteration == self.last_iteration or fixed_end)
         return boundary and (self.stopping or self.periodic or last)
 
     def save(self, learner: dict, envs, rb, networks: Callable[[], dict], recent, clip_return: float, **state) -> None:
@@ -973,10 +1119,10 @@ class Run:
         state.update(run_name=self.name, iteration=self.iteration + 1, global_step=step, args=asdict(args))
         state.update(rng=rng_state(envs), episodes={**self.episode_log.state_dict(), "recent": list(recent)})
         state.update(clip_return=clip_return, replay_buffer=rb.state_dict() if args.save_buffer else None)
-        state.update(wandb_id=wandb_id())
+        state.update(wandb_id=wandb_id(), script=self.source)
         save_checkpoint(f"runs/{self.name}/checkpoint.pt", run_state(learner, **state))
         if self.periodic:
-            save_step_checkpoint(self.name, step, networks(), args, clip_return)
+            save_step_checkpoint(self.name, step, networks(), args, clip_return, self.source)
         without = "" if args.save_buffer else " (without the replay buffer: pass --save-buffer for an exact resume)"
         print(f"checkpoint saved at step {step}: runs/{self.name}/checkpoint.pt{without}")
         self.last_save = step
@@ -985,8 +1131,9 @@ class Run:
 
     def finish(self, networks: Callable[[], dict], clip_return: float, evaluate: Callable[[], list]) -> None:
         """The last progress line, where the time went, the end of W&B tracking. With --save-model: the final networks
-        where the run ended mid-episode (fixed-length episodes: no resumable state there), the final policy's
-        evaluation episodes (eval/gt_return, as CleanRL's dqn.py) and how to roll it out."""
+        as checkpoints/step-<N>.pt where the run ended mid-episode (fixed-length episodes: no resumable state there;
+        checkpoint.pt keeps the last one, that of the last episode end, which a larger --total-timesteps extends), the
+        final policy's evaluation episodes (eval/gt_return, as CleanRL's dqn.py) and how to roll it out."""
         args, step = self.args, (self.iteration + 1) * self.args.num_envs
         self.progress.update(step, final=True)
         elapsed, steps = time.time() - self.progress.start, step - self.progress.start_step
@@ -996,13 +1143,14 @@ class Run:
             sys.modules["wandb"].finish()
         if not args.save_model or self.stop["requested"]:
             return
+        final = f"runs/{self.name}/checkpoint.pt"
         if args.episodes == "fixed" and not self.dones.all():
-            final = {**networks(), "clip_return": clip_return, "args": asdict(args), "run_name": self.name}
-            save_checkpoint(f"runs/{self.name}/checkpoint.pt", final)
+            save_step_checkpoint(self.name, step, networks(), args, clip_return, self.source)
+            final = f"runs/{self.name}/checkpoints/step-{step}.pt"
         for i, result in enumerate(evaluate()):
             print(f"eval episode {i}: {returns_text(result)}")
             self.writer.add_scalar("eval/gt_return", result["gt_return"], step)
-        print(f"roll the policy out with: python {self.script} --evaluate runs/{self.name}/checkpoint.pt")
+        print(f"roll the policy out with: python {self.script} --evaluate {final}")
 
     def save_episodes(self, results: list[dict]) -> None:
         """--evaluate: the episodes under the trained run's videos/<run_name>/."""
@@ -1259,11 +1407,12 @@ def rng_state(envs: gym.vector.VectorEnv) -> dict:
     }
 
 
-def save_step_checkpoint(run_name: str, step: int, networks: dict, args, clip_return: float) -> None:
+def save_step_checkpoint(run_name: str, step: int, networks: dict, args, clip_return: float, source: dict) -> None:
     """runs/<run>/checkpoints/step-<N>.pt, all kept (the paper's): the networks only, with the run's training-time CLIP
     return at that step, from which `success_eval.py best` picks across runs and across training time."""
     os.makedirs(f"runs/{run_name}/checkpoints", exist_ok=True)
     state = {**networks, "args": asdict(args), "run_name": run_name, "global_step": step, "clip_return": clip_return}
+    state["script"] = source  # the script that wrote it: its file name and the sha256 of its source
     save_checkpoint(f"runs/{run_name}/checkpoints/step-{step}.pt", state)
 
 
@@ -1273,6 +1422,38 @@ def save_nonfinite(run_name: str, networks: dict) -> str:
     save_checkpoint(path, networks)
     kept = f" and the last resumable checkpoint {checkpoint} is kept" if os.path.exists(checkpoint) else ""
     return f"finite networks from before it were saved to {path}{kept}"
+
+
+def misfit(saved, fresh) -> Optional[str]:
+    """What keeps `saved` from loading into `fresh` (a module, an optimiser or a tensor), or None; other values: anything."""
+    if torch.is_tensor(fresh):
+        shape = tuple(saved.shape) if torch.is_tensor(saved) else type(saved).__name__
+        return None if shape == tuple(fresh.shape) else f"is {shape}, not {tuple(fresh.shape)}"
+    if not isinstance(fresh, (nn.Module, torch.optim.Optimizer)):
+        return None
+    if not isinstance(saved, dict):
+        return f"is a {type(saved).__name__}, not a state dict"
+    if isinstance(fresh, torch.optim.Optimizer):
+        shapes = [p.shape for group in fresh.param_groups for p in group["params"]]
+        groups, state = saved.get("param_groups"), saved.get("state")
+        sizes = [len(g["params"]) if isinstance(g, dict) and "params" in g else -1 for g in groups or ()]
+        if not isinstance(state, dict) or sizes != [len(g["params"]) for g in fresh.param_groups]:
+            return f"holds parameter groups of {sizes} parameters, not {[len(g['params']) for g in fresh.param_groups]}"
+        for i, moments in state.items():
+            for name, value in moments.items() if isinstance(moments, dict) else [("state", None)]:
+                known = isinstance(i, int) and 0 <= i < len(shapes) and value is not None
+                if not known or torch.is_tensor(value) and value.dim() and value.shape != shapes[i]:
+                    return f"has a {name} of parameter {i} that fits none of {len(shapes)} parameters"
+        return None
+    expected = fresh.state_dict()
+    other = sorted(expected.keys() ^ saved.keys())
+    if other:
+        return f"has other layers ({', '.join(map(str, other[:3]))}{', ...' if len(other) > 3 else ''})"
+    for name, value in expected.items():
+        if not torch.is_tensor(saved[name]) or saved[name].shape != value.shape:
+            shape = tuple(saved[name].shape) if torch.is_tensor(saved[name]) else type(saved[name]).__name__
+            return f"has {name} of shape {shape}, not {tuple(value.shape)}"
+    return None
 
 
 def all_finite(state) -> bool:

@@ -1,7 +1,6 @@
 """vlmrm_dqn_classic.py: environments, reward-frame alignment, learning, CLI smoke run and bad input."""
 
 import math
-import shutil
 
 import numpy as np
 import pytest
@@ -256,16 +255,16 @@ def test_clip_rewarded_smoke_run_trains_saves_evaluates_and_records(tmp_path):
     assert len(list((eval_dir / "eval-episode-0").glob("frame-*.png"))) == 201  # reset frame + 200 steps
 
 
-def test_a_run_that_ends_mid_episode_saves_its_final_networks_to_evaluate_not_to_resume(in_tmp):
+def test_a_run_that_ends_mid_episode_keeps_a_resumable_checkpoint_and_its_final_networks_to_evaluate(in_tmp):
     flags = dict(episodes="fixed", episode_length=100, total_timesteps=250, learning_starts=100, eval_episodes=1)
     classic.main(classic.Args(reward="gt", save_model=True, checkpoint_frequency=1000, **flags))
-    (checkpoint,) = (in_tmp / "runs").glob("*/checkpoint.pt")
-    saved = torch.load(checkpoint, weights_only=False)
-    assert {"q_network", "args", "run_name", "clip_return"} == saved.keys() and saved["args"]["total_timesteps"] == 250
-    checkpoint = checkpoint.rename(in_tmp / "final.pt")
-    shutil.rmtree(in_tmp / "runs")  # assert_refused checks that nothing is written
-    assert_refused(classic, ["--resume", "final.pt"], "no resumable training state")
-    classic.main(classic.Args(reward="gt", evaluate=str(checkpoint), **flags))  # rolls it out instead
+    (run,) = (in_tmp / "runs").iterdir()
+    saved = torch.load(run / "checkpoint.pt", weights_only=False)  # the last episode end's: resumable, extendable
+    assert saved["global_step"] == 200 and saved["args"]["total_timesteps"] == 250 and "optimizer" in saved
+    final = torch.load(run / "checkpoints" / "step-250.pt", weights_only=False)
+    assert {"q_network", "args", "run_name", "global_step", "clip_return", "script"} == final.keys()
+    assert_refused(classic, ["--resume", str(run / "checkpoints" / "step-250.pt")], "no resumable training state")
+    classic.main(classic.Args(reward="gt", evaluate=str(run / "checkpoints" / "step-250.pt"), **flags))  # rolls it out
     assert len(list((in_tmp / "videos").glob("*/eval-episode-0/frame-*.png"))) == 101
 
 

@@ -259,12 +259,14 @@ def test_collect_policy_problems_are_one_sentence_errors(saved_policies, tmp_pat
     torch.save({"args": {"env_id": "CartPole-v1"}}, tmp_path / "empty.pt")
     (tmp_path / "text.pt").write_text("not a checkpoint")
     sac = torch.load(saved_policies["sac"], map_location="cpu", weights_only=False)
-    torch.save({"actor": sac["actor"], "args": dict(sac["args"], env_id="InvertedPendulum-v5")}, tmp_path / "pendulum.pt")
+    pendulum = {"actor": sac["actor"], "args": dict(sac["args"], env_id="InvertedPendulum-v5"), "script": sac["script"]}
+    torch.save(pendulum, tmp_path / "pendulum.pt")
     dqn = torch.load(saved_policies["dqn"], map_location="cpu", weights_only=False)
-    torch.save({"q_network": dqn["q_network"], "args": dict(dqn["args"], env_id="MountainCar-v0")}, tmp_path / "relabelled.pt")
+    relabelled = {"q_network": dqn["q_network"], "args": dict(dqn["args"], env_id="MountainCar-v0"), "script": dqn["script"]}
+    torch.save(relabelled, tmp_path / "relabelled.pt")
     diverged = {k: v.clone() for k, v in sac["actor"].items()}
     next(v for v in diverged.values() if v.is_floating_point())[0] = float("inf")  # one weight of a diverged run
-    torch.save({"actor": diverged, "args": sac["args"]}, tmp_path / "diverged.pt")
+    torch.save({"actor": diverged, "args": sac["args"], "script": sac["script"]}, tmp_path / "diverged.pt")
     problems = {
         str(tmp_path / "missing.pt"): "no such file; pass the checkpoint.pt of vlmrm_dqn_classic.py",
         str(tmp_path / "text.pt"): "could not be read",

@@ -193,7 +193,8 @@ def test_corrupt_or_foreign_checkpoints_are_refused(in_tmp):
     assert_refused(classic, ["--resume", "garbage.pt"], "garbage.pt", "readable")
     torch.save({"iteration": 3, "rng": {}, "args": {"policy_lr": 1.0}}, in_tmp / "sac.pt")
     assert_refused(classic, ["--resume", "sac.pt"], "another script")
-    torch.save({"q_network": {}, "args": {}}, in_tmp / "final.pt")  # the final networks of a run ended mid-episode
+    record = vlmrm_utils.script_record(classic.__file__)  # the script that wrote it
+    torch.save({"q_network": {}, "args": {}, "script": record}, in_tmp / "final.pt")  # networks only: a step checkpoint
     assert_refused(classic, ["--resume", "final.pt"], "no resumable training state")
 
 
@@ -397,7 +398,8 @@ def test_evaluate_has_the_checks_of_resume_and_needs_no_clip_weights_for_gt(in_t
     (checkpoint,) = (in_tmp / "runs").glob("*/checkpoint.pt")
     checkpoint = checkpoint.rename(in_tmp / "checkpoint.pt")  # an interrupted run's
     (in_tmp / "truncated.pt").write_bytes(checkpoint.read_bytes()[:1000])
-    torch.save({"actor": {}, "args": {"policy_lr": 1.0, "env_id": "Hopper-v5"}, "run_name": "x"}, in_tmp / "sac.pt")
+    record = vlmrm_utils.script_record(sac.__file__)
+    torch.save({"actor": {}, "args": {"policy_lr": 1.0, "env_id": "Hopper-v5"}, "run_name": "x", "script": record}, "sac.pt")
     shutil.rmtree(in_tmp / "runs")  # assert_refused checks that nothing is written
     assert_refused(classic, ["--evaluate", "truncated.pt"], "truncated.pt", "readable")
     assert_refused(classic, ["--evaluate", "sac.pt"], "another script")

@@ -25,6 +25,7 @@ import success_eval as se
 import vlmrm_dqn_classic as dqn
 import vlmrm_sac_humanoid as sac
 from success_eval import UserError
+from vlmrm_utils import script_record
 
 CHROMIUM = "/usr/bin/chromium"
 
@@ -193,7 +194,7 @@ def pumping_mountaincar(path: Path, pump: bool) -> str:
         else:
             last.bias[0] = 1.0
     args = dataclasses.asdict(dqn.Args(env_id="MountainCar-v0", reward="gt", episodes="fixed", episode_length=200))
-    torch.save({"q_network": q_network.state_dict(), "args": args}, path)
+    torch.save({"q_network": q_network.state_dict(), "args": args, "script": script_record(dqn.__file__)}, path)
     return str(path)
 
 
@@ -297,7 +298,7 @@ def crafted_checkpoint(path: Path, action: int, **changes) -> str:
     }
     args = dataclasses.asdict(dqn.Args(**{**flags, **changes}))
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"q_network": q_network.state_dict(), "args": args}, path)
+    torch.save({"q_network": q_network.state_dict(), "args": args, "script": script_record(dqn.__file__)}, path)
     return str(path)
 
 
@@ -332,7 +333,8 @@ def kept_checkpoint(path: Path, clip_return: float, step: int, script=dqn, **cha
         flags.update(env_id="Humanoid-v5", render_size=64)
     args = dataclasses.asdict(script.Args(**{**flags, **changes}))
     network = {"q_network": {}} if script is dqn else {"actor": {}}
-    torch.save({**network, "args": args, "global_step": step, "clip_return": clip_return}, path)
+    state = {**network, "args": args, "global_step": step, "clip_return": clip_return}
+    torch.save({**state, "script": script_record(script.__file__)}, path)
     return str(path)
 
 

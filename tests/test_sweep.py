@@ -259,8 +259,11 @@ def test_stopped_or_done_is_read_from_the_checkpoint(tmp_path):
         ("stopped", {"global_step": 840, "args": {"total_timesteps": 1600}, "q_network": torch.zeros(3)}, True),
         ("done", {"global_step": 1600, "args": {"total_timesteps": 1600}}, False),
         ("final-networks", {"q_network": torch.zeros(3), "args": {"total_timesteps": 1600}}, False),  # nothing to resume
+        ("ended-mid-episode", {"global_step": 1500, "args": {"total_timesteps": 1600}}, False),  # final: step-1600.pt
     ]:
-        (tmp_path / name).mkdir()
+        (tmp_path / name / "checkpoints").mkdir(parents=True)
+        if name == "ended-mid-episode":
+            torch.save({"q_network": torch.zeros(3)}, tmp_path / name / "checkpoints" / "step-1600.pt")
         torch.save(checkpoint, tmp_path / name / "checkpoint.pt")
         assert stopped_early(tmp_path / name) is stopped, name
     assert not stopped_early(tmp_path / "no-run") and not stopped_early(None)

@@ -26,7 +26,7 @@ import epic_eval
 import success_eval as se
 import vlmrm_dqn_classic as dqn
 import vlmrm_sac_humanoid as sac
-from vlmrm_utils import UserError
+from vlmrm_utils import UserError, script_record
 
 READ_ONLY = "/proc/self/out"  # a folder no one can create, root included (in process; see the unshare cases below)
 HEADER = "episode,video,seed,steps,clip_return,gt_return,gt_success\n"
@@ -57,6 +57,7 @@ def write_checkpoint(path: Path, script=dqn, clip_return=None, **changes) -> Non
     else:
         args = dict(env_id="Humanoid-v5", clip_model=TINY_CLIP, clip_pretrained="none", render_size=64)
         state = {"actor": {}, "args": dataclasses.asdict(sac.Args(**{**args, **changes}))}
+    state["script"] = script_record((dqn if script is dqn else sac).__file__)  # the training script that wrote it
     torch.save(state if clip_return is None else {**state, "clip_return": clip_return}, path)
 
 
@@ -475,7 +476,8 @@ def crafted(root: Path) -> str:
     envs = se.make_envs(dqn, dqn.Args(), 0)
     q_network = dqn.QNetwork(envs)
     envs.close()
-    torch.save({"q_network": q_network.state_dict(), "args": cartpole_args(episode_length=5)}, root / "q.pt")
+    state = {"q_network": q_network.state_dict(), "args": cartpole_args(episode_length=5)}
+    torch.save({**state, "script": script_record(dqn.__file__)}, root / "q.pt")
     return str(root / "q.pt")
 
 

@@ -1,0 +1,144 @@
+"""Issue 41: a checkpoint is read with the script that wrote it and refused, in one sentence before anything starts, when
+it does not fit (another script or version, other shapes, an older format, NaN weights, inconsistent contents)."""
+
+import shutil
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, TINY_CLIP, assert_refused, only_run
+
+import epic_eval
+import success_eval
+import vlmrm_dqn_classic as classic
+import vlmrm_utils
+
+RUN = dict(reward="gt", episodes="fixed", episode_length=50, learning_starts=50, save_model=True, save_buffer=True)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> str:
+    """One tiny DQN CartPole run with its buffer saved, shared by the tests (each copies it)."""
+    folder = tmp_path_factory.mktemp("trained")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(folder)
+        classic.main(classic.Args(**RUN, total_timesteps=100, checkpoint_frequency=100, eval_episodes=1))
+    return str(folder / "runs")
+
+
+@pytest.fixture
+def run(trained, in_tmp):
+    shutil.copytree(trained, in_tmp / "runs")
+    return only_run(in_tmp)
+
+
+def edit(path, change) -> dict:
+    checkpoint = torch.load(path, weights_only=False)
+    change(checkpoint)
+    torch.save(checkpoint, path)
+    return checkpoint
+
+
+@pytest.fixture
+def forget_copies():
+    yield
+    for name in [name for name in sys.modules if name.startswith("my_reward")]:  # the copy's module goes with the test
+        del sys.modules[name]
+
+
+def test_a_copied_scripts_checkpoint_is_used_with_its_own_script_or_refused(in_tmp, forget_copies):
+    copy = in_tmp / "my_reward.py"
+    copy.write_text((ROOT / "vlmrm_dqn_classic.py").read_text() + "\nMY_REWARD = 10  # the user's own reward\n")
+    mine = vlmrm_utils.import_script({"script": vlmrm_utils.script_record(str(copy))}, "my_reward.py")
+    mine.main(mine.Args(**dict(RUN, save_buffer=False), total_timesteps=100, checkpoint_frequency=100, eval_episodes=1))
+    checkpoint = str(only_run(in_tmp) / "checkpoint.pt")
+    assert torch.load(checkpoint, weights_only=False)["script"]["file"] == "my_reward.py"
+    # the original script refuses the copy's checkpoint, naming the copy; the tools roll it out with the copy's code
+    for flag in ("--evaluate", "--resume"):
+        assert_refused(classic, [flag, checkpoint], "my_reward.py", "vlmrm_dqn_classic.py")
+    _, script, _ = success_eval.load_checkpoint(checkpoint)
+    assert script.MY_REWARD == 10 and script is mine
+    epic_eval.check_collect_args(epic_eval.Collect(policy=checkpoint, out=str(in_tmp / "states")))
+    runs = [("a.pt", {}, classic, classic.Args(reward="clip")), ("b.pt", {}, mine, mine.Args(reward="clip"))]
+    with pytest.raises(vlmrm_utils.UserError, match="b.pt was written by my_reward.py and a.pt by vlmrm_dqn_classic.py"):
+        success_eval.check_like_with_like(runs)  # `best`: returns under two rewards do not compare
+    # the copy changed since: refused by the copy itself, and by the tools, naming it
+    copy.write_text(copy.read_text() + "MY_REWARD = 20\n")
+    assert_refused(mine, ["--evaluate", checkpoint], "another version of my_reward.py")
+    with pytest.raises(vlmrm_utils.UserError, match="my_reward.py.*has changed since"):
+        success_eval.load_checkpoint(checkpoint)
+    copy.unlink()  # gone
+    with pytest.raises(vlmrm_utils.UserError, match="written by my_reward.py"):
+        epic_eval.check_collect_args(epic_eval.Collect(policy=checkpoint, out=str(in_tmp / "states")))
+
+
+def test_an_older_or_misfitting_checkpoint_is_one_sentence_before_anything_starts(run):
+    path = str(run / "checkpoint.pt")
+    saved = torch.load(path, weights_only=False)
+    cases = [  # (what changes, flags refused, words of the sentence)
+        (lambda c: c.pop("script"), ["--resume", "--evaluate"], ["older version"]),
+        (lambda c: c.pop("episodes"), ["--resume"], ["older version", "episodes"]),
+        (lambda c: c.pop("schedule_steps"), ["--resume"], ["older version", "schedule_steps"]),
+        (lambda c: c["q_network"].update({"network.0.weight": torch.zeros(120, 5)}), ["--resume", "--evaluate"],
+         ["does not fit", "network.0.weight", "(120, 5)"]),
+        (lambda c: c["target_network"].pop("network.4.bias"), ["--resume"], ["does not fit", "target_network"]),
+        (lambda c: c.update(q_network=[1, 2]), ["--resume", "--evaluate"], ["q_network", "not a state dict"]),
+        (lambda c: c["optimizer"]["state"][0].update(exp_avg=torch.zeros(3)), ["--resume"], ["optimizer"]),
+        (lambda c: c["replay_buffer"].update(obs=torch.zeros(100, 6), next_obs=torch.zeros(100, 6)), ["--resume"],
+         ["replay buffer", "(6,)", "(4,)"]),
+        (lambda c: c["rng"].update(envs=c["rng"]["envs"] * 2), ["--resume"], ["2 env random states for 1 envs"]),
+        (lambda c: c["q_network"]["network.0.bias"].fill_(float("nan")), ["--evaluate", "--resume"], ["NaN"]),
+        (lambda c: c["replay_buffer"].update(pos=5000), ["--resume"], ["inconsistent", "position 5000"]),
+        (lambda c: c.update(iteration=2_000_000, global_step=2_000_000), ["--resume"], ["inconsistent", "step 2000000"]),
+    ]  # fmt: skip
+    for change, flags, words in cases:
+        edit(path, change)
+        for flag in flags:
+            assert_refused(classic, [flag, path], path, *words)
+        torch.save(saved, path)
+    classic.main(classic.Args(resume=path, total_timesteps=200))  # the file as saved resumes
+
+
+def test_an_unwritable_run_folder_is_refused_before_its_lock(run, monkeypatch):
+    real = vlmrm_utils.os.access
+    monkeypatch.setattr(vlmrm_utils.os, "access", lambda p, mode: real(p, mode) and run.name not in str(p))
+    assert_refused(classic, ["--resume", str(run / "checkpoint.pt")], "cannot write", str(run))
+
+
+def test_flags_given_explicitly_disagreeing_with_the_checkpoint_are_refused(run, capsys):
+    path = str(run / "checkpoint.pt")
+    edit(path, lambda c: c["args"].update(env_id="MountainCar-v0", gamma=0.9))
+    for flags, words in [
+        (["--evaluate", path, "--env-id", "CartPole-v1"], ["--env-id CartPole-v1", "MountainCar-v0"]),  # the default
+        (["--resume", path, "--gamma", "0.99"], ["drop --gamma"]),
+    ]:
+        with pytest.raises(SystemExit) as exit_code:
+            vlmrm_utils.cli(classic.main, classic.Args, flags)
+        message = capsys.readouterr().err
+        assert exit_code.value.code == 2 and message.count("\n") == 1, message
+        assert all(word in message for word in words), message
+    assert not vlmrm_utils.GIVEN  # a later call in process is not read as given those flags
+
+
+def test_a_run_extended_to_mid_episode_keeps_its_resumable_state(run, capsys):
+    path = str(run / "checkpoint.pt")
+    classic.main(classic.Args(resume=path, total_timesteps=130))
+    out = capsys.readouterr().out
+    assert "--total-timesteps 130 ends 30 steps into an episode" in out and "checkpoints/step-130.pt" in out
+    assert f"--evaluate runs/{run.name}/checkpoints/step-130.pt" in out
+    assert torch.load(path, weights_only=False)["global_step"] == 100  # still resumable
+    final = torch.load(run / "checkpoints" / "step-130.pt", weights_only=False)
+    assert final["global_step"] == 130 and "q_network" in final and final["script"]["file"] == "vlmrm_dqn_classic.py"
+    classic.main(classic.Args(evaluate=str(run / "checkpoints" / "step-130.pt"), eval_episodes=1))
+    classic.main(classic.Args(resume=path, total_timesteps=200))  # the next extension: from step 100
+    assert torch.load(path, weights_only=False)["global_step"] == 200
+
+
+def test_evaluate_scores_with_the_runs_own_random_weight_clip(in_tmp, capsys):
+    """The checks draw no random numbers: a random-weight CLIP (the tests') is drawn from the seed as the run drew it."""
+    clip = dict(clip_model=TINY_CLIP, clip_pretrained="none", goal=("a pole",), baseline=("a cart",))
+    classic.main(classic.Args(**dict(RUN, reward="clip", save_buffer=False), **clip, total_timesteps=100, eval_episodes=1))
+    trained = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval episode 0:")]
+    classic.main(classic.Args(evaluate=str(only_run(in_tmp) / "checkpoint.pt"), eval_episodes=1))
+    evaluated = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval episode 0:")]
+    assert "clip_return=" in trained[0] and evaluated[0].startswith(trained[0]), (trained, evaluated)
