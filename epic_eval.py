@@ -585,9 +585,8 @@ def check_reward_args(args: RewardFlags) -> None:
     if not all(0.0 <= alpha <= 1.0 for alpha in alphas):  # also rejects nan
         raise UserError(f"--alphas must all be in [0, 1], got {next(a for a in alphas if not 0.0 <= a <= 1.0)}.")
     if not args.goal or any(not g.strip() for g in args.goal):
-        raise UserError(
-            '--goal needs at least one non-empty prompt, e.g. --goal "pole vertically upright on top of the cart".'
-        )
+        example = DEFAULT_PROMPTS.get(getattr(args, "env_id", None) or "CartPole-v1", DEFAULT_PROMPTS["CartPole-v1"])[0]
+        raise UserError(f'--goal needs at least one non-empty prompt, e.g. --goal "{example}".')
     if alphas and max(alphas) > 0 and (not args.baseline or any(not b.strip() for b in args.baseline)):
         raise UserError("--baseline needs at least one non-empty prompt when an alpha is > 0.")
     if alphas and max(alphas) > 0 and same_prompts(args.goal, args.baseline):
