@@ -232,7 +232,7 @@ def check_collect_args(args: Collect) -> Optional[dict]:
         raise UserError(f"--epsilon must be in [0, 1], got {args.epsilon}.")
     if args.env_id is not None and args.env_id not in ENV_IDS:
         raise UserError(f"--env-id {args.env_id} is not supported; choose one of: {', '.join(ENV_IDS)}.")
-    if not os.path.isfile(args.out):  # first: the error names --out itself when a folder above it is a file
+    if not os.path.isfile(args.out) and not os.path.islink(args.out):  # first: names --out when a folder above is a file
         check_writable(args.out, "--out", "choose another path")
     # absent, an empty folder or an empty file (e.g. made by mktemp: replaced), in a writable folder
     check_new_folder(args.out, "--out", "a dataset and its labels are never overwritten")

@@ -9,6 +9,7 @@ reads only the flags both training scripts share; the tools' own file handling i
 
 import contextlib
 import copy
+import errno
 import fcntl
 import logging
 import math
@@ -145,10 +146,17 @@ def is_device(name: str) -> bool:
 def check_writable(folder: str, what: str = "", advice: str = "run from another") -> None:
     """Outputs must be writable before hours of training produce them (the folder itself may not exist yet)."""
     existing = os.path.abspath(folder)
+    where = f"{what} {os.path.abspath(folder)}/" if what else f"{os.path.abspath(folder)}/"
     while not os.path.exists(existing):
+        if os.path.islink(existing):  # a loop or a dangling link: making folders under it fails with [Errno 17]
+            try:
+                os.stat(existing)
+            except OSError as e:
+                how = "loops" if e.errno == errno.ELOOP else "points to nothing"
+            link = f"{existing} is a symbolic link to {os.readlink(existing)}, which {how}"
+            raise UserError(f"cannot write to {where} ({link}); {advice}.")
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK):  # os.access also sees a read-only mount
-        where = f"{what} {os.path.abspath(folder)}/" if what else f"{os.path.abspath(folder)}/"
         why = "is a file" if os.path.isfile(existing) else "is not a writable folder"
         raise UserError(f"cannot write to {where} ({existing} {why}); {advice}.")
 

@@ -284,6 +284,17 @@ CASES = {  # id: (command, the edit that breaks a good file, words the one sente
         lambda root: os.symlink("nowhere", root / "link"),
         ["--out link is a symbolic link (to nowhere)"],
     ),
+    # issue 41: --out under a link that resolves nowhere was `[Errno 17] File exists`
+    "rollout-out-under-a-symlink-loop": (
+        ROLLOUT + ["--out", "loop/rollouts"],
+        lambda root: os.symlink("loop", root / "loop"),
+        ["cannot write to --out", "loop is a symbolic link to loop, which loops"],
+    ),
+    "collect-out-under-a-dangling-link": (
+        ["epic_eval.py", "collect", "--out", "link/ds"],
+        lambda root: os.symlink("nowhere", root / "link"),
+        ["cannot write to --out", "link is a symbolic link to nowhere, which points to nothing"],
+    ),
     # the label pages' --port (a 21-line OverflowError)
     "label-port-above-65535": (
         ["success_eval.py", "label", "--rollouts", "r", "--port", "99999"],
