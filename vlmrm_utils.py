@@ -261,8 +261,8 @@ def check_resources(args, observation_space: gym.Space, action_space: gym.Space,
         flag = max(by_flag, key=by_flag.get)
         advice = "use a GPU or a smaller --clip-model" if flag == "--clip-model" else f"lower {flag}"
         raise UserError(
-            f"{flag} {getattr(args, flag[2:].replace('-', '_'))} makes the run need {total / gib:.1f} GiB of memory, "
-            f"but {available / gib:.1f} GiB is available; {advice}."
+            f"{flag} {getattr(args, flag[2:].replace('-', '_'))} makes the run need {total / gib:.1f} GiB of memory, more "
+            f"than the {0.9 * available / gib:.1f} GiB it may take (90% of the {available / gib:.1f} GiB available); {advice}."
         )
     return total
 

@@ -441,8 +441,12 @@ def test_memory_check_counts_the_batch_and_the_resume_copy_and_names_the_flag(in
 
     per_transition = 2 * 4 * 11 + 4 * 3 + 8
     check(buffer_size=int(0.6 * 2**30 / per_transition))  # fits
-    with pytest.raises(vlmrm_utils.UserError, match="^--buffer-size"):
+    with pytest.raises(vlmrm_utils.UserError, match="^--buffer-size") as refused:
         check(buffer_size=int(0.6 * 2**30 / per_transition), save_buffer=True)  # a resume would need the buffer twice
+    # the rule in the sentence: "needs 18.9 GiB, but 19.5 GiB is available" read as a contradiction (issue 41)
+    assert "makes the run need 1.2 GiB of memory, more than the 0.9 GiB it may take (90% of the 1.0 GiB available)" in str(
+        refused.value
+    ), refused.value
     with pytest.raises(vlmrm_utils.UserError, match="^--batch-size"):
         check(buffer_size=1_000_000, batch_size=1_000_000)
     with pytest.raises(vlmrm_utils.UserError, match="^--reward-batch-size"):
@@ -585,7 +589,8 @@ def test_memory_estimate_follows_the_measured_peak_as_num_envs_grows(tmp_path):
     assert estimate(classic, flags) > 16 * 2**30
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(vlmrm_utils, "available_memory", lambda: 16 * 2**30)
-        assert_refused(classic, flags, "--num-envs 4000 makes the run need 25", "16.0 GiB is available", "lower --num-envs")
+        words = ["--num-envs 4000 makes the run need 25", "(90% of the 16.0 GiB available)", "lower --num-envs"]
+        assert_refused(classic, flags, *words)
 
 
 def test_the_disk_check_counts_the_saved_buffer_and_the_copy_being_replaced_and_leaves_no_folder(in_tmp, monkeypatch, capsys):
