@@ -71,6 +71,7 @@ from vlmrm_utils import (
     all_finite,
     check_clip_args,
     check_intact,
+    check_one_word_prompts,
     check_writable,
     cli,
     load_clip,
@@ -589,6 +590,8 @@ def check_reward_args(args: RewardFlags) -> None:
         raise UserError(f'--goal needs at least one non-empty prompt, e.g. --goal "{example}".')
     if alphas and max(alphas) > 0 and (not args.baseline or any(not b.strip() for b in args.baseline)):
         raise UserError("--baseline needs at least one non-empty prompt when an alpha is > 0.")
+    check_one_word_prompts(args.goal, "--goal")
+    check_one_word_prompts(args.baseline if alphas and max(alphas) > 0 else (), "--baseline")
     if alphas and max(alphas) > 0 and same_prompts(args.goal, args.baseline):
         raise UserError(
             "--goal and --baseline are the same prompts (ignoring case and spaces), so the goal-baseline direction is "

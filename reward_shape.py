@@ -68,7 +68,7 @@ from epic_eval import (
 from vlmrm_dqn_classic import DEFAULT_PROMPTS, MOUNTAINCAR_GOAL, CLIPReward, make_env
 from vlmrm_sac_humanoid import make_env as make_sac_env  # MountainCarContinuous-v0: the paper's, trained with SAC
 from vlmrm_tools import write_folder
-from vlmrm_utils import UserError, available_memory, check_writable, cli, load_clip, same_prompts
+from vlmrm_utils import UserError, available_memory, check_one_word_prompts, check_writable, cli, load_clip, same_prompts
 
 
 @dataclass(kw_only=True)
@@ -385,6 +385,7 @@ def check_probe_args(args: Args) -> None:
     if not 16 <= args.render_size <= 2048:  # the training script's bounds
         raise UserError(f"--render-size must be between 16 and 2048 pixels, got {args.render_size}.")
     alphas = args.alphas if "projection" in args.reward_families else ()
+    check_one_word_prompts(args.prompts, "--prompts")
     for prompt in args.prompts:
         if not prompt.strip():
             raise UserError("--prompts needs non-empty sentences, got an empty one.")

@@ -101,6 +101,8 @@ def check_common_args(args, positive: str, unit_interval: str, network: str) -> 
     ]:
         if failed:
             raise UserError(message)
+    check_one_word_prompts(args.goal if args.reward == "clip" else (), "--goal")
+    check_one_word_prompts(args.baseline if projection else (), "--baseline")
     if args.evaluate is not None:  # the checks of --resume, then networks of this env
         saved = read_checkpoint(args.evaluate, type(args), "--evaluate")
         if network not in saved or saved["args"].get("env_id", args.env_id) != args.env_id:
@@ -191,6 +193,16 @@ def check_clip_args(args, model_flag: str = "--clip-model", checkpoint_flag: str
             raise UserError(f"{model_flag} {args.clip_model} needs --clip-pretrained, one of: {', '.join(tags)}{given}.")
     if args.clip_checkpoint is not None and not os.path.isfile(args.clip_checkpoint):
         raise UserError(f"{checkpoint_flag} {args.clip_checkpoint}: no such file.")
+
+
+def check_one_word_prompts(prompts, flag: str) -> None:
+    """`--goal pole upright` unquoted is two prompts, "pole" and "upright", each embedded and averaged. The rule: two or
+    more prompts that are all single words are refused (CLIP's prompts are phrases; one word alone is allowed)."""
+    if prompts and len(prompts) > 1 and all(len(p.split()) == 1 for p in prompts):
+        raise UserError(
+            f"{flag} got {len(prompts)} one-word prompts ({', '.join(prompts)}), each scored on its own and averaged; if "
+            f'you meant one sentence, quote it: {flag} "{" ".join(prompts)}" (prompts that are all one word are refused).'
+        )
 
 
 def same_prompts(goal: tuple[str, ...], baseline: tuple[str, ...]) -> bool:

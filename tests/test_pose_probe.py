@@ -307,6 +307,7 @@ HUMANOID = ["--env-id", "Humanoid-v5"]
         ),
         ([*HUMANOID, "--render-size", "8"], ["--render-size must be between 16 and 2048 pixels, got 8"]),
         ([*HUMANOID, "--goal", " "], ['e.g. --goal "a humanoid robot kneeling"']),  # not CartPole's goal
+        ([*HUMANOID, "--prompts", "a", "robot", "kneeling"], ["--prompts got 3 one-word prompts", "a robot kneeling"]),
         (  # 200 prompts: 115 s, 3.1 GB and a heat map 62,537 px wide; refused before rendering
             [*HUMANOID, "--prompts", *(f"a robot in pose {i}" for i in range(200))],
             ["--prompts", "1,005 columns", "at most 100"],

@@ -163,6 +163,13 @@ BAD_RUN_FLAGS = {
     "infinite learning rate": (DQN, ["--learning-rate", "inf"], ["--learning-rate", "positive and finite", "inf"]),
     "infinite entropy coefficient": (SAC, ["--ent-coef", "inf"], ["--ent-coef", "positive and finite", "inf"]),
     "negative learning start": (DQN, ["--learning-starts", "-1"], ["--learning-starts must be 0 or more, got -1"]),
+    # issue 41: `--goal pole upright` unquoted trained on "pole" and "upright" averaged, silently
+    "unquoted goal": (DQN, ["--goal", "pole", "upright"], ["--goal got 2 one-word prompts", '--goal "pole upright"']),
+    "unquoted baseline": (
+        SAC,
+        ["--alpha", "0.5", "--baseline", "a", "humanoid", "robot"],
+        ["--baseline got 3 one-word prompts", '--baseline "a humanoid robot"'],
+    ),
 }
 
 

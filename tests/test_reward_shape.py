@@ -371,6 +371,7 @@ def nothing_expensive(monkeypatch, tmp_path):
         (["--reward-families", "projection", "softmax", "--negatives"], ["needs at least one non-empty --negatives prompt"]),
         (["--reward-families", "softmax", "--negatives", " "], ["needs at least one non-empty --negatives prompt"]),
         (["--reward-families", "softmax", "--negatives", "pole vertically upright on top of the cart"], ["share the prompt"]),
+        (["--goal", "pole", "upright"], ["--goal got 2 one-word prompts", '--goal "pole upright"']),  # unquoted
         (["--temperature", "0"], ["--temperature must be a positive number, got 0.0"]),
         (["--temperature", "-1"], ["--temperature must be a positive number"]),
         (["--threshold", "1"], ["--threshold must be in (0, 1), got 1.0"]),
