@@ -184,6 +184,12 @@ def check_clip_args(args, model_flag: str = "--clip-model", checkpoint_flag: str
                 f"{model_flag} {args.clip_model} is not an open_clip model config (it needs an integer embed_dim, "
                 "vision_cfg and text_cfg, as in tests/vlmrm-tiny-test.json)."
             )
+        tags = ["none", *open_clip.list_pretrained_tags_by_model(Path(args.clip_model).stem)]  # a config named as a model
+        if args.clip_checkpoint is None and args.clip_pretrained not in tags and not os.path.isfile(args.clip_pretrained):
+            raise UserError(
+                f"{model_flag} {args.clip_model} is a model config, which has no --clip-pretrained {args.clip_pretrained} "
+                f"weights; add --clip-pretrained none (random weights, for tests) or a weights file with {checkpoint_flag}."
+            )
     elif args.clip_model not in open_clip.list_models():
         raise UserError(f"{model_flag} {args.clip_model} is not an open_clip architecture (see open_clip.list_models()).")
     elif args.clip_checkpoint is None:

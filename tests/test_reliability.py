@@ -164,6 +164,12 @@ BAD_RUN_FLAGS = {
     "infinite entropy coefficient": (SAC, ["--ent-coef", "inf"], ["--ent-coef", "positive and finite", "inf"]),
     "negative learning start": (DQN, ["--learning-starts", "-1"], ["--learning-starts must be 0 or more, got -1"]),
     # issue 41: `--goal pole upright` unquoted trained on "pole" and "upright" averaged, silently
+    # a model config has no published weights: the default --clip-pretrained (ViT-bigG-14's tag) cannot apply
+    "config without --clip-pretrained none": (
+        DQN,
+        ["--clip-model", TINY_CLIP_FLAGS[1]],
+        ["vlmrm-tiny-test.json is a model config", "add --clip-pretrained none"],
+    ),
     "unquoted goal": (DQN, ["--goal", "pole", "upright"], ["--goal got 2 one-word prompts", '--goal "pole upright"']),
     "unquoted baseline": (
         SAC,

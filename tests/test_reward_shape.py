@@ -360,6 +360,7 @@ def nothing_expensive(monkeypatch, tmp_path):
         # the flags as named here (--clip-models), not as in the training scripts (--clip-model)
         (["--clip-models", "NoSuchNet"], ["--clip-models NoSuchNet is not an open_clip architecture"]),
         (["--clip-models", "nothing.json"], ["--clip-models nothing.json: no such model config file"]),
+        (["--clip-models", TINY], ["is a model config", "add --clip-pretrained none"]),
         (
             ["--clip-models", "RN50", "--clip-pretrained", "nosuchtag"],
             ["--clip-models RN50 needs --clip-pretrained", "nosuchtag is not one of them"],
