@@ -482,6 +482,13 @@ def column_title(column: Column, args: Args, several_models: bool) -> str:
     return (f"{column.model}: " if several_models else "") + f"{prompt} @ {column.curve}"
 
 
+def thumbnail_box(size: int, camera: str) -> tuple[int, int, int, int]:
+    """(top, bottom, left, right) pixels of a pose's thumbnail: a square around where the body is, standing with raised
+    hands or lying (the paper's camera: measured against the empty scene, tests/test_pose_probe.py)."""
+    top, left, side = (0.2, 0.14, 0.72) if camera == "paper" else (0.175, 0.175, 0.65)
+    return int(top * size), int((top + side) * size), int(left * size), int((left + side) * size)
+
+
 def plot_poses(path: Union[Path, io.BytesIO], frames: np.ndarray, columns: list[Column], expected: dict, args: Args,
                warning=None) -> None:  # fmt: skip
     """A heat map, one row per pose (with the middle of its frame as a thumbnail), one column per model x goal x curve.
@@ -497,8 +504,8 @@ def plot_poses(path: Union[Path, io.BytesIO], frames: np.ndarray, columns: list[
     ax = fig.add_axes([(name_w + thumb) / fw, bottom, width * len(columns) / fw, row * len(names) / fh])
     tx = fig.add_axes([name_w / fw, bottom, thumb / fw, row * len(names) / fh])
     size = frames.shape[1]
-    top, height = (0.28, 0.65) if args.camera == "paper" else (0.175, 0.65)  # where the body is, lying or standing
-    crop = frames[:, int(top * size) : int((top + height) * size), int(0.175 * size) : int(0.825 * size)]
+    top, bottom, left, right = thumbnail_box(size, args.camera)
+    crop = frames[:, top:bottom, left:right]
     tx.imshow(np.concatenate(list(crop)), extent=(0, 1, len(names), 0), aspect="auto", interpolation="lanczos")
     tx.set(xticks=[], yticks=np.arange(len(names)) + 0.5, yticklabels=names, ylim=(len(names), 0))
     tx.tick_params(length=0, labelsize=9)

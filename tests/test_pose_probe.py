@@ -129,6 +129,23 @@ def distance_to_hull(point: np.ndarray, points: np.ndarray) -> float:
     return best
 
 
+def test_thumbnails_hold_the_whole_body(env):
+    """The heat map's thumbnails cut off raised hands (issue 41): every pixel a pose changes in the empty scene is
+    inside the thumbnail's crop (the paper's camera; fast quality draws no shadow)."""
+    model, data = env.unwrapped.model, env.unwrapped.data
+    frames = []
+    for name in reward_shape.POSES:
+        reward_shape.set_pose(env, *reward_shape.POSES[name])
+        frames.append(env.render().astype(int))
+    data.qpos[0] = 50.0  # the body out of view
+    mujoco.mj_forward(model, data)
+    empty = env.render().astype(int)
+    top, bottom, left, right = reward_shape.thumbnail_box(SIZE, "paper")
+    for name, frame in zip(reward_shape.POSES, frames):
+        rows, columns = np.nonzero(np.abs(frame - empty).sum(-1) > 40)
+        assert top <= rows.min() and rows.max() < bottom and left <= columns.min() and columns.max() < right, name
+
+
 def test_frames_are_the_training_scripts():
     """Same pixels as the training script's env at the same size, quality and camera; every pose looks different."""
     from vlmrm_sac_humanoid import make_env
