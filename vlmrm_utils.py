@@ -101,8 +101,9 @@ def check_common_args(args, positive: str, unit_interval: str, network: str) -> 
     ]:
         if failed:
             raise UserError(message)
-    check_one_word_prompts(args.goal if args.reward == "clip" else (), "--goal")
-    check_one_word_prompts(args.baseline if projection else (), "--baseline")
+    if args.resume is None and args.evaluate is None:  # a run already trained on such prompts stays resumable
+        check_one_word_prompts(args.goal if args.reward == "clip" else (), "--goal")
+        check_one_word_prompts(args.baseline if projection else (), "--baseline")
     if args.evaluate is not None:  # the checks of --resume, then networks of this env
         saved = read_checkpoint(args.evaluate, type(args), "--evaluate")
         if network not in saved or saved["args"].get("env_id", args.env_id) != args.env_id:
