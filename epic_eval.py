@@ -71,6 +71,7 @@ from vlmrm_utils import (
     all_finite,
     check_clip_args,
     check_intact,
+    check_one_word_prompts,
     check_writable,
     cli,
     import_script,
@@ -233,7 +234,7 @@ def check_collect_args(args: Collect) -> Optional[dict]:
         raise UserError(f"--epsilon must be in [0, 1], got {args.epsilon}.")
     if args.env_id is not None and args.env_id not in ENV_IDS:
         raise UserError(f"--env-id {args.env_id} is not supported; choose one of: {', '.join(ENV_IDS)}.")
-    if not os.path.isfile(args.out):  # first: the error names --out itself when a folder above it is a file
+    if not os.path.isfile(args.out) and not os.path.islink(args.out):  # first: names --out when a folder above is a file
         check_writable(args.out, "--out", "choose another path")
     # absent, an empty folder or an empty file (e.g. made by mktemp: replaced), in a writable folder
     check_new_folder(args.out, "--out", "a dataset and its labels are never overwritten")
@@ -588,11 +589,12 @@ def check_reward_args(args: RewardFlags) -> None:
     if not all(0.0 <= alpha <= 1.0 for alpha in alphas):  # also rejects nan
         raise UserError(f"--alphas must all be in [0, 1], got {next(a for a in alphas if not 0.0 <= a <= 1.0)}.")
     if not args.goal or any(not g.strip() for g in args.goal):
-        raise UserError(
-            '--goal needs at least one non-empty prompt, e.g. --goal "pole vertically upright on top of the cart".'
-        )
+        example = DEFAULT_PROMPTS.get(getattr(args, "env_id", None) or "CartPole-v1", DEFAULT_PROMPTS["CartPole-v1"])[0]
+        raise UserError(f'--goal needs at least one non-empty prompt, e.g. --goal "{example}".')
     if alphas and max(alphas) > 0 and (not args.baseline or any(not b.strip() for b in args.baseline)):
         raise UserError("--baseline needs at least one non-empty prompt when an alpha is > 0.")
+    check_one_word_prompts(args.goal, "--goal")
+    check_one_word_prompts(args.baseline if alphas and max(alphas) > 0 else (), "--baseline")
     if alphas and max(alphas) > 0 and same_prompts(args.goal, args.baseline):
         raise UserError(
             "--goal and --baseline are the same prompts (ignoring case and spaces), so the goal-baseline direction is "

@@ -8,6 +8,7 @@ of an item wins. The tools import this module; it imports nothing of theirs and 
 
 import csv
 import datetime
+import fcntl
 import http.server
 import io
 import json
@@ -140,6 +141,9 @@ def append_label(path: str, item: str, label: str) -> None:
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)  # append: earlier labels are never rewritten
     try:
+        # a kernel lock from the size check to the fsync: two servers on one folder (two processes, each with its own
+        # threading lock) would both find the file empty and write a header each
+        fcntl.flock(fd, fcntl.LOCK_EX)
         size = os.lseek(fd, 0, os.SEEK_END)
         new = size == 0
         lead = b"" if new or os.pread(fd, 1, size - 1) == b"\n" else b"\n"  # an earlier write cut short: own line

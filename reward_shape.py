@@ -28,6 +28,7 @@ frames/ (--save-frames). Humanoid-v5 writes poses.csv (one row per pose, one col
 """
 
 import csv
+import io
 import math
 import os
 import re
@@ -66,7 +67,8 @@ from epic_eval import (
 from vlmrm_dqn_classic import DEFAULT_PROMPTS, MOUNTAINCAR_GOAL, CLIPReward, make_env
 from vlmrm_sac_humanoid import make_env as make_sac_env  # MountainCarContinuous-v0: the paper's, trained with SAC
 from vlmrm_sac_humanoid import mujoco  # imported there on MUJOCO_GL's backend (a missing library: one sentence)
-from vlmrm_utils import UserError, available_memory, cli, load_clip, same_prompts
+from vlmrm_tools import write_folder
+from vlmrm_utils import UserError, available_memory, check_one_word_prompts, check_writable, cli, load_clip, same_prompts
 
 
 @dataclass(kw_only=True)
@@ -138,6 +140,7 @@ def check_args(args: Args) -> list[ClipArgs]:
         raise UserError(
             "runs is a file, but the results go to the folder runs/; move the file away or run from another folder."
         )
+    check_writable("runs", advice="run from a folder where runs/ can be written")  # before the rendering, not after
     if args.reward_batch_size < 1:
         raise UserError(f"--reward-batch-size must be a positive integer, got {args.reward_batch_size}.")
     if args.clip_checkpoint is not None and len(args.clip_models) != 1:
@@ -278,6 +281,7 @@ def write_tables(run_dir: Path, results: dict, states: np.ndarray, goal: float, 
 # Humanoid pose probe: does the sentence rank the pose you mean first? Scripted poses, rendered as in training
 # ----------------------------------------------------------------------------------------------
 HUMANOID = "Humanoid-v5"
+MAX_PROBE_COLUMNS = 100  # models x prompts x curves: 100 columns make a heat map about 6,300 px wide
 # arm joint angles in degrees, found by searching the joints' ranges for where the hands should be
 ARMS_UP = dict(right_shoulder1=-84, right_shoulder2=-26, right_elbow=-41, left_shoulder1=83, left_shoulder2=35, left_elbow=-30)
 ARMS_DOWN = dict(
@@ -381,6 +385,7 @@ def check_probe_args(args: Args) -> None:
     if not 16 <= args.render_size <= 2048:  # the training script's bounds
         raise UserError(f"--render-size must be between 16 and 2048 pixels, got {args.render_size}.")
     alphas = args.alphas if "projection" in args.reward_families else ()
+    check_one_word_prompts(args.prompts, "--prompts")
     for prompt in args.prompts:
         if not prompt.strip():
             raise UserError("--prompts needs non-empty sentences, got an empty one.")
@@ -391,6 +396,14 @@ def check_probe_args(args: Args) -> None:
             )
         if SOFTMAX in args.reward_families and prompt in args.negatives:
             raise UserError(f'--prompts "{prompt}" is one of the --negatives; a negative is what the goal is not.')
+    curves = len(alphas) + (SOFTMAX in args.reward_families)
+    columns = len(args.clip_models) * (1 + len(args.prompts)) * curves
+    if columns > MAX_PROBE_COLUMNS:  # 200 prompts took 115 s, 3.1 GB and drew a heat map 62,537 px wide
+        raise UserError(
+            f"--prompts {len(args.prompts)} with {curves} curve{'s' * (curves > 1)} (--alphas, --reward-families) and "
+            f"{len(args.clip_models)} model{'s' * (len(args.clip_models) > 1)} make {columns:,} columns in poses.png, at "
+            f"most {MAX_PROBE_COLUMNS} fit in one readable heat map; probe fewer prompts, alphas or models per run."
+        )
     sentences = [" ".join(p.lower().split()) for p in (*args.goal, *args.prompts)]
     twice = next(
         (p for i, p in enumerate(args.prompts) if sentences[len(args.goal) + i] in sentences[: len(args.goal) + i]), None
@@ -469,7 +482,15 @@ def column_title(column: Column, args: Args, several_models: bool) -> str:
     return (f"{column.model}: " if several_models else "") + f"{prompt} @ {column.curve}"
 
 
-def plot_poses(path: Path, frames: np.ndarray, columns: list[Column], expected: dict, args: Args, warning=None) -> None:
+def thumbnail_box(size: int, camera: str) -> tuple[int, int, int, int]:
+    """(top, bottom, left, right) pixels of a pose's thumbnail: a square around where the body is, standing with raised
+    hands or lying (the paper's camera: measured against the empty scene, tests/test_pose_probe.py)."""
+    top, left, side = (0.2, 0.14, 0.72) if camera == "paper" else (0.175, 0.175, 0.65)
+    return int(top * size), int((top + side) * size), int(left * size), int((left + side) * size)
+
+
+def plot_poses(path: Union[Path, io.BytesIO], frames: np.ndarray, columns: list[Column], expected: dict, args: Args,
+               warning=None) -> None:  # fmt: skip
     """A heat map, one row per pose (with the middle of its frame as a thumbnail), one column per model x goal x curve.
     Colour: the reward min-max scaled within its column (the column's favourite pose is the brightest); text: the pose's
     rank in its column and its gap to the column's best (the best: its margin over the second). The pose each --expect
@@ -483,8 +504,8 @@ def plot_poses(path: Path, frames: np.ndarray, columns: list[Column], expected: 
     ax = fig.add_axes([(name_w + thumb) / fw, bottom, width * len(columns) / fw, row * len(names) / fh])
     tx = fig.add_axes([name_w / fw, bottom, thumb / fw, row * len(names) / fh])
     size = frames.shape[1]
-    top, height = (0.28, 0.65) if args.camera == "paper" else (0.175, 0.65)  # where the body is, lying or standing
-    crop = frames[:, int(top * size) : int((top + height) * size), int(0.175 * size) : int(0.825 * size)]
+    top, bottom, left, right = thumbnail_box(size, args.camera)
+    crop = frames[:, top:bottom, left:right]
     tx.imshow(np.concatenate(list(crop)), extent=(0, 1, len(names), 0), aspect="auto", interpolation="lanczos")
     tx.set(xticks=[], yticks=np.arange(len(names)) + 0.5, yticklabels=names, ylim=(len(names), 0))
     tx.tick_params(length=0, labelsize=9)
@@ -551,19 +572,18 @@ def probe_poses(args: Args, specs: list[ClipArgs], run_dir: Path, device: torch.
         + (f", negatives={args.negatives}" if SOFTMAX in args.reward_families else "")
     )
     columns = score_poses(args, specs, frames, device)
-    run_dir.mkdir(parents=True, exist_ok=True)  # only now: a refused run leaves no folder
     names, several = list(POSES), len(specs) > 1
+    files = {}  # written whole once all are made (a full disk leaves no half run); a refused run leaves no folder
     if args.save_frames:
-        import imageio
+        import imageio.v3 as iio
 
-        (run_dir / "frames").mkdir(exist_ok=True)
         for i, (name, frame) in enumerate(zip(names, frames)):
-            imageio.imwrite(run_dir / "frames" / f"{i:02d}_{name}.png", frame)
-        print(f"frames saved to {run_dir / 'frames'}")
-    with open(run_dir / "poses.csv", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["pose", *(column_title(c, args, several) for c in columns)])
-        writer.writerows([name, *(f"{c.rewards[i]:.8f}" for c in columns)] for i, name in enumerate(names))
+            files[f"frames/{i:02d}_{name}.png"] = iio.imwrite("<bytes>", frame, extension=".png")
+    text = io.StringIO(newline="")
+    writer = csv.writer(text)
+    writer.writerow(["pose", *(column_title(c, args, several) for c in columns)])
+    writer.writerows([name, *(f"{c.rewards[i]:.8f}" for c in columns)] for i, name in enumerate(names))
+    files["poses.csv"] = text.getvalue().encode()
 
     # what each prompt picks: its three best poses per curve
     print(f"\nthe poses each prompt rewards most ({len(names)} poses; the reward and its gap to the best)")
@@ -584,12 +604,16 @@ def probe_poses(args: Args, specs: list[ClipArgs], run_dir: Path, device: torch.
     ]
     if lines:
         print("\nverdict (--expect):\n" + "\n".join(f"  {line}" for line in lines))
-        (run_dir / "verdict.txt").write_text("\n".join(lines) + "\n")
+        files["verdict.txt"] = ("\n".join(lines) + "\n").encode()
     random_weights = any(spec.clip_pretrained == "none" and spec.clip_checkpoint is None for spec in specs)
     warning = "RANDOM WEIGHTS (--clip-pretrained none): a test model, its rewards mean nothing" if random_weights else None
-    plot_poses(run_dir / "poses.png", frames, columns, expected, args, warning)
+    png = io.BytesIO()
+    plot_poses(png, frames, columns, expected, args, warning)
+    files["poses.png"] = png.getvalue()
+    write_folder(str(run_dir), files, "the run folder")
     print(
-        f"\nplot: {run_dir / 'poses.png'}\ncsv: {run_dir / 'poses.csv'}"
+        (f"\nframes: {run_dir / 'frames'}" if args.save_frames else "")
+        + f"\nplot: {run_dir / 'poses.png'}\ncsv: {run_dir / 'poses.csv'}"
         + (f"\nverdict: {run_dir / 'verdict.txt'}" if lines else "")
     )
     return run_dir

@@ -776,9 +776,18 @@ def model_parameters(names: set[str], given: tuple[str, ...], configs: tuple[str
 def read_csvs(paths: tuple[str, ...], needed: list[str], flag: str, check: dict) -> list[dict]:
     """The rows of the --epic or --success files; `check`: column -> (test of its text, what it must be), each value
     checked so that a hand edit (a word, nan, inf, a count above n) is one sentence naming the file and line."""
-    rows = []
+    rows, counted = [], {}
     for path in paths:
         for line, row in read_csv(path, needed, flag):
+            folder = row.get("rollouts", "").strip()  # `report` names each row's rollouts folder
+            if folder:  # two reports of one folder, or a row copied by hand: its episodes would count twice
+                key = (os.stat(folder).st_dev, os.stat(folder).st_ino) if os.path.isdir(folder) else os.path.normpath(folder)
+                if key in counted:
+                    raise UserError(
+                        f"{flag} {path} line {line} and {counted[key]} both count the rollouts {folder}, so its episodes "
+                        "would count twice; keep one of the two rows."
+                    )
+                counted[key] = f"{flag} {path} line {line}"
             if row.get("family", "projection") != "projection" or row["model"] == "gt":
                 continue  # the softmax family has no alpha; a --reward gt run has no CLIP model
             bad = next((column for column, (test, _) in check.items() if not test(row)), None)

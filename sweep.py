@@ -34,7 +34,7 @@ import submitit
 import tyro
 
 from vlmrm_tools import write_atomic
-from vlmrm_utils import UserError, cli
+from vlmrm_utils import UserError, check_writable, cli
 
 
 @dataclass
@@ -375,6 +375,8 @@ def main(args: Args, fixed: list[str]) -> None:
     if args.cluster == "auto" and not slurm and shutil.which("sbatch"):
         print("sbatch is installed but no SLURM controller answers (`scontrol ping`): running locally", flush=True)
     cluster = "slurm" if slurm else "local"
+    if not os.path.exists(os.path.join("sweeps", name)):  # new, or a link that loops (resolve() raises) or dangles
+        check_writable(os.path.join("sweeps", name), "--name", "choose another --name")
     root, points = Path("sweeps", name).resolve(), []
     for folder in (root.parent, root):
         if folder.exists() and not folder.is_dir():

@@ -128,6 +128,24 @@ def publish_folder(partial: str, out: str, flag: str) -> None:
         raise UserError(f"{flag} {out} was filled by something else meanwhile; nothing was written.") from None
 
 
+def write_folder(out: str, files: dict[str, bytes], flag: str) -> None:
+    """A folder of small files ({relative path: bytes}) written whole or not at all: into a hidden partial folder, then
+    renamed to `out`. A full disk is one sentence naming the file (exit 1: the machine's failure, not the input's)."""
+    partial, name = None, ""
+    try:
+        partial = new_partial_folder(out)
+        for name, data in files.items():
+            os.makedirs(os.path.dirname(os.path.join(partial, name)), exist_ok=True)
+            with open(os.path.join(partial, name), "wb") as f:
+                f.write(data)
+    except OSError as e:
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
+        why = e.strerror or str(e)
+        raise OSError(f"could not write {os.path.join(out, name)} ({why}); nothing was written to {out}.") from None
+    publish_folder(partial, out, flag)
+
+
 def write_atomic(path: str, write: Callable) -> None:
     """`write(file)` into a temporary file beside `path`, on disk, then renamed onto it: never half a file at `path`."""
     tmp = None

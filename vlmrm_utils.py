@@ -9,6 +9,7 @@ reads only the flags both training scripts share; the tools' own file handling i
 
 import contextlib
 import copy
+import errno
 import fcntl
 import hashlib
 import importlib.util
@@ -119,6 +120,9 @@ def check_common_args(args, positive: str, unit_interval: str, network: str) -> 
     ]:
         if failed:
             raise UserError(message)
+    if args.resume is None and args.evaluate is None:  # a run already trained on such prompts stays resumable
+        check_one_word_prompts(args.goal if args.reward == "clip" else (), "--goal")
+        check_one_word_prompts(args.baseline if projection else (), "--baseline")
     if args.evaluate is not None:  # the checks of --resume, then networks of this env
         saved = read_checkpoint(args.evaluate, type(args), "--evaluate")
         if network not in saved or saved["args"].get("env_id", args.env_id) != args.env_id:
@@ -164,10 +168,17 @@ def is_device(name: str) -> bool:
 def check_writable(folder: str, what: str = "", advice: str = "run from another") -> None:
     """Outputs must be writable before hours of training produce them (the folder itself may not exist yet)."""
     existing = os.path.abspath(folder)
+    where = f"{what} {os.path.abspath(folder)}/" if what else f"{os.path.abspath(folder)}/"
     while not os.path.exists(existing):
+        if os.path.islink(existing):  # a loop or a dangling link: making folders under it fails with [Errno 17]
+            try:
+                os.stat(existing)
+            except OSError as e:
+                how = "loops" if e.errno == errno.ELOOP else "points to nothing"
+            link = f"{existing} is a symbolic link to {os.readlink(existing)}, which {how}"
+            raise UserError(f"cannot write to {where} ({link}); {advice}.")
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK):  # os.access also sees a read-only mount
-        where = f"{what} {os.path.abspath(folder)}/" if what else f"{os.path.abspath(folder)}/"
         why = "is a file" if os.path.isfile(existing) else "is not a writable folder"
         raise UserError(f"cannot write to {where} ({existing} {why}); {advice}.")
 
@@ -193,6 +204,12 @@ def check_clip_args(args, model_flag: str = "--clip-model", checkpoint_flag: str
                 f"{model_flag} {args.clip_model} is not an open_clip model config (it needs an integer embed_dim, "
                 "vision_cfg and text_cfg, as in tests/vlmrm-tiny-test.json)."
             )
+        tags = ["none", *open_clip.list_pretrained_tags_by_model(Path(args.clip_model).stem)]  # a config named as a model
+        if args.clip_checkpoint is None and args.clip_pretrained not in tags and not os.path.isfile(args.clip_pretrained):
+            raise UserError(
+                f"{model_flag} {args.clip_model} is a model config, which has no --clip-pretrained {args.clip_pretrained} "
+                f"weights; add --clip-pretrained none (random weights, for tests) or a weights file with {checkpoint_flag}."
+            )
     elif args.clip_model not in open_clip.list_models():
         raise UserError(f"{model_flag} {args.clip_model} is not an open_clip architecture (see open_clip.list_models()).")
     elif args.clip_checkpoint is None:
@@ -202,6 +219,16 @@ def check_clip_args(args, model_flag: str = "--clip-model", checkpoint_flag: str
             raise UserError(f"{model_flag} {args.clip_model} needs --clip-pretrained, one of: {', '.join(tags)}{given}.")
     if args.clip_checkpoint is not None and not os.path.isfile(args.clip_checkpoint):
         raise UserError(f"{checkpoint_flag} {args.clip_checkpoint}: no such file.")
+
+
+def check_one_word_prompts(prompts, flag: str) -> None:
+    """`--goal pole upright` unquoted is two prompts, "pole" and "upright", each embedded and averaged. The rule: two or
+    more prompts that are all single words are refused (CLIP's prompts are phrases; one word alone is allowed)."""
+    if prompts and len(prompts) > 1 and all(len(p.split()) == 1 for p in prompts):
+        raise UserError(
+            f"{flag} got {len(prompts)} one-word prompts ({', '.join(prompts)}), each scored on its own and averaged; if "
+            f'you meant one sentence, quote it: {flag} "{" ".join(prompts)}" (prompts that are all one word are refused).'
+        )
 
 
 def same_prompts(goal: tuple[str, ...], baseline: tuple[str, ...]) -> bool:
@@ -272,8 +299,8 @@ def check_resources(args, observation_space: gym.Space, action_space: gym.Space,
         flag = max(by_flag, key=by_flag.get)
         advice = "use a GPU or a smaller --clip-model" if flag == "--clip-model" else f"lower {flag}"
         raise UserError(
-            f"{flag} {getattr(args, flag[2:].replace('-', '_'))} makes the run need {total / gib:.1f} GiB of memory, "
-            f"but {available / gib:.1f} GiB is available; {advice}."
+            f"{flag} {getattr(args, flag[2:].replace('-', '_'))} makes the run need {total / gib:.1f} GiB of memory, more "
+            f"than the {0.9 * available / gib:.1f} GiB it may take (90% of the {available / gib:.1f} GiB available); {advice}."
         )
     return total
 

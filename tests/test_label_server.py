@@ -467,6 +467,25 @@ def test_no_label_is_saved_after_a_line_the_next_start_would_refuse(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- labels.csv as saved elsewhere
+def test_two_servers_saving_their_first_label_at_once_write_one_header(tmp_path, monkeypatch):
+    """Two label servers on one dataset (two processes: each its own threading lock) both found labels.csv empty and
+    wrote a header each (1 in 14 tries): a kernel lock on the file orders them. Widened here: each write waits 0.2 s."""
+    path, write_all = str(tmp_path / "labels.csv"), label_server.write_all
+    monkeypatch.setattr(label_server, "write_all", lambda fd, data: time.sleep(0.2) or write_all(fd, data))
+    start = threading.Barrier(2)
+    savers = [
+        threading.Thread(target=lambda item=item: (start.wait(), label_server.append_label(path, item, "1")))
+        for item in ("a.png", "b.png")
+    ]
+    for saver in savers:
+        saver.start()
+    for saver in savers:
+        saver.join(timeout=10)
+    lines = open(path).read().splitlines()
+    assert len(lines) == 3 and lines[0] == ",".join(label_server.LABELS_HEADER), lines
+    assert read_labels(str(tmp_path), {"a.png", "b.png"}, FRAMES) == {"a.png": "1", "b.png": "1"}
+
+
 def test_labels_csv_saved_by_excel_or_notepad_is_read_and_appended_to(tmp_path):
     folder = make_rollouts(tmp_path / "r")
     labels_csv = os.path.join(folder, "labels.csv")

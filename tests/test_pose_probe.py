@@ -5,7 +5,10 @@ script's env, and the ranking and verdict logic with an instrumented encoder tha
 the true ranking is known. The proof that a trained CLIP's reward picks the right pose is tests/test_pose_probe_clip.py.
 """
 
+import os
 import runpy
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from conftest import ROOT, assert_refused, read_csv
+from conftest import ROOT, assert_clean_error, assert_refused, read_csv
 from scipy.spatial import ConvexHull
 
 sys.path.insert(0, str(ROOT / "experiments"))
@@ -124,6 +127,23 @@ def distance_to_hull(point: np.ndarray, points: np.ndarray) -> float:
             t = 0.0 if ab @ ab == 0 else np.clip((point - a) @ ab / (ab @ ab), 0, 1)
             best = min(best, float(np.linalg.norm(point - (a + t * ab))))
     return best
+
+
+def test_thumbnails_hold_the_whole_body(env):
+    """The heat map's thumbnails cut off raised hands (issue 41): every pixel a pose changes in the empty scene is
+    inside the thumbnail's crop (the paper's camera; fast quality draws no shadow)."""
+    model, data = env.unwrapped.model, env.unwrapped.data
+    frames = []
+    for name in reward_shape.POSES:
+        reward_shape.set_pose(env, *reward_shape.POSES[name])
+        frames.append(env.render().astype(int))
+    data.qpos[0] = 50.0  # the body out of view
+    mujoco.mj_forward(model, data)
+    empty = env.render().astype(int)
+    top, bottom, left, right = reward_shape.thumbnail_box(SIZE, "paper")
+    for name, frame in zip(reward_shape.POSES, frames):
+        rows, columns = np.nonzero(np.abs(frame - empty).sum(-1) > 40)
+        assert top <= rows.min() and rows.max() < bottom and left <= columns.min() and columns.max() < right, name
 
 
 def test_frames_are_the_training_scripts():
@@ -303,6 +323,12 @@ HUMANOID = ["--env-id", "Humanoid-v5"]
             ["is one of the --negatives"],
         ),
         ([*HUMANOID, "--render-size", "8"], ["--render-size must be between 16 and 2048 pixels, got 8"]),
+        ([*HUMANOID, "--goal", " "], ['e.g. --goal "a humanoid robot kneeling"']),  # not CartPole's goal
+        ([*HUMANOID, "--prompts", "a", "robot", "kneeling"], ["--prompts got 3 one-word prompts", "a robot kneeling"]),
+        (  # 200 prompts: 115 s, 3.1 GB and a heat map 62,537 px wide; refused before rendering
+            [*HUMANOID, "--prompts", *(f"a robot in pose {i}" for i in range(200))],
+            ["--prompts", "1,005 columns", "at most 100"],
+        ),
         ([*HUMANOID, "--realistic"], ["--realistic only changes MountainCar"]),
         (["--env-id", "CartPole-v1", "--prompts", "a pole"], ["--prompts and --expect are for the Humanoid-v5 pose probe"]),
         (["--expect", "a pole=upright"], ["--prompts and --expect are for the Humanoid-v5 pose probe"]),
@@ -310,3 +336,26 @@ HUMANOID = ["--env-id", "Humanoid-v5"]
 )
 def test_bad_input_is_one_sentence_before_any_work(nothing_expensive, argv, words):
     assert_refused(reward_shape, argv, *words)
+
+
+def test_a_read_only_runs_folder_is_refused_before_rendering(nothing_expensive, monkeypatch):
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # root ignores permissions: as a read-only mount
+    assert_refused(reward_shape, HUMANOID, "cannot write to", "runs/")
+
+
+@pytest.mark.skipif(
+    not shutil.which("unshare") or subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode,
+    reason="needs `unshare -rm` (a private mount namespace) for a small tmpfs",
+)
+def test_a_full_disk_is_one_sentence_naming_the_file_and_leaves_no_half_run(tmp_path):
+    """A 96 KiB tmpfs fills up while the run's files are written: it was [Errno 28] without a file name, poses.csv
+    without poses.png, and with --save-frames an "Exception ignored" traceback from imageio."""
+    (tmp_path / "disk").mkdir()
+    mount = 'mount -t tmpfs -o size=96k tmpfs "$0" && cd "$0" && { "$@"; rc=$?; echo "left: [$(ls -A runs)]"; exit $rc; }'
+    argv = [sys.executable, str(ROOT / "reward_shape.py"), "--env-id", "Humanoid-v5", "--clip-models", TINY]
+    argv += ["--clip-pretrained", "none", "--render-size", str(SIZE), "--render-quality", "fast", "--save-frames"]
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", mount, str(tmp_path / "disk"), *argv],
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 1, result.stdout[-1000:] + result.stderr[-3000:]  # the machine's failure: exit 1
+    assert_clean_error(result, "could not write runs/Humanoid-v5__", "No space left on device", "nothing was written")
+    assert "left: []" in result.stdout, result.stdout[-1000:]  # no run folder, no hidden partial one

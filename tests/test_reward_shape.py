@@ -360,6 +360,7 @@ def nothing_expensive(monkeypatch, tmp_path):
         # the flags as named here (--clip-models), not as in the training scripts (--clip-model)
         (["--clip-models", "NoSuchNet"], ["--clip-models NoSuchNet is not an open_clip architecture"]),
         (["--clip-models", "nothing.json"], ["--clip-models nothing.json: no such model config file"]),
+        (["--clip-models", TINY], ["is a model config", "add --clip-pretrained none"]),
         (
             ["--clip-models", "RN50", "--clip-pretrained", "nosuchtag"],
             ["--clip-models RN50 needs --clip-pretrained", "nosuchtag is not one of them"],
@@ -371,6 +372,7 @@ def nothing_expensive(monkeypatch, tmp_path):
         (["--reward-families", "projection", "softmax", "--negatives"], ["needs at least one non-empty --negatives prompt"]),
         (["--reward-families", "softmax", "--negatives", " "], ["needs at least one non-empty --negatives prompt"]),
         (["--reward-families", "softmax", "--negatives", "pole vertically upright on top of the cart"], ["share the prompt"]),
+        (["--goal", "pole", "upright"], ["--goal got 2 one-word prompts", '--goal "pole upright"']),  # unquoted
         (["--temperature", "0"], ["--temperature must be a positive number, got 0.0"]),
         (["--temperature", "-1"], ["--temperature must be a positive number"]),
         (["--threshold", "1"], ["--threshold must be in (0, 1), got 1.0"]),

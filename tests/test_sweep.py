@@ -209,6 +209,14 @@ def test_refused_grids_and_names_are_one_sentence(tmp_path):
     assert not (tmp_path.parent / "submitit").exists() and not (tmp_path.parent / "sweep.lock").exists()
 
 
+def test_a_name_that_is_a_symbolic_link_loop_is_one_sentence(tmp_path):
+    (tmp_path / "sweeps").mkdir()
+    os.symlink("loop", tmp_path / "sweeps" / "loop")  # a link to itself: Path.resolve raised RuntimeError
+    result = sweep_here("--cluster", "local", "--name", "loop", cwd=tmp_path)
+    assert result.returncode == 2, result
+    assert_clean_error(result, "--name", "sweeps/loop is a symbolic link to loop, which loops")
+
+
 FAST = ["--gpus-per-job", "0", "--cpus-per-job", "1", "--cluster", "local"]
 # learning-starts=5000 fails at once (not below --total-timesteps), learning-starts=100 trains 400 ground-truth steps
 MIXED = [*FAST, "--name", "m", "--grid", "learning-starts=100,5000", "--", "--reward", "gt", "--total-timesteps", "400"]

@@ -73,6 +73,7 @@ def write_dataset(folder: Path) -> None:
 
 EPIC = "model,family,alpha,epic,epic_low,epic_high\nRN50/openai,projection,0.0,0.5,0.4,0.6\n"
 SUCCESS = "model,alpha,seed,n,successes\nRN50/openai,0.0,1,10,4\n"
+SUCCESS_OF_R = "model,alpha,seed,n,successes,rollouts\nRN50/openai,0.0,1,3,2,r\n"  # as `report` writes it
 
 
 @pytest.fixture
@@ -228,6 +229,17 @@ CASES = {  # id: (command, the edit that breaks a good file, words the one sente
         None,
         ["--success success.csv is the same file as success.csv"],
     ),
+    # issue 41: one rollouts folder in two rows counts its episodes twice (n=6 from 3 episodes)
+    "study-success-row-copied": (
+        STUDY,
+        write("success.csv", SUCCESS_OF_R + SUCCESS_OF_R.splitlines(keepends=True)[1]),
+        ["--success success.csv line 3 and --success success.csv line 2 both count the rollouts r"],
+    ),
+    "study-two-reports-of-one-folder": (
+        STUDY[:6] + ["again.csv"] + STUDY[6:],
+        both(write("success.csv", SUCCESS_OF_R), write("again.csv", SUCCESS_OF_R.replace(",r\n", ",./r/\n"))),
+        ["--success again.csv line 2 and --success success.csv line 2 both count the rollouts ./r/"],
+    ),
     "study-same-epic-file-via-a-link": (
         STUDY[:3] + ["epic.csv", "epic-link.csv"] + STUDY[4:],
         lambda root: os.symlink("epic.csv", root / "epic-link.csv"),
@@ -272,6 +284,17 @@ CASES = {  # id: (command, the edit that breaks a good file, words the one sente
         ["epic_eval.py", "collect", "--out", "link"],
         lambda root: os.symlink("nowhere", root / "link"),
         ["--out link is a symbolic link (to nowhere)"],
+    ),
+    # issue 41: --out under a link that resolves nowhere was `[Errno 17] File exists`
+    "rollout-out-under-a-symlink-loop": (
+        ROLLOUT + ["--out", "loop/rollouts"],
+        lambda root: os.symlink("loop", root / "loop"),
+        ["cannot write to --out", "loop is a symbolic link to loop, which loops"],
+    ),
+    "collect-out-under-a-dangling-link": (
+        ["epic_eval.py", "collect", "--out", "link/ds"],
+        lambda root: os.symlink("nowhere", root / "link"),
+        ["cannot write to --out", "link is a symbolic link to nowhere, which points to nothing"],
     ),
     # the label pages' --port (a 21-line OverflowError)
     "label-port-above-65535": (
