@@ -743,7 +743,9 @@ reward_family negatives temperature threshold soft antialias"""
 
 
 def main(args: Args) -> None:
-    run = utils.Run(args, check_args, EVALUATE_AS_TRAINED)  # the flags (a resumed run's own) checked; seeds
+    args, checkpoint = utils.run_flags(args, EVALUATE_AS_TRAINED)  # a resumed or evaluated run's own flags
+    check_args(args)
+    run = utils.Run(args, checkpoint)  # seeds, the device, CLIP's weights fetched before anything starts
     args, device = run.args, run.device
     look = (args.render_size, args.render_quality, args.realistic, args.camera)
     opts = (args.episode_length, *look, args.episodes == "fixed")
@@ -898,7 +900,8 @@ def main(args: Args) -> None:
                 next_obs = np.where(dones[:, None], reset_obs, next_obs)
             obs = next_obs
         clip_return = np.mean(recent) if recent else math.nan
-        run.finish(networks, clip_return, partial(evaluation, args.eval_episodes, eval_seed))
+        if run.finish(networks, clip_return):  # --save-model: the final policy's deterministic episodes
+            run.report_evaluation(evaluation(args.eval_episodes, eval_seed))
 
 
 if __name__ == "__main__":

@@ -882,24 +882,33 @@ def set_torch_threads(args, device: torch.device) -> torch.device:
     return device
 
 
+def run_flags(args, evaluate_as_trained: str) -> tuple[object, Optional[dict]]:
+    """The flags of the run and its checkpoint (None for a new run): --resume continues the same run with its own flags,
+    step, TensorBoard folder and random streams; --evaluate rolls out with the run's own env, frames and CLIP model (the
+    flags named in `evaluate_as_trained`), unless a flag says otherwise."""
+    checkpoint = None
+    if args.resume is not None:
+        checkpoint = read_checkpoint(args.resume, type(args))
+        args = resumed_args(args, checkpoint)
+    if args.evaluate is not None:
+        checkpoint = read_checkpoint(args.evaluate, type(args), "--evaluate")
+        args = evaluated_args(args, checkpoint, evaluate_as_trained)
+    return args, checkpoint
+
+
 class Run:
     """A training run's lifecycle around the loop that each script writes out, in a few calls at fixed points of it:
-    `Run(...)` takes the flags (a resumed run's own) and seeds everything; `closing(envs)` closes the env processes and
-    TensorBoard on every exit; `start` opens the run folder; `restore` continues a resumed run; `iterations` counts the
-    vector steps and draws the progress line; `timer` times a part of the loop; `check_rewards`, `snapshot` and
-    `check_losses` are the NaN guard; `log_episodes` and `log_losses` write TensorBoard; `checkpoint_due` and `save`
-    checkpoint at episode ends (and on Ctrl-C or SIGTERM); `video_due` and `record_video` film the policy; `finish`
-    says where the time went. It reads only the flags both training scripts share."""
+    `Run(args, checkpoint)` takes the checked flags (`run_flags`: a resumed run's own) and seeds everything;
+    `closing(envs)` closes the env processes and TensorBoard on every exit; `start` opens the run folder; `restore`
+    continues a resumed run; `iterations` counts the vector steps and draws the progress line; `timer` times a part of
+    the loop; `check_rewards`, `snapshot` and `check_losses` are the NaN guard; `log_episodes` and `log_losses` write
+    TensorBoard; `checkpoint_due` and `save` checkpoint at episode ends (and on Ctrl-C or SIGTERM); `video_due` and
+    `record_video` film the policy; `finish` says where the time went, and `report_evaluation` the final policy's
+    episodes. It reads only the flags both training scripts share; of the script it calls only what hands it data (the
+    networks' state, an episode's success)."""
 
-    def __init__(self, args, check_args: Callable, evaluate_as_trained: str):
-        self.checkpoint = None  # of --resume (the run to continue) or --evaluate (the policy to roll out)
-        if args.resume is not None:  # continue the same run: its flags, step, TensorBoard folder and random streams
-            self.checkpoint = read_checkpoint(args.resume, type(args))
-            args = resumed_args(args, self.checkpoint)
-        if args.evaluate is not None:  # the run's own env, CLIP model and frames, unless a flag says otherwise
-            self.checkpoint = read_checkpoint(args.evaluate, type(args), "--evaluate")
-            args = evaluated_args(args, self.checkpoint, evaluate_as_trained)
-        check_args(args)
+    def __init__(self, args, checkpoint: Optional[dict] = None):
+        self.checkpoint = checkpoint  # of --resume (the run to continue) or --evaluate (the policy to roll out)
         self.args, self.script = args, os.path.basename(sys.modules[type(args).__module__].__file__)
         self.source = script_record(sys.modules[type(args).__module__].__file__)  # in every checkpoint: who wrote it
         if args.save_model and args.evaluate is None and args.episodes == "fixed":
@@ -1156,11 +1165,11 @@ class Run:
         if self.stopping:
             print(f"stopped; continue with: python {self.script} --resume runs/{self.name}/checkpoint.pt")
 
-    def finish(self, networks: Callable[[], dict], clip_return: float, evaluate: Callable[[], list]) -> None:
+    def finish(self, networks: Callable[[], dict], clip_return: float) -> bool:
         """The last progress line, where the time went, the end of W&B tracking. With --save-model: the final networks
         as checkpoints/step-<N>.pt where the run ended mid-episode (fixed-length episodes: no resumable state there;
-        checkpoint.pt keeps the last one, that of the last episode end, which a larger --total-timesteps extends), the
-        final policy's evaluation episodes (eval/gt_return, as CleanRL's dqn.py) and how to roll it out."""
+        checkpoint.pt keeps the last one, that of the last episode end, which a larger --total-timesteps extends), and
+        True: the script evaluates the final policy (`report_evaluation`)."""
         args, step = self.args, (self.iteration + 1) * self.args.num_envs
         self.progress.update(step, final=True)
         elapsed, steps = time.time() - self.progress.start, step - self.progress.start_step
@@ -1169,15 +1178,20 @@ class Run:
         if args.track and wandb_id() is not None:
             sys.modules["wandb"].finish()
         if not args.save_model or self.stop["requested"]:
-            return
-        final = f"runs/{self.name}/checkpoint.pt"
+            return False
+        self.final = f"runs/{self.name}/checkpoint.pt"
         if args.episodes == "fixed" and not self.dones.all():
             save_step_checkpoint(self.name, step, networks(), args, clip_return, self.source)
-            final = f"runs/{self.name}/checkpoints/step-{step}.pt"
-        for i, result in enumerate(evaluate()):
+            self.final = f"runs/{self.name}/checkpoints/step-{step}.pt"
+        return True
+
+    def report_evaluation(self, results: list[dict]) -> None:
+        """The final policy's evaluation episodes (eval/gt_return, as CleanRL's dqn.py) and how to roll it out."""
+        step = (self.iteration + 1) * self.args.num_envs
+        for i, result in enumerate(results):
             print(f"eval episode {i}: {returns_text(result)}")
             self.writer.add_scalar("eval/gt_return", result["gt_return"], step)
-        print(f"roll the policy out with: python {self.script} --evaluate {final}")
+        print(f"roll the policy out with: python {self.script} --evaluate {self.final}")
 
     def save_episodes(self, results: list[dict]) -> None:
         """--evaluate: the episodes under the trained run's videos/<run_name>/."""
