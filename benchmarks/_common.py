@@ -108,6 +108,19 @@ def emit(result: dict) -> None:
     print(json.dumps(result), flush=True)
 
 
+def main_or_worker(main, worker) -> None:
+    """A benchmark's entry point: `main()` runs the comparison; started as a worker (`--worker <json>`), the process
+    measures one contender and prints its result as one JSON line."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    payload = worker_payload()
+    if payload is None:
+        main()
+    else:
+        emit(worker(payload))
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 

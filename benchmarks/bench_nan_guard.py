@@ -14,10 +14,9 @@ import os
 import shutil
 import sys
 import tempfile
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import SCRIPTS, Clock, emit, load, machine, median, run_main, run_worker, spread, table, worker_payload  # noqa: E402
+from _common import SCRIPTS, Clock, load, machine, main_or_worker, median, run_main, run_worker, spread, table  # noqa: E402
 
 SAC_FILE, UTILS_FILE = "vlmrm_sac_humanoid.py", "vlmrm_utils.py"
 
@@ -102,9 +101,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    warnings.filterwarnings("ignore")
-    payload = worker_payload()
-    if payload is None:
-        main()
-    else:
-        emit(worker(payload))
+    main_or_worker(main, worker)

@@ -15,10 +15,9 @@ import argparse
 import os
 import sys
 import time
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Clock, emit, load, machine, median, run_worker, table, worker_payload  # noqa: E402
+from _common import Clock, load, machine, main_or_worker, median, run_worker, table  # noqa: E402
 
 
 def worker(c: dict) -> dict:
@@ -98,9 +97,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    warnings.filterwarnings("ignore")
-    payload = worker_payload()
-    if payload is None:
-        main()
-    else:
-        emit(worker(payload))
+    main_or_worker(main, worker)

@@ -33,10 +33,9 @@ import os
 import sys
 import tempfile
 import time
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Clock, emit, load, machine, median, run_main, run_worker, spread, table, worker_payload  # noqa: E402
+from _common import Clock, load, machine, main_or_worker, median, run_main, run_worker, spread, table  # noqa: E402
 
 
 def sac_config(env_id: str, a) -> dict:
@@ -410,9 +409,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    warnings.filterwarnings("ignore")
-    payload = worker_payload()
-    if payload is None:
-        main()
-    else:
-        emit(run_ours(payload) if payload["side"] == "ours" else run_sb3(payload))
+    main_or_worker(main, lambda payload: run_ours(payload) if payload["side"] == "ours" else run_sb3(payload))

@@ -55,6 +55,24 @@ def test_negative_torch_threads_is_refused(module, in_tmp):
 
 
 @pytest.mark.parametrize("module", SCRIPTS, ids=["dqn", "sac"])
+def test_a_copy_of_the_script_runs_in_any_folder(module, tmp_path):
+    """README: copy a script into your own experiment folder and run it there; the install (`pip install -e .` in
+    requirements.txt) makes the shared plumbing importable from any folder, as `pip install cleanrl` does
+    `cleanrl_utils`."""
+    experiment = tmp_path / "exp"
+    experiment.mkdir()
+    copy = experiment / "my_reward.py"
+    copy.write_bytes((ROOT / SCRIPTS[module]).read_bytes())
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing points at the repository
+    result = subprocess.run(
+        [sys.executable, str(copy), *SHORT_RUNS[module]], cwd=experiment, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    (run_dir,) = (experiment / "runs").iterdir()
+    assert "__my_reward__" in run_dir.name  # the copy's own experiment name
+
+
+@pytest.mark.parametrize("module", SCRIPTS, ids=["dqn", "sac"])
 def test_short_run_prints_a_few_lines_with_progress_and_episode_lines_on_request(module, tmp_path):
     quiet = run_script(SCRIPTS[module], *SHORT_RUNS[module], cwd=tmp_path)
     assert quiet.returncode == 0, quiet.stderr[-2000:]
