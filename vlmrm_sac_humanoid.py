@@ -17,6 +17,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -84,6 +85,10 @@ class Args:
     """the realistic look CLIP rewards are better on (sky, slate floor, metal body; a car landscape)"""
     camera: Literal["paper", "tracking"] = "paper"
     """Humanoid: the paper's fixed frontal camera, or following the torso"""
+    renderer: Literal["egl", "warp"] = "egl"
+    """egl: MuJoCo's OpenGL in each env process (the paper's); warp: MuJoCo Warp's ray tracer, all envs at once on the
+    reward's device"""
+    supersample: int = 2  # --renderer warp: rays per pixel along each axis, averaged (1: the floor shows moire)
 
     # Reward
     reward: Literal["clip", "gt"] = "clip"
@@ -139,7 +144,7 @@ class Args:
 def check_args(args: Args) -> None:
     """The defaults that depend on --env-id, then bad flags refused, each in one sentence, before anything
     expensive (a model download, the env processes) happens."""
-    mountain_car = args.env_id == "MountainCarContinuous-v0"
+    mountain_car, warp = args.env_id == "MountainCarContinuous-v0", args.renderer == "warp"
     entry_point = str(getattr(gym.registry.get(args.env_id), "entry_point", ""))  # "" when not registered
     for failed, message in [
         (not 16 <= args.render_size <= 2048, f"--render-size must be between 16 and 2048 pixels, got {args.render_size}."),
@@ -149,6 +154,10 @@ def check_args(args: Args) -> None:
             f"--env-id {args.env_id} is no MuJoCo task or MountainCarContinuous-v0.",
         ),
         (args.env_id == "Humanoid-v4", "--env-id Humanoid-v4 takes neither our scene nor our camera; use Humanoid-v5."),
+        (not 1 <= args.supersample <= 8, f"--supersample must be between 1 and 8, got {args.supersample}."),
+        (warp and args.env_id != "Humanoid-v5", "--renderer warp draws Humanoid-v5 only; use --renderer egl."),
+        (warp and args.camera == "tracking", "--renderer warp draws the paper's camera only; use --renderer egl."),
+        (warp and not find_spec("mujoco_warp"), "--renderer warp needs MuJoCo Warp: pip install mujoco-warp."),
     ]:
         if failed:
             raise utils.UserError(message)
@@ -491,6 +500,16 @@ class Renderer(gym.Wrapper):
         return frame
 
 
+def warp_renderer(realistic: bool, size: int, supersample: int, worlds: int, device) -> utils.WarpRenderer:
+    """--renderer warp: the scene with the paper's free camera as a fixed model camera (the ray tracer draws model
+    cameras only), drawn by MuJoCo Warp on `device`, `worlds` states per launch."""
+    stock = Path(gym.envs.mujoco.__file__).parent / "assets" / "humanoid.xml"
+    spec = mujoco.MjSpec.from_file(textured_humanoid_xml() if realistic else str(stock))
+    pos, xyaxes = utils.free_camera_pose(**HUMANOID_CAMERA)
+    spec.worldbody.add_camera(name="paper", pos=pos, xyaxes=xyaxes, fovy=spec.visual.global_.fovy)
+    return utils.WarpRenderer(spec.compile(), "paper", size, supersample, worlds, device)
+
+
 class NoEarlyTermination(gym.Wrapper):
     """Fixed-length episodes for any MuJoCo task: a fallen robot keeps being rendered and scored."""
 
@@ -593,8 +612,10 @@ def frame_shape_of(args: Args) -> tuple[int, int, int]:
     return (400, 600, 3) if args.env_id == "MountainCarContinuous-v0" else (args.render_size, args.render_size, 3)
 
 
-def make_env(env_id, seed, idx, episode_length, render_size, render_quality, realistic, camera="paper", fixed_length=True):
-    """CleanRL-style thunk: fixed-length episodes (or the stock task's), rgb_array frames for the CLIP reward."""
+def make_env(env_id, seed, idx, episode_length, render_size, render_quality, realistic, camera="paper", fixed_length=True,
+             renderer="egl", supersample=2):  # fmt: skip
+    """CleanRL-style thunk: fixed-length episodes (or the stock task's), rgb_array frames for the CLIP reward (warp: the
+    env's state instead, drawn by the trainer)."""
 
     def thunk() -> gym.Env:
         # gym.make's TimeLimit; stock: the task's
@@ -611,7 +632,10 @@ def make_env(env_id, seed, idx, episode_length, render_size, render_quality, rea
                 kwargs.update({"xml_file": textured_humanoid_xml()} if realistic else {})
             env = gym.make(env_id, **kwargs)
             env = NoEarlyTermination(env) if fixed_length and not humanoid else env
-            env = Renderer(env, render_quality, tracking=humanoid and camera == "tracking")
+            if renderer == "warp":
+                env = utils.WarpFrames(env, partial(warp_renderer, realistic, render_size, supersample))
+            else:
+                env = Renderer(env, render_quality, tracking=humanoid and camera == "tracking")
             env.observation_space.seed(seed + idx)
         env.action_space.seed(seed + idx)
         return env

@@ -626,6 +626,101 @@ class FramesInInfo(gym.vector.VectorWrapper):
         return getattr(self.env, name)
 
 
+# ----------------------------------------------------------------------------------------------
+# MuJoCo Warp's ray tracer: every env's frame drawn in one batch on the reward's device (--renderer warp)
+# ----------------------------------------------------------------------------------------------
+def free_camera_pose(distance: float, lookat, elevation: float, azimuth: float) -> tuple[np.ndarray, np.ndarray]:
+    """A MuJoCo free camera (degrees) as a fixed camera's (pos, xyaxes): MuJoCo's own convention, forward = (cos el cos
+    az, cos el sin az, sin el), the camera distance behind the look-at point, its x axis level."""
+    el, az = np.radians(elevation), np.radians(azimuth)
+    forward = np.array([np.cos(el) * np.cos(az), np.cos(el) * np.sin(az), np.sin(el)])
+    right = np.cross(forward, [0.0, 0.0, 1.0])
+    right /= np.linalg.norm(right)
+    return np.asarray(lookat) - distance * forward, np.concatenate([right, np.cross(right, forward)])
+
+
+class WarpRenderer:
+    """Draws MuJoCo states in batches with MuJoCo Warp's ray tracer (compute kernels: every SM of a CUDA device, or
+    Warp's CPU device), the frames staying on `device` for the reward model (no host copy on CUDA).
+
+        renderer = WarpRenderer(model, "paper", size=224, supersample=2, worlds=32, device=torch.device("cuda"))
+        frames = renderer.draw(qpos)  # (N, nq) numpy or torch -> uint8 torch (N, size, size, 3) on `device`
+
+    `model`: the scene with `camera` as a model camera (the ray tracer draws model cameras only); a copy with the Newton
+    solver goes to the device (put_model refuses Gymnasium's PGS; the drawing needs kinematics only). Each pixel
+    averages `supersample` x `supersample` rays on a grid (MuJoCo Warp's samples_per_pixel, summed in float): as
+    drawing at size * supersample and averaging the blocks; without it the floor's tiles show moire. `worlds`: states
+    drawn per launch (a render context for N worlds is expensive to make: one per process); N states are drawn in
+    blocks of `worlds`. `shadows`: MuJoCo Warp's shadow rays (off: see docs/vlmrm_sac_humanoid.md)."""
+
+    def __init__(self, model, camera: str, size: int, supersample: int, worlds: int, device, shadows: bool = False):
+        import mujoco
+        import warp as wp
+
+        wp.config.log_level = wp.LOG_WARNING  # no banner nor a line per compiled module
+        wp.init()
+        import mujoco_warp as mjw
+
+        self.wp, self.mjw, self.worlds, self.size = wp, mjw, worlds, size
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.wp_device = str(self.device) if self.device.type == "cuda" else "cpu"
+        cache = Path(wp.config.kernel_cache_dir or "")
+        if not any(cache.glob("wp_mujoco_warp._src.render*")):
+            print("compiling MuJoCo Warp's ray tracer kernels (once per machine, about 35 s on a CPU)...", flush=True)
+        model = copy.deepcopy(model)
+        model.opt.solver = mujoco.mjtSolver.mjSOL_NEWTON
+        data = mujoco.MjData(model)
+        mujoco.mj_forward(model, data)
+        with wp.ScopedDevice(self.wp_device):
+            self.model = mjw.put_model(model)
+            self.data = mjw.put_data(model, data, nworld=worlds)
+            self.context = mjw.create_render_context(
+                model, worlds, (size, size), render_rgb=True, render_depth=False, render_seg=False, use_textures=True,
+                use_shadows=shadows, render_skybox=True, samples_per_pixel=supersample, cam_active=[camera],
+            )  # fmt: skip
+        self.qpos = wp.to_torch(self.data.qpos)  # (worlds, nq) float32, shared with the device's data
+
+    def draw(self, qpos) -> torch.Tensor:
+        """uint8 frames (N, size, size, 3) of the states' qpos (N, nq), on the renderer's device."""
+        qpos = torch.as_tensor(qpos, dtype=torch.float32).to(self.device)
+        wp, mjw, frames = self.wp, self.mjw, []
+        # on CUDA the kernels run on torch's current stream: ordered with the reward model's work, no synchronisation
+        cuda = self.device.type == "cuda"
+        stream = wp.ScopedStream(wp.stream_from_torch(torch.cuda.current_stream(self.device))) if cuda else None
+        with wp.ScopedDevice(self.wp_device), stream or contextlib.nullcontext():
+            for block in qpos.split(self.worlds):
+                self.qpos[: len(block)] = block
+                mjw.kinematics(self.model, self.data)
+                mjw.refit_bvh(self.model, self.data, self.context)
+                mjw.render(self.model, self.data, self.context)
+                # rgb_data: a uint32 per pixel, blue in its lowest byte (little endian: B, G, R, A), rows top down
+                pixels = wp.to_torch(self.context.rgb_data)[: len(block)].view(torch.uint8)
+                frames.append(pixels.view(len(block), self.size, self.size, 4)[..., [2, 1, 0]])  # a copy, RGB
+        return torch.cat(frames) if len(frames) > 1 else frames[0]
+
+
+class WarpFrames(gym.Wrapper):
+    """A MuJoCo env drawn by MuJoCo Warp: `state()` is what a frame is drawn from (qpos), which training envs return
+    with each step in place of a frame (FrameAfterStep) for the trainer to draw every env's at once; `render()` draws
+    this env's own frame with a 1-world WarpRenderer made on first use (evaluation, videos, the tools), on CUDA when
+    there is one. `renderer(worlds, device)`: the script's WarpRenderer of its scene and camera."""
+
+    def __init__(self, env: gym.Env, renderer: Callable):
+        super().__init__(env)
+        self.make_renderer, self.renderer = renderer, None
+        self.state_shape = (env.unwrapped.model.nq,)
+
+    def state(self) -> np.ndarray:
+        return self.env.unwrapped.data.qpos.copy()
+
+    def render(self) -> np.ndarray:
+        if self.renderer is None:
+            self.renderer = self.make_renderer(1, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        return self.renderer.draw(self.state()[None])[0].cpu().numpy()
+
+
 MUJOCO_WARNED = []
 
 
