@@ -341,8 +341,10 @@ class CLIPReward(nn.Module):
         return vlm_reward(image_embeddings, self.goal_embeddings, self.baseline_embeddings, self.alpha)
 
     @torch.no_grad()
-    def forward(self, frames: np.ndarray) -> np.ndarray:
-        chunks = torch.from_numpy(np.ascontiguousarray(frames)).split(self.batch_size)
+    def forward(self, frames) -> np.ndarray:
+        """uint8 frames (N, H, W, 3), numpy or torch (one on the reward device is not copied) -> (N,) rewards."""
+        frames = frames if torch.is_tensor(frames) else torch.from_numpy(np.ascontiguousarray(frames))
+        chunks = frames.split(self.batch_size)
         k = len(self.replicas)
 
         # replica i scores chunks i, i + k, ...: the batches one device would score
@@ -770,7 +772,7 @@ def evaluate(actor, eval_envs, device, reward_model, episodes, seed):
 # Training
 # ----------------------------------------------------------------------------------------------
 # what --evaluate takes from the checkpoint unless given: the env, the frames CLIP saw and the reward model
-EVALUATE_AS_TRAINED = """env_id episodes episode_length render_size render_quality realistic camera
+EVALUATE_AS_TRAINED = """env_id episodes episode_length render_size render_quality realistic camera renderer supersample
 reward goal baseline alpha clip_model clip_pretrained clip_checkpoint clip_cache_dir
 reward_family negatives temperature threshold soft antialias"""
 
@@ -779,7 +781,7 @@ def main(args: Args) -> None:
     run = utils.Run(args, check_args, EVALUATE_AS_TRAINED)  # the flags (a resumed run's own) checked; seeds
     args, device = run.args, run.device
     look = (args.render_size, args.render_quality, args.realistic, args.camera)
-    opts = (args.episode_length, *look, args.episodes == "fixed")
+    opts = (args.episode_length, *look, args.episodes == "fixed", args.renderer, args.supersample)
     eval_seed = args.seed + 10_000
     eval_envs = gym.vector.SyncVectorEnv([make_env(args.env_id, eval_seed, 0, *opts)])
     if args.evaluate is not None:  # roll the checkpoint's policy out
@@ -824,7 +826,10 @@ def main(args: Args) -> None:
         gt_success = (lambda episode: episode["success"]) if mountain_car else None  # the flag reached
         run.start(networks(), rb, reward_model, frame_shape, gt_success)
         chunk = args.reward_batch_size * max(1, len(args.reward_devices))  # frames CLIP scores at once
-        queue = utils.RewardQueue(reward_model, chunk, run.timing)
+        # --renderer warp: the envs return their states, which the scoring thread draws at once on the reward's device
+        batch_look = (args.realistic, args.render_size, args.supersample, args.num_envs)
+        draw = warp_renderer(*batch_look, reward_model.device).draw if args.renderer == "warp" and clip else None
+        queue = utils.RewardQueue(reward_model, chunk, run.timing, draw=draw)
         recent = deque(maxlen=100)  # the paper ranks checkpoints by the mean CLIP return of the last 100
         components = []  # the env's own reward terms (e.g. reward_forward), logged as diagnostics
 

@@ -566,30 +566,33 @@ class FrameSpace(gym.spaces.Box):
     """uint8 frames of one shape, bounds 0 and 255 held as views: gymnasium's Box holds four arrays of the frame's size
     (bounds and their masks), in every env and, batched, four per env in the vector env: gigabytes for many envs."""
 
-    def __init__(self, shape: tuple):
-        super().__init__(0, 255, (1,), np.uint8)
+    def __init__(self, shape: tuple, dtype=np.uint8):  # float64: the states --renderer warp draws, unbounded
+        super().__init__(*((0, 255) if dtype == np.uint8 else (-np.inf, np.inf)), (1,), dtype)
         self._shape, self.low, self.high = (
             tuple(shape),
-            np.broadcast_to(np.uint8(0), shape),
-            np.broadcast_to(np.uint8(255), shape),
+            np.broadcast_to(self.low[0], shape),
+            np.broadcast_to(self.high[0], shape),
         )
-        self.bounded_below = self.bounded_above = np.broadcast_to(True, shape)
+        self.bounded_below = self.bounded_above = np.broadcast_to(dtype == np.uint8, shape)
 
 
 @gym.vector.utils.batch_space.register(FrameSpace)
 def _batch_frame_space(space: FrameSpace, n: int = 1) -> FrameSpace:
-    return FrameSpace((n, *space.shape))
+    return FrameSpace((n, *space.shape), space.dtype)
 
 
 class FrameAfterStep(gym.Wrapper):
     """An env whose step renders the frame after it and returns it with the observation: one round trip to an env
     process per vector step, and the frame travels through the vector env's shared memory, never pickled. A reset's
-    frame is blank: no reset frame ever scores a transition."""
+    frame is blank: no reset frame ever scores a transition. An env drawn by the trainer (WarpFrames) returns the state
+    the frame is drawn from instead."""
 
     def __init__(self, env: gym.Env, frame_shape: tuple):
         super().__init__(env)
-        self.observation_space = gym.spaces.Tuple((env.observation_space, FrameSpace(frame_shape)))
-        self.blank = np.zeros(frame_shape, np.uint8)
+        self.drawn_later = isinstance(env, WarpFrames)
+        frame_shape, dtype = (env.state_shape, np.float64) if self.drawn_later else (frame_shape, np.uint8)
+        self.observation_space = gym.spaces.Tuple((env.observation_space, FrameSpace(frame_shape, dtype)))
+        self.blank = np.zeros(frame_shape, dtype)
 
     def reset(self, **kwargs):
         obs, info = self.env.reset(**kwargs)
@@ -598,7 +601,7 @@ class FrameAfterStep(gym.Wrapper):
     def step(self, action):
         obs, reward, terminated, truncated, info = self.env.step(action)
         start = time.perf_counter()
-        frame = self.env.render()
+        frame = self.env.state() if self.drawn_later else self.env.render()
         info["render_s"] = time.perf_counter() - start  # the loop times one round trip: this says how much was rendering
         return (obs, frame), reward, terminated, truncated, info
 
@@ -1001,8 +1004,9 @@ class RewardQueue:
     replay buffer receives what a serial loop gives it, in the same order. At most `in_flight` chunks are with the
     reward model: when it is the slower side, the loop waits for the oldest rather than piling frames up."""
 
-    def __init__(self, reward_model, chunk: int, timing: dict, in_flight: int = 2):
+    def __init__(self, reward_model, chunk: int, timing: dict, in_flight: int = 2, draw: Optional[Callable] = None):
         self.reward_model, self.chunk, self.timing, self.in_flight = reward_model, chunk, timing, in_flight
+        self.draw = draw  # --renderer warp: the envs sent their states; drawn here, in the scoring thread, then scored
         self.pending: dict[str, list] = {}
         self.scoring: deque = deque()  # (transitions, step, future of their CLIP rewards or None), oldest first
         self.pool = ThreadPoolExecutor(1) if reward_model is not None else None
@@ -1026,6 +1030,10 @@ class RewardQueue:
 
     def score(self, frames: np.ndarray) -> np.ndarray:  # in the scoring thread: the reward model's own time
         start = time.perf_counter()
+        if self.draw is not None:
+            frames = self.draw(frames)
+            self.timing["draw"] = self.timing.get("draw", 0.0) + time.perf_counter() - start
+            start = time.perf_counter()
         rewards = self.reward_model(frames)
         self.timing["reward_model"] += time.perf_counter() - start
         return rewards
