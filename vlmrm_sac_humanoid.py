@@ -17,7 +17,6 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -144,7 +143,7 @@ class Args:
 def check_args(args: Args) -> None:
     """The defaults that depend on --env-id, then bad flags refused, each in one sentence, before anything
     expensive (a model download, the env processes) happens."""
-    mountain_car, warp = args.env_id == "MountainCarContinuous-v0", args.renderer == "warp"
+    mountain_car = args.env_id == "MountainCarContinuous-v0"
     entry_point = str(getattr(gym.registry.get(args.env_id), "entry_point", ""))  # "" when not registered
     for failed, message in [
         (not 16 <= args.render_size <= 2048, f"--render-size must be between 16 and 2048 pixels, got {args.render_size}."),
@@ -154,13 +153,10 @@ def check_args(args: Args) -> None:
             f"--env-id {args.env_id} is no MuJoCo task or MountainCarContinuous-v0.",
         ),
         (args.env_id == "Humanoid-v4", "--env-id Humanoid-v4 takes neither our scene nor our camera; use Humanoid-v5."),
-        (not 1 <= args.supersample <= 8, f"--supersample must be between 1 and 8, got {args.supersample}."),
-        (warp and args.env_id != "Humanoid-v5", "--renderer warp draws Humanoid-v5 only; use --renderer egl."),
-        (warp and args.camera == "tracking", "--renderer warp draws the paper's camera only; use --renderer egl."),
-        (warp and not find_spec("mujoco_warp"), "--renderer warp needs MuJoCo Warp: pip install mujoco-warp."),
     ]:
         if failed:
             raise utils.UserError(message)
+    utils.check_renderer_args(args)
     if args.episode_length is None:
         args.episode_length = 200 if mountain_car else 100
     # other MuJoCo tasks: give --goal (or use --reward gt)

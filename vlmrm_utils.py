@@ -10,6 +10,7 @@ reads only the flags both training scripts share; the tools' own file handling i
 import contextlib
 import copy
 import fcntl
+import importlib.util
 import logging
 import math
 import os
@@ -640,6 +641,19 @@ def free_camera_pose(distance: float, lookat, elevation: float, azimuth: float) 
     right = np.cross(forward, [0.0, 0.0, 1.0])
     right /= np.linalg.norm(right)
     return np.asarray(lookat) - distance * forward, np.concatenate([right, np.cross(right, forward)])
+
+
+def check_renderer_args(args) -> None:
+    """--renderer and --supersample, of the humanoid's training script and of the tools, in one sentence each."""
+    warp = args.renderer == "warp"
+    for failed, message in [
+        (not 1 <= args.supersample <= 8, f"--supersample must be between 1 and 8, got {args.supersample}."),
+        (warp and args.env_id != "Humanoid-v5", "--renderer warp draws Humanoid-v5 only; use --renderer egl."),
+        (warp and getattr(args, "camera", "paper") != "paper", "--renderer warp draws the paper's camera only; use egl."),
+        (warp and not importlib.util.find_spec("mujoco_warp"), "--renderer warp needs MuJoCo Warp: pip install mujoco-warp."),
+    ]:
+        if failed:
+            raise UserError(message)
 
 
 class WarpRenderer:
