@@ -118,8 +118,8 @@ def check_args(args: Args) -> list[ClipArgs]:
             f"--realistic only changes MountainCar-v0 and MountainCarContinuous-v0 drawings, not {args.env_id}'s; "
             "drop it or use a MountainCar."
         )
-    check_reward_args(args)
     check_renderer_args(args)
+    check_reward_args(args)
     if args.env_id == HUMANOID:
         check_probe_args(args)
     elif args.prompts or args.expect:
