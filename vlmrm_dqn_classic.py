@@ -295,10 +295,8 @@ class CLIPReward(nn.Module):
         return vlm_reward(image_embeddings, self.goal_embeddings, self.baseline_embeddings, self.alpha)
 
     @torch.no_grad()
-    def forward(self, frames) -> np.ndarray:
-        """uint8 frames (N, H, W, 3), numpy or torch (one on the reward device is not copied) -> (N,) rewards."""
-        frames = frames if torch.is_tensor(frames) else torch.from_numpy(np.ascontiguousarray(frames))
-        chunks = frames.split(self.batch_size)
+    def forward(self, frames) -> np.ndarray:  # uint8 (N, H, W, 3), numpy or torch (on the reward device: not copied)
+        chunks = (frames if torch.is_tensor(frames) else torch.from_numpy(np.ascontiguousarray(frames))).split(self.batch_size)
         k = len(self.replicas)
 
         # replica i scores chunks i, i + k, ...: the batches one device would score

@@ -85,8 +85,7 @@ class Args:
     camera: Literal["paper", "tracking"] = "paper"
     """Humanoid: the paper's fixed frontal camera, or following the torso"""
     renderer: Literal["egl", "warp"] = "egl"
-    """egl: MuJoCo's OpenGL in each env process (the paper's); warp: MuJoCo Warp's ray tracer, all envs at once on the
-    reward's device"""
+    """egl: OpenGL in each env process (the paper's); warp: MuJoCo Warp's ray tracer, all at once on the reward device"""
     supersample: int = 2  # --renderer warp: rays per pixel along each axis, averaged (1: the floor shows moire)
 
     # Reward
@@ -337,10 +336,8 @@ class CLIPReward(nn.Module):
         return vlm_reward(image_embeddings, self.goal_embeddings, self.baseline_embeddings, self.alpha)
 
     @torch.no_grad()
-    def forward(self, frames) -> np.ndarray:
-        """uint8 frames (N, H, W, 3), numpy or torch (one on the reward device is not copied) -> (N,) rewards."""
-        frames = frames if torch.is_tensor(frames) else torch.from_numpy(np.ascontiguousarray(frames))
-        chunks = frames.split(self.batch_size)
+    def forward(self, frames) -> np.ndarray:  # uint8 (N, H, W, 3), numpy or torch (on the reward device: not copied)
+        chunks = (frames if torch.is_tensor(frames) else torch.from_numpy(np.ascontiguousarray(frames))).split(self.batch_size)
         k = len(self.replicas)
 
         # replica i scores chunks i, i + k, ...: the batches one device would score
@@ -612,8 +609,7 @@ def frame_shape_of(args: Args) -> tuple[int, int, int]:
 
 def make_env(env_id, seed, idx, episode_length, render_size, render_quality, realistic, camera="paper", fixed_length=True,
              renderer="egl", supersample=2):  # fmt: skip
-    """CleanRL-style thunk: fixed-length episodes (or the stock task's), rgb_array frames for the CLIP reward (warp: the
-    env's state instead, drawn by the trainer)."""
+    """CleanRL-style thunk: fixed-length episodes (or the stock task's), rgb_array frames for the CLIP reward."""
 
     def thunk() -> gym.Env:
         # gym.make's TimeLimit; stock: the task's

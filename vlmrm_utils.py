@@ -683,9 +683,11 @@ class WarpRenderer:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.wp_device = str(self.device) if self.device.type == "cuda" else "cpu"
-        cache = Path(wp.config.kernel_cache_dir or "")
-        if not any(cache.glob("wp_mujoco_warp._src.render*")):
-            print("compiling MuJoCo Warp's ray tracer kernels (once per machine, about 35 s on a CPU)...", flush=True)
+        # Warp's cache holds each module's compiled code: object files for the CPU, cubin or ptx for CUDA
+        compiled = (".o",) if self.wp_device == "cpu" else (".cubin", ".ptx")
+        cached = Path(wp.config.kernel_cache_dir or "").glob("wp_mujoco_warp._src.render_*/*")
+        if not any(path.suffix in compiled for path in cached):
+            print(f"compiling MuJoCo Warp's ray tracer kernels for {self.wp_device} (once per machine, ~35 s on a CPU)...")
         model = copy.deepcopy(model)
         model.opt.solver = mujoco.mjtSolver.mjSOL_NEWTON
         data = mujoco.MjData(model)

@@ -166,3 +166,14 @@ print(sorted(m for m in sys.modules if m.split(".")[0] in ("warp", "mujoco_warp"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_one_line_says_when_the_kernels_compile(monkeypatch, capsys, drawn_and_rendered):
+    """Said when Warp's cache holds no compiled ray tracer for the device (simulated: the cache is never emptied)."""
+    sac.warp_renderer(True, 16, 1, 1, torch.device("cpu"))  # compiled by the fixture: nothing said
+    assert "compiling" not in capsys.readouterr().out
+    glob = Path.glob
+    monkeypatch.setattr(Path, "glob", lambda self, pattern: iter(()) if "mujoco_warp" in pattern else glob(self, pattern))
+    sac.warp_renderer(True, 16, 1, 1, torch.device("cpu"))
+    out = capsys.readouterr().out
+    assert out.startswith("compiling MuJoCo Warp's ray tracer kernels for cpu (once per machine") and out.count("\n") == 1
