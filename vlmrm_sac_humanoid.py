@@ -495,14 +495,20 @@ class Renderer(gym.Wrapper):
         return frame
 
 
-def warp_renderer(realistic: bool, size: int, supersample: int, worlds: int, device) -> utils.WarpRenderer:
-    """--renderer warp: the scene with the paper's free camera as a fixed model camera (the ray tracer draws model
-    cameras only), drawn by MuJoCo Warp on `device`, `worlds` states per launch."""
+def warp_renderer(realistic: bool, size: int, supersample: int, worlds: int, device, camera="paper") -> utils.WarpRenderer:
+    """--renderer warp: the scene with the paper's free camera as a model camera (the ray tracer draws model cameras
+    only), fixed ("paper") or at the same offset from the torso's centre of mass ("tracking", MuJoCo's trackcom mode),
+    drawn by MuJoCo Warp on `device`, `worlds` states per launch."""
     stock = Path(gym.envs.mujoco.__file__).parent / "assets" / "humanoid.xml"
     spec = mujoco.MjSpec.from_file(textured_humanoid_xml() if realistic else str(stock))
     pos, xyaxes = utils.free_camera_pose(**HUMANOID_CAMERA)
     spec.worldbody.add_camera(name="paper", pos=pos, xyaxes=xyaxes, fovy=spec.visual.global_.fovy)
-    return utils.WarpRenderer(spec.compile(), "paper", size, supersample, worlds, device)
+    data = mujoco.MjData(model := spec.compile())
+    mujoco.mj_forward(model, data)  # at qpos0, where trackcom measures its offset (the torso is not rotated there)
+    offset = data.subtree_com[model.body("torso").id] - data.xpos[model.body("torso").id] + pos - HUMANOID_CAMERA["lookat"]
+    spec.body("torso").add_camera(name="tracking", mode=mujoco.mjtCamLight.mjCAMLIGHT_TRACKCOM, pos=offset, xyaxes=xyaxes,
+                                  fovy=spec.visual.global_.fovy)  # fmt: skip
+    return utils.WarpRenderer(spec.compile(), camera, size, supersample, worlds, device)
 
 
 class NoEarlyTermination(gym.Wrapper):
@@ -627,7 +633,7 @@ def make_env(env_id, seed, idx, episode_length, render_size, render_quality, rea
             env = gym.make(env_id, **kwargs)
             env = NoEarlyTermination(env) if fixed_length and not humanoid else env
             if renderer == "warp":
-                env = utils.WarpFrames(env, partial(warp_renderer, realistic, render_size, supersample))
+                env = utils.WarpFrames(env, partial(warp_renderer, realistic, render_size, supersample, camera=camera))
             else:
                 env = Renderer(env, render_quality, tracking=humanoid and camera == "tracking")
             env.observation_space.seed(seed + idx)
@@ -819,8 +825,8 @@ def main(args: Args) -> None:
         run.start(networks(), rb, reward_model, frame_shape, gt_success)
         chunk = args.reward_batch_size * max(1, len(args.reward_devices))  # frames CLIP scores at once
         # --renderer warp: the envs return their states, which the scoring thread draws at once on the reward's device
-        batch_look = (args.realistic, args.render_size, args.supersample, args.num_envs)
-        draw = warp_renderer(*batch_look, reward_model.device).draw if args.renderer == "warp" and clip else None
+        batch_look = (args.realistic, args.render_size, args.supersample, args.num_envs, reward_model.device, args.camera)
+        draw = warp_renderer(*batch_look).draw if args.renderer == "warp" and clip else None
         queue = utils.RewardQueue(reward_model, chunk, run.timing, draw=draw)
         recent = deque(maxlen=100)  # the paper ranks checkpoints by the mean CLIP return of the last 100
         components = []  # the env's own reward terms (e.g. reward_forward), logged as diagnostics

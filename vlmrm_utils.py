@@ -649,7 +649,6 @@ def check_renderer_args(args) -> None:
     for failed, message in [
         (not 1 <= args.supersample <= 8, f"--supersample must be between 1 and 8, got {args.supersample}."),
         (warp and args.env_id != "Humanoid-v5", "--renderer warp draws Humanoid-v5 only; use --renderer egl."),
-        (warp and getattr(args, "camera", "paper") != "paper", "--renderer warp draws the paper's camera only; use egl."),
         (warp and not importlib.util.find_spec("mujoco_warp"), "--renderer warp needs MuJoCo Warp: pip install mujoco-warp."),
     ]:
         if failed:
@@ -712,6 +711,8 @@ class WarpRenderer:
             for block in qpos.split(self.worlds):
                 self.qpos[: len(block)] = block
                 mjw.kinematics(self.model, self.data)
+                mjw.com_pos(self.model, self.data)  # the centre of mass a tracking camera follows
+                mjw.camlight(self.model, self.data)
                 mjw.refit_bvh(self.model, self.data, self.context)
                 mjw.render(self.model, self.data, self.context)
                 # rgb_data: a uint32 per pixel, blue in its lowest byte (little endian: B, G, R, A), rows top down
