@@ -496,19 +496,11 @@ class Renderer(gym.Wrapper):
 
 
 def warp_renderer(realistic: bool, size: int, supersample: int, worlds: int, device, camera="paper") -> utils.WarpRenderer:
-    """--renderer warp: the scene with the paper's free camera as a model camera (the ray tracer draws model cameras
-    only), fixed ("paper") or at the same offset from the torso's centre of mass ("tracking", MuJoCo's trackcom mode),
-    drawn by MuJoCo Warp on `device`, `worlds` states per launch."""
+    """--renderer warp: this scene drawn by MuJoCo Warp on `device`, `worlds` states per launch, through the paper's
+    camera as model cameras (the ray tracer draws only those): fixed, or following the torso ("tracking")."""
     stock = Path(gym.envs.mujoco.__file__).parent / "assets" / "humanoid.xml"
     spec = mujoco.MjSpec.from_file(textured_humanoid_xml() if realistic else str(stock))
-    pos, xyaxes = utils.free_camera_pose(**HUMANOID_CAMERA)
-    spec.worldbody.add_camera(name="paper", pos=pos, xyaxes=xyaxes, fovy=spec.visual.global_.fovy)
-    data = mujoco.MjData(model := spec.compile())
-    mujoco.mj_forward(model, data)  # at qpos0, where trackcom measures its offset (the torso is not rotated there)
-    offset = data.subtree_com[model.body("torso").id] - data.xpos[model.body("torso").id] + pos - HUMANOID_CAMERA["lookat"]
-    spec.body("torso").add_camera(name="tracking", mode=mujoco.mjtCamLight.mjCAMLIGHT_TRACKCOM, pos=offset, xyaxes=xyaxes,
-                                  fovy=spec.visual.global_.fovy)  # fmt: skip
-    return utils.WarpRenderer(spec.compile(), camera, size, supersample, worlds, device)
+    return utils.WarpRenderer(utils.free_cameras(spec, HUMANOID_CAMERA, "torso"), camera, size, supersample, worlds, device)
 
 
 class NoEarlyTermination(gym.Wrapper):

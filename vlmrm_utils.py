@@ -633,14 +633,24 @@ class FramesInInfo(gym.vector.VectorWrapper):
 # ----------------------------------------------------------------------------------------------
 # MuJoCo Warp's ray tracer: every env's frame drawn in one batch on the reward's device (--renderer warp)
 # ----------------------------------------------------------------------------------------------
-def free_camera_pose(distance: float, lookat, elevation: float, azimuth: float) -> tuple[np.ndarray, np.ndarray]:
-    """A MuJoCo free camera (degrees) as a fixed camera's (pos, xyaxes): MuJoCo's own convention, forward = (cos el cos
-    az, cos el sin az, sin el), the camera distance behind the look-at point, its x axis level."""
-    el, az = np.radians(elevation), np.radians(azimuth)
+def free_cameras(spec, camera: dict, body: str):
+    """The model of `spec` with a MuJoCo free camera (distance, lookat, elevation, azimuth in degrees) as two model
+    cameras: "paper", fixed at its pose, and "tracking", at the same offset from `body`'s centre of mass (MuJoCo's
+    trackcom mode), as a free camera whose look-at point follows it. MuJoCo's convention: forward = (cos el cos az,
+    cos el sin az, sin el), the camera `distance` behind the look-at point, its x axis level."""
+    import mujoco
+
+    el, az = np.radians(camera["elevation"]), np.radians(camera["azimuth"])
     forward = np.array([np.cos(el) * np.cos(az), np.cos(el) * np.sin(az), np.sin(el)])
-    right = np.cross(forward, [0.0, 0.0, 1.0])
-    right /= np.linalg.norm(right)
-    return np.asarray(lookat) - distance * forward, np.concatenate([right, np.cross(right, forward)])
+    right = np.cross(forward, [0.0, 0.0, 1.0]) / np.linalg.norm(np.cross(forward, [0.0, 0.0, 1.0]))
+    pose = dict(xyaxes=np.concatenate([right, np.cross(right, forward)]), fovy=spec.visual.global_.fovy)
+    spec.worldbody.add_camera(name="paper", pos=np.asarray(camera["lookat"]) - camera["distance"] * forward, **pose)
+    data = mujoco.MjData(model := spec.compile())
+    mujoco.mj_forward(model, data)  # at qpos0, where trackcom measures its offset (`body` is not rotated there)
+    com = data.subtree_com[model.body(body).id] - data.xpos[model.body(body).id]
+    trackcom = mujoco.mjtCamLight.mjCAMLIGHT_TRACKCOM
+    spec.body(body).add_camera(name="tracking", mode=trackcom, pos=com - camera["distance"] * forward, **pose)
+    return spec.compile()
 
 
 def check_renderer_args(args) -> None:
