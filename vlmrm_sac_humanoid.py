@@ -495,12 +495,14 @@ class Renderer(gym.Wrapper):
         return frame
 
 
-def warp_renderer(realistic: bool, size: int, supersample: int, worlds: int, device, camera="paper") -> utils.WarpRenderer:
+def warp_renderer(realistic: bool, size: int, supersample: int, worlds: int, device, camera="paper", quality="high"):
     """--renderer warp: this scene drawn by MuJoCo Warp on `device`, `worlds` states per launch, through the paper's
-    camera as model cameras (the ray tracer draws only those): fixed, or following the torso ("tracking")."""
+    camera as model cameras (the ray tracer draws only those): fixed, or following the torso ("tracking"); quality
+    "high" casts shadows (the scene has no reflections)."""
     stock = Path(gym.envs.mujoco.__file__).parent / "assets" / "humanoid.xml"
     spec = mujoco.MjSpec.from_file(textured_humanoid_xml() if realistic else str(stock))
-    return utils.WarpRenderer(utils.free_cameras(spec, HUMANOID_CAMERA, "torso"), camera, size, supersample, worlds, device)
+    model = utils.free_cameras(spec, HUMANOID_CAMERA, "torso")
+    return utils.WarpRenderer(model, camera, size, supersample, worlds, device, shadows=quality == "high")
 
 
 class NoEarlyTermination(gym.Wrapper):
@@ -625,7 +627,8 @@ def make_env(env_id, seed, idx, episode_length, render_size, render_quality, rea
             env = gym.make(env_id, **kwargs)
             env = NoEarlyTermination(env) if fixed_length and not humanoid else env
             if renderer == "warp":
-                env = utils.WarpFrames(env, partial(warp_renderer, realistic, render_size, supersample, camera=camera))
+                look = dict(camera=camera, quality=render_quality)
+                env = utils.WarpFrames(env, partial(warp_renderer, realistic, render_size, supersample, **look))
             else:
                 env = Renderer(env, render_quality, tracking=humanoid and camera == "tracking")
             env.observation_space.seed(seed + idx)
@@ -818,7 +821,7 @@ def main(args: Args) -> None:
         chunk = args.reward_batch_size * max(1, len(args.reward_devices))  # frames CLIP scores at once
         # --renderer warp: the envs return their states, which the scoring thread draws at once on the reward's device
         batch_look = (args.realistic, args.render_size, args.supersample, args.num_envs, reward_model.device, args.camera)
-        draw = warp_renderer(*batch_look).draw if args.renderer == "warp" and clip else None
+        draw = warp_renderer(*batch_look, args.render_quality).draw if args.renderer == "warp" and clip else None
         queue = utils.RewardQueue(reward_model, chunk, run.timing, draw=draw)
         recent = deque(maxlen=100)  # the paper ranks checkpoints by the mean CLIP return of the last 100
         components = []  # the env's own reward terms (e.g. reward_forward), logged as diagnostics

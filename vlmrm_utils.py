@@ -677,9 +677,10 @@ class WarpRenderer:
     averages `supersample` x `supersample` rays on a grid (MuJoCo Warp's samples_per_pixel, summed in float): as
     drawing at size * supersample and averaging the blocks; without it the floor's tiles show moire. `worlds`: states
     drawn per launch (a render context for N worlds is expensive to make: one per process); N states are drawn in
-    blocks of `worlds`. `shadows`: MuJoCo Warp's shadow rays (off: see docs/vlmrm_sac_humanoid.md)."""
+    blocks of `worlds`. `shadows`: shadow rays towards each light that casts shadows; a shadowed point gets none of
+    that light, as in MuJoCo's OpenGL renderer (whose shadows, unlike these, leave out what is above the light)."""
 
-    def __init__(self, model, camera: str, size: int, supersample: int, worlds: int, device, shadows: bool = False):
+    def __init__(self, model, camera: str, size: int, supersample: int, worlds: int, device, shadows: bool = True):
         import mujoco
         import warp as wp
 
@@ -706,7 +707,8 @@ class WarpRenderer:
             self.data = mjw.put_data(model, data, nworld=worlds)
             self.context = mjw.create_render_context(
                 model, worlds, (size, size), render_rgb=True, render_depth=False, render_seg=False, use_textures=True,
-                use_shadows=shadows, render_skybox=True, samples_per_pixel=supersample, cam_active=[camera],
+                use_shadows=shadows, shadow_light_fraction=0.0, render_skybox=True, samples_per_pixel=supersample,
+                cam_active=[camera],
             )  # fmt: skip
         self.qpos = wp.to_torch(self.data.qpos)  # (worlds, nq) float32, shared with the device's data
 
