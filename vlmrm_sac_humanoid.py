@@ -820,8 +820,10 @@ def main(args: Args) -> None:
         run.start(networks(), rb, reward_model, frame_shape, gt_success)
         chunk = args.reward_batch_size * max(1, len(args.reward_devices))  # frames CLIP scores at once
         # --renderer warp: the envs return their states, which the scoring thread draws at once on the reward's device
-        batch_look = (args.realistic, args.render_size, args.supersample, args.num_envs, reward_model.device, args.camera)
-        draw = warp_renderer(*batch_look, args.render_quality).draw if args.renderer == "warp" and clip else None
+        draw = None
+        if args.renderer == "warp" and clip:
+            batch_look = (args.realistic, args.render_size, args.supersample, args.num_envs, reward_model.device, args.camera)
+            draw = warp_renderer(*batch_look, args.render_quality).draw
         queue = utils.RewardQueue(reward_model, chunk, run.timing, draw=draw)
         recent = deque(maxlen=100)  # the paper ranks checkpoints by the mean CLIP return of the last 100
         components = []  # the env's own reward terms (e.g. reward_forward), logged as diagnostics

@@ -209,3 +209,10 @@ def test_one_line_says_when_the_kernels_compile(monkeypatch, capsys, drawn_and_r
     sac.warp_renderer(True, 16, 1, 1, torch.device("cpu"))
     out = capsys.readouterr().out
     assert out.startswith("compiling MuJoCo Warp's ray tracer kernels for cpu (once per machine") and out.count("\n") == 1
+
+
+def test_ground_truth_runs_with_warp_and_draws_nothing(in_tmp, monkeypatch):
+    monkeypatch.setattr(vlmrm_utils.WarpRenderer, "draw", lambda *a: pytest.fail("--reward gt scores no frame"))
+    tiny = dict(num_envs=2, total_timesteps=20, learning_starts=10, buffer_size=100, batch_size=8)
+    sac.main(sac.Args(reward="gt", renderer="warp", **tiny))
+    assert len(list(Path("runs").iterdir())) == 1
