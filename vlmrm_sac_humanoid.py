@@ -75,6 +75,9 @@ class Args:
     """the realistic look CLIP rewards are better on (sky, slate floor, metal body; a car landscape)"""
     camera: Literal["paper", "tracking"] = "paper"
     """Humanoid: the paper's fixed frontal camera, or following the torso"""
+    renderer: Literal["egl", "warp"] = "egl"
+    """egl: OpenGL in each env process (the paper's); warp: MuJoCo Warp's ray tracer, all at once on the reward device"""
+    supersample: int = 2  # --renderer warp: rays per pixel along each axis, averaged (1: the floor shows moire)
 
     # Reward
     reward: Literal["clip", "gt"] = "clip"
@@ -143,6 +146,7 @@ def check_args(args: Args) -> None:
     ]:
         if failed:
             raise utils.UserError(message)
+    utils.check_renderer_args(args)
     if args.episode_length is None:
         args.episode_length = 200 if mountain_car else 100
     # other MuJoCo tasks: give --goal (or use --reward gt)
@@ -323,8 +327,8 @@ class CLIPReward(nn.Module):
         return vlm_reward(image_embeddings, self.goal_embeddings, self.baseline_embeddings, self.alpha)
 
     @torch.no_grad()
-    def forward(self, frames: np.ndarray) -> np.ndarray:
-        chunks = torch.from_numpy(np.ascontiguousarray(frames)).split(self.batch_size)
+    def forward(self, frames) -> np.ndarray:  # uint8 (N, H, W, 3), numpy or torch (on the reward device: not copied)
+        chunks = (frames if torch.is_tensor(frames) else torch.from_numpy(np.ascontiguousarray(frames))).split(self.batch_size)
         k = len(self.replicas)
 
         # replica i scores chunks i, i + k, ...: the batches one device would score
@@ -482,6 +486,16 @@ class Renderer(gym.Wrapper):
         return frame
 
 
+def warp_renderer(realistic: bool, size: int, supersample: int, worlds: int, device, camera="paper", quality="high"):
+    """--renderer warp: this scene drawn by MuJoCo Warp on `device`, `worlds` states per launch, through the paper's
+    camera as model cameras (the ray tracer draws only those): fixed, or following the torso ("tracking"); quality
+    "high" casts shadows (the scene has no reflections)."""
+    stock = Path(gym.envs.mujoco.__file__).parent / "assets" / "humanoid.xml"
+    spec = mujoco.MjSpec.from_file(textured_humanoid_xml() if realistic else str(stock))
+    model = utils.free_cameras(spec, HUMANOID_CAMERA, "torso")
+    return utils.WarpRenderer(model, camera, size, supersample, worlds, device, shadows=quality == "high")
+
+
 class NoEarlyTermination(gym.Wrapper):
     """Fixed-length episodes for any MuJoCo task: a fallen robot keeps being rendered and scored."""
 
@@ -584,7 +598,8 @@ def frame_shape_of(args: Args) -> tuple[int, int, int]:
     return (400, 600, 3) if args.env_id == "MountainCarContinuous-v0" else (args.render_size, args.render_size, 3)
 
 
-def make_env(env_id, seed, idx, episode_length, render_size, render_quality, realistic, camera="paper", fixed_length=True):
+def make_env(env_id, seed, idx, episode_length, render_size, render_quality, realistic, camera="paper", fixed_length=True,
+             renderer="egl", supersample=2):  # fmt: skip
     """CleanRL-style thunk: fixed-length episodes (or the stock task's), rgb_array frames for the CLIP reward."""
 
     def thunk() -> gym.Env:
@@ -602,7 +617,11 @@ def make_env(env_id, seed, idx, episode_length, render_size, render_quality, rea
                 kwargs.update({"xml_file": textured_humanoid_xml()} if realistic else {})
             env = gym.make(env_id, **kwargs)
             env = NoEarlyTermination(env) if fixed_length and not humanoid else env
-            env = Renderer(env, render_quality, tracking=humanoid and camera == "tracking")
+            if renderer == "warp":
+                look = dict(camera=camera, quality=render_quality)
+                env = utils.WarpFrames(env, partial(warp_renderer, realistic, render_size, supersample, **look))
+            else:
+                env = Renderer(env, render_quality, tracking=humanoid and camera == "tracking")
             env.observation_space.seed(seed + idx)
         env.action_space.seed(seed + idx)
         return env
@@ -737,7 +756,7 @@ def evaluate(actor, eval_envs, device, reward_model, episodes, seed):
 # Training
 # ----------------------------------------------------------------------------------------------
 # what --evaluate takes from the checkpoint unless given: the env, the frames CLIP saw and the reward model
-EVALUATE_AS_TRAINED = """env_id episodes episode_length render_size render_quality realistic camera
+EVALUATE_AS_TRAINED = """env_id episodes episode_length render_size render_quality realistic camera renderer supersample
 reward goal baseline alpha clip_model clip_pretrained clip_checkpoint clip_cache_dir
 reward_family negatives temperature threshold soft antialias"""
 
@@ -748,7 +767,7 @@ def main(args: Args) -> None:
     run = utils.Run(args, checkpoint)  # seeds, the device, CLIP's weights fetched before anything starts
     args, device = run.args, run.device
     look = (args.render_size, args.render_quality, args.realistic, args.camera)
-    opts = (args.episode_length, *look, args.episodes == "fixed")
+    opts = (args.episode_length, *look, args.episodes == "fixed", args.renderer, args.supersample)
     eval_seed = args.seed + 10_000
     eval_envs = gym.vector.SyncVectorEnv([make_env(args.env_id, eval_seed, 0, *opts)])
     if run.checkpoint:  # its tensors fit networks built as below (on the CPU): one sentence before anything starts
@@ -800,7 +819,12 @@ def main(args: Args) -> None:
         gt_success = (lambda episode: episode["success"]) if mountain_car else None  # the flag reached
         run.start(networks(), rb, reward_model, frame_shape, gt_success)
         chunk = args.reward_batch_size * max(1, len(args.reward_devices))  # frames CLIP scores at once
-        queue = run.reward_queue(reward_model, chunk)
+        # --renderer warp: the envs return their states, which the scoring thread draws at once on the reward's device
+        draw = None
+        if args.renderer == "warp" and clip:
+            batch_look = (args.realistic, args.render_size, args.supersample, args.num_envs, reward_model.device, args.camera)
+            draw = warp_renderer(*batch_look, args.render_quality).draw
+        queue = run.reward_queue(reward_model, chunk, draw)
         recent = deque(maxlen=100)  # the paper ranks checkpoints by the mean CLIP return of the last 100
         components = []  # the env's own reward terms (e.g. reward_forward), logged as diagnostics
 
