@@ -140,7 +140,7 @@ def main() -> None:
     if n1 != n0 and fast:
         parts.append(f"{n1} subprocess envs {get(s0, 'fast', n1) / get(s0, 'fast', n0):.2f}x the frames/s of {n0}")
     if "warp" in a.renderers and "egl" in a.renderers:
-        q, w = a.qualities[-1], f"warp ss{a.supersample[0]}"
+        q, w = "high" if "high" in a.qualities else a.qualities[0], f"warp ss{a.supersample[0]}"
         parts += [
             f"{w} / EGL {q} frames/s with {n1} envs: "
             + ", ".join(f"{get(s, w, n1) / get(s, q, n1):.2f}x at {s}px" for s in a.sizes)

@@ -8,7 +8,8 @@ States: seeded random-action rollouts of the textured Humanoid-v5 (episodes of 4
 toppling, lying) plus the pose probe's 13 poses (reward_shape.py's POSES, set with its set_pose). Each renderer draws the
 same qpos, in a fresh process: EGL high and fast (the training script's make_env, set_state then render), warp (the
 training script's warp_renderer) at supersampling 1, 2, 3 and, at 2, with MuJoCo Warp's shadow rays on (light fraction 0
-in shadow, as MuJoCo's OpenGL; /work/notes/shadow.md: the shapes still differ, see docs/benchmarks.md).
+in shadow, as MuJoCo's OpenGL), and with those rays cut at the light's plane as MuJoCo's OpenGL shadow map cuts them
+("GL shadows": benchmarks/_warp_gl_shadows.py, a candidate through a private hook of mujoco-warp; docs/benchmarks.md).
 
 Pixels: mean absolute difference to high per channel (0-255), over the frame and per region; the regions come from
 MuJoCo's segmentation render (EGL, same camera and state): floor = the floor geom, body = any other geom, sky = no geom.
@@ -95,6 +96,12 @@ def worker(c: dict) -> dict:
         if c["shadows"]:  # MuJoCo Warp's shadow rays, no light at all in shadow (as MuJoCo's OpenGL draws it)
             made = utils.WarpRenderer
             utils.WarpRenderer = lambda *a, **k: made(*a, **k, shadows=True)
+        if c["shadows"] == "gl":  # ... and cut at the light's plane, as MuJoCo's OpenGL shadow map
+            import _warp_gl_shadows
+            import mujoco
+
+            m = mujoco.MjModel.from_xml_path(ours.textured_humanoid_xml())
+            _warp_gl_shadows.install(m.light_pos[0], m.light_dir[0])
         renderer = ours.warp_renderer(True, size, c["supersample"], c["worlds"], torch.device("cpu"))
         renderer.context.shadow_light_fraction = 0.0  # read when the kernel is built, at the first draw
         renderer.draw(qpos[:1])  # the kernel: compiled once per machine, then loaded from Warp's cache
@@ -132,8 +139,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--states", type=int, default=300, help="random-rollout states at 224 px (the 13 poses come on top)")
     p.add_argument("--states-480", type=int, default=100, help="of those, the first N at 480 px (the CPU's time)")
-    p.add_argument("--supersample", nargs="+", type=int, default=[1, 2, 3], help="warp's rays per pixel per axis")
+    p.add_argument("--supersample", nargs="*", type=int, default=[1, 2, 3], help="warp's rays per pixel per axis")
     p.add_argument("--shadows-at", type=int, default=2, help="also warp with shadow rays at this supersampling (0: no)")
+    p.add_argument("--gl-shadows-at", type=int, default=2, help="... with them cut at the light's plane (0: no)")
     p.add_argument("--clips", nargs="+", default=[TINY, "ViT-B-32", f"{HUMANOID_CLIP}=/tmp/humanoid-clip.pt"],
                    help="a name (random weights) or CONFIG.json=WEIGHTS.pt (experiments/humanoid_clip.py)")  # fmt: skip
     p.add_argument("--picture-supersample", type=int, default=2, help="the warp frames the picture shows")
@@ -151,6 +159,9 @@ def main() -> None:
     renderers += [(f"warp ss{s}", dict(renderer="warp", supersample=s, shadows=False)) for s in a.supersample]
     if a.shadows_at:
         renderers.append((f"warp ss{a.shadows_at} shadows", dict(renderer="warp", supersample=a.shadows_at, shadows=True)))
+    if a.gl_shadows_at:  # benchmarks/_warp_gl_shadows.py
+        gl = dict(renderer="warp", supersample=a.gl_shadows_at, shadows="gl")
+        renderers.append((f"warp ss{a.gl_shadows_at} GL shadows", gl))
     clips = {s: clip_reward(s) for s in a.clips}
     torch.set_num_threads(1)
     rows, corr_rows, probe_rows, ms, picture, corr, ok = [], [], [], {}, {}, {}, {}
@@ -201,7 +212,7 @@ def main() -> None:
     if a.picture:  # three states at 480 px: standing, a random-rollout state, a pose
         import imageio.v2 as imageio
 
-        best = f"warp ss{a.picture_supersample}"
+        best = next(n for n, _ in reversed(renderers) if n.startswith(f"warp ss{a.picture_supersample}"))
         n480 = len(picture[480, "EGL high"])
         idx = [n480 - poses, 7, n480 - poses + 8]
         high, warp = picture[480, "EGL high"][idx], picture[480, best][idx]
@@ -210,7 +221,7 @@ def main() -> None:
         imageio.imwrite(a.picture, np.concatenate(rows_img, 0)[::2, ::2])
         print(f"picture: {a.picture} (rows: 3 states; columns: EGL high | {best} | abs diff x4; halved to 240 px)")
     for size, name, s in corr:  # the bar: warp agrees with high at least as well as fast does, for every CLIP
-        if name.startswith("warp") and "shadows" not in name:
+        if name.startswith("warp"):
             ok[name] = ok.get(name, True) and all(x >= y for x, y in zip(corr[size, name, s], corr[size, "EGL fast", s]))
     top = [r[3:] for r in probe_rows]
     same = {n: sum(t[0] == t[i] for t in top) for i, (n, _) in enumerate(renderers[1:], 1)}
