@@ -71,6 +71,7 @@ from vlmrm_utils import (
     all_finite,
     check_clip_args,
     check_intact,
+    check_renderer_args,
     check_writable,
     cli,
     load_clip,
@@ -110,6 +111,9 @@ class Collect:
     """Humanoid only: square frame size in pixels"""
     render_quality: Literal["high", "fast"] = "fast"
     """Humanoid only: "fast" switches shadows and reflections off"""
+    renderer: Literal["egl", "warp"] = "egl"
+    """Humanoid only: as vlmrm_sac_humanoid.py --renderer (warp: MuJoCo Warp's ray tracer)"""
+    supersample: int = 2  # Humanoid with --renderer warp: rays per pixel along each axis
     cuda: bool = False
     """if toggled, CUDA (when available) runs the --policy network"""
 
@@ -269,6 +273,7 @@ def check_collect_args(args: Collect) -> Optional[dict]:
         raise UserError("--random-init is for CartPole and MountainCar; Humanoid states come from its own resets.")
     if args.realistic and not args.env_id.startswith("MountainCar"):
         raise UserError("--realistic only changes how MountainCar is drawn.")
+    check_renderer_args(args)
     return checkpoint
 
 
@@ -292,7 +297,8 @@ def collect(args: Collect) -> None:
     rng = np.random.default_rng(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     if args.env_id.startswith("Humanoid"):
-        thunk = make_humanoid_env(args.env_id, args.seed, 0, args.episode_length, args.render_size, args.render_quality, True)
+        look = (args.render_size, args.render_quality, True, "paper", True, args.renderer, args.supersample)
+        thunk = make_humanoid_env(args.env_id, args.seed, 0, args.episode_length, *look)
     else:
         thunk = make_env(args.env_id, args.seed, 0, args.episode_length, args.realistic)
     # a one-env vector env, as in the training scripts' evaluate(): QNetwork reads its single_* spaces

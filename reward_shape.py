@@ -66,7 +66,7 @@ from epic_eval import (
 )
 from vlmrm_dqn_classic import DEFAULT_PROMPTS, MOUNTAINCAR_GOAL, CLIPReward, make_env
 from vlmrm_sac_humanoid import make_env as make_sac_env  # MountainCarContinuous-v0: the paper's, trained with SAC
-from vlmrm_utils import UserError, available_memory, cli, load_clip, same_prompts
+from vlmrm_utils import UserError, available_memory, check_renderer_args, cli, load_clip, same_prompts
 
 
 @dataclass(kw_only=True)
@@ -100,6 +100,9 @@ class Args(RewardFlags):
     """Humanoid-v5: as vlmrm_sac_humanoid.py --render-quality (high: shadows and reflections; fast: neither)"""
     camera: Literal["paper", "tracking"] = "paper"
     """Humanoid-v5: as vlmrm_sac_humanoid.py --camera (the paper's fixed camera, or one following the torso)"""
+    renderer: Literal["egl", "warp"] = "egl"
+    """Humanoid-v5: as vlmrm_sac_humanoid.py --renderer (warp: MuJoCo Warp's ray tracer)"""
+    supersample: int = 2  # Humanoid-v5 with --renderer warp: rays per pixel along each axis
 
 
 MAX_NUM_POINTS = 100_000
@@ -115,6 +118,7 @@ def check_args(args: Args) -> list[ClipArgs]:
             f"--realistic only changes MountainCar-v0 and MountainCarContinuous-v0 drawings, not {args.env_id}'s; "
             "drop it or use a MountainCar."
         )
+    check_renderer_args(args)
     check_reward_args(args)
     if args.env_id == HUMANOID:
         check_probe_args(args)
@@ -329,9 +333,10 @@ def set_pose(env: gym.Env, torso: tuple[float, float, float], joints: dict[str, 
     mujoco.mj_forward(model, data)
 
 
-def render_poses(render_size: int, render_quality: str, camera: str, seed: int) -> np.ndarray:
+def render_poses(render_size: int, render_quality: str, camera: str, seed: int, renderer="egl", supersample=2) -> np.ndarray:
     """uint8 frames (poses, S, S, 3) from the training script's own env: its textured scene, camera and renderer."""
-    env = make_sac_env(HUMANOID, seed, 0, EPISODE_LENGTH, render_size, render_quality, True, camera)()
+    look = (render_size, render_quality, True, camera, True, renderer, supersample)
+    env = make_sac_env(HUMANOID, seed, 0, EPISODE_LENGTH, *look)()
     env.reset(seed=seed)  # the env renders only after a reset
     frames = []
     for torso, joints in POSES.values():
@@ -339,6 +344,11 @@ def render_poses(render_size: int, render_quality: str, camera: str, seed: int) 
         frames.append(env.render())
     env.close()
     return np.stack(frames)
+
+
+def drawn_by(args: Args) -> str:
+    """How the frames were drawn, as the gallery and the log say it."""
+    return f"{args.render_quality} quality" if args.renderer == "egl" else f"MuJoCo Warp, {args.supersample}x supersampled"
 
 
 def pose_key(name: str) -> str:
@@ -523,7 +533,7 @@ def plot_poses(path: Path, frames: np.ndarray, columns: list[Column], expected: 
     baseline = (
         f"baseline: {' | '.join(args.baseline)}" if args.baseline and any(c.curve.startswith("alpha") for c in columns) else ""
     )
-    look = f"{HUMANOID}, {size} px, {args.render_quality} quality, {args.camera} camera"
+    look = f"{HUMANOID}, {size} px, {drawn_by(args)}, {args.camera} camera"
     models = ", ".join(dict.fromkeys(c.model for c in columns))
     fig.text(0.01, 1 - 0.12 / fh, f"{models}; {look}" + (f"; {baseline}" if baseline else ""), fontsize=8, va="top")
     note = "colour: the reward scaled within each column; number: the pose's rank in its column (1 = highest); below it: "
@@ -543,10 +553,10 @@ def probe_poses(args: Args, specs: list[ClipArgs], run_dir: Path, device: torch.
     """Render the gallery, score it with every model x goal x curve, write poses.csv, poses.png and the verdicts."""
     expected = expectations(args)
     start = time.perf_counter()
-    frames = render_poses(args.render_size, args.render_quality, args.camera, args.seed)
+    frames = render_poses(args.render_size, args.render_quality, args.camera, args.seed, args.renderer, args.supersample)
     print(
         f"run: {run_dir} on {device}; rendered {len(frames)} {HUMANOID} poses at {args.render_size} px "
-        f"({args.render_quality} quality, {args.camera} camera) in {time.perf_counter() - start:.1f} s; "
+        f"({drawn_by(args)}, {args.camera} camera) in {time.perf_counter() - start:.1f} s; "
         f"goal={args.goal}, prompts={args.prompts}, baseline={args.baseline}"
         + (f", negatives={args.negatives}" if SOFTMAX in args.reward_families else "")
     )

@@ -197,6 +197,8 @@ def make_envs(script, args, seed: int) -> gym.vector.SyncVectorEnv:
             args.realistic,
             args.camera,
             args.episodes == "fixed",
+            args.renderer,
+            args.supersample,
         )
     return gym.vector.SyncVectorEnv([thunk])
 
@@ -620,7 +622,8 @@ def report(args: Report) -> list[dict]:
 # every flag that changes what a CLIP return means: the reward itself, and what it is summed over (the episode's
 # length, the frames CLIP sees); returns of checkpoints that differ in any of them do not compare
 LIKE_FLAGS = """env_id reward clip_model clip_pretrained clip_checkpoint goal baseline alpha reward_family negatives
-temperature threshold soft antialias episodes episode_length realistic render_size render_quality camera""".split()
+temperature threshold soft antialias episodes episode_length realistic render_size render_quality camera renderer
+supersample""".split()
 
 
 def find_checkpoints(runs: str) -> list[str]:

@@ -17,7 +17,6 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -86,8 +85,7 @@ class Args:
     camera: Literal["paper", "tracking"] = "paper"
     """Humanoid: the paper's fixed frontal camera, or following the torso"""
     renderer: Literal["egl", "warp"] = "egl"
-    """egl: MuJoCo's OpenGL in each env process (the paper's); warp: MuJoCo Warp's ray tracer, all envs at once on the
-    reward's device"""
+    """egl: OpenGL in each env process (the paper's); warp: MuJoCo Warp's ray tracer, all at once on the reward device"""
     supersample: int = 2  # --renderer warp: rays per pixel along each axis, averaged (1: the floor shows moire)
 
     # Reward
@@ -144,7 +142,7 @@ class Args:
 def check_args(args: Args) -> None:
     """The defaults that depend on --env-id, then bad flags refused, each in one sentence, before anything
     expensive (a model download, the env processes) happens."""
-    mountain_car, warp = args.env_id == "MountainCarContinuous-v0", args.renderer == "warp"
+    mountain_car = args.env_id == "MountainCarContinuous-v0"
     entry_point = str(getattr(gym.registry.get(args.env_id), "entry_point", ""))  # "" when not registered
     for failed, message in [
         (not 16 <= args.render_size <= 2048, f"--render-size must be between 16 and 2048 pixels, got {args.render_size}."),
@@ -154,13 +152,10 @@ def check_args(args: Args) -> None:
             f"--env-id {args.env_id} is no MuJoCo task or MountainCarContinuous-v0.",
         ),
         (args.env_id == "Humanoid-v4", "--env-id Humanoid-v4 takes neither our scene nor our camera; use Humanoid-v5."),
-        (not 1 <= args.supersample <= 8, f"--supersample must be between 1 and 8, got {args.supersample}."),
-        (warp and args.env_id != "Humanoid-v5", "--renderer warp draws Humanoid-v5 only; use --renderer egl."),
-        (warp and args.camera == "tracking", "--renderer warp draws the paper's camera only; use --renderer egl."),
-        (warp and not find_spec("mujoco_warp"), "--renderer warp needs MuJoCo Warp: pip install mujoco-warp."),
     ]:
         if failed:
             raise utils.UserError(message)
+    utils.check_renderer_args(args)
     if args.episode_length is None:
         args.episode_length = 200 if mountain_car else 100
     # other MuJoCo tasks: give --goal (or use --reward gt)
@@ -341,8 +336,8 @@ class CLIPReward(nn.Module):
         return vlm_reward(image_embeddings, self.goal_embeddings, self.baseline_embeddings, self.alpha)
 
     @torch.no_grad()
-    def forward(self, frames: np.ndarray) -> np.ndarray:
-        chunks = torch.from_numpy(np.ascontiguousarray(frames)).split(self.batch_size)
+    def forward(self, frames) -> np.ndarray:  # uint8 (N, H, W, 3), numpy or torch (on the reward device: not copied)
+        chunks = (frames if torch.is_tensor(frames) else torch.from_numpy(np.ascontiguousarray(frames))).split(self.batch_size)
         k = len(self.replicas)
 
         # replica i scores chunks i, i + k, ...: the batches one device would score
@@ -500,14 +495,14 @@ class Renderer(gym.Wrapper):
         return frame
 
 
-def warp_renderer(realistic: bool, size: int, supersample: int, worlds: int, device) -> utils.WarpRenderer:
-    """--renderer warp: the scene with the paper's free camera as a fixed model camera (the ray tracer draws model
-    cameras only), drawn by MuJoCo Warp on `device`, `worlds` states per launch."""
+def warp_renderer(realistic: bool, size: int, supersample: int, worlds: int, device, camera="paper", quality="high"):
+    """--renderer warp: this scene drawn by MuJoCo Warp on `device`, `worlds` states per launch, through the paper's
+    camera as model cameras (the ray tracer draws only those): fixed, or following the torso ("tracking"); quality
+    "high" casts shadows (the scene has no reflections)."""
     stock = Path(gym.envs.mujoco.__file__).parent / "assets" / "humanoid.xml"
     spec = mujoco.MjSpec.from_file(textured_humanoid_xml() if realistic else str(stock))
-    pos, xyaxes = utils.free_camera_pose(**HUMANOID_CAMERA)
-    spec.worldbody.add_camera(name="paper", pos=pos, xyaxes=xyaxes, fovy=spec.visual.global_.fovy)
-    return utils.WarpRenderer(spec.compile(), "paper", size, supersample, worlds, device)
+    model = utils.free_cameras(spec, HUMANOID_CAMERA, "torso")
+    return utils.WarpRenderer(model, camera, size, supersample, worlds, device, shadows=quality == "high")
 
 
 class NoEarlyTermination(gym.Wrapper):
@@ -614,8 +609,7 @@ def frame_shape_of(args: Args) -> tuple[int, int, int]:
 
 def make_env(env_id, seed, idx, episode_length, render_size, render_quality, realistic, camera="paper", fixed_length=True,
              renderer="egl", supersample=2):  # fmt: skip
-    """CleanRL-style thunk: fixed-length episodes (or the stock task's), rgb_array frames for the CLIP reward (warp: the
-    env's state instead, drawn by the trainer)."""
+    """CleanRL-style thunk: fixed-length episodes (or the stock task's), rgb_array frames for the CLIP reward."""
 
     def thunk() -> gym.Env:
         # gym.make's TimeLimit; stock: the task's
@@ -633,7 +627,8 @@ def make_env(env_id, seed, idx, episode_length, render_size, render_quality, rea
             env = gym.make(env_id, **kwargs)
             env = NoEarlyTermination(env) if fixed_length and not humanoid else env
             if renderer == "warp":
-                env = utils.WarpFrames(env, partial(warp_renderer, realistic, render_size, supersample))
+                look = dict(camera=camera, quality=render_quality)
+                env = utils.WarpFrames(env, partial(warp_renderer, realistic, render_size, supersample, **look))
             else:
                 env = Renderer(env, render_quality, tracking=humanoid and camera == "tracking")
             env.observation_space.seed(seed + idx)
@@ -770,7 +765,7 @@ def evaluate(actor, eval_envs, device, reward_model, episodes, seed):
 # Training
 # ----------------------------------------------------------------------------------------------
 # what --evaluate takes from the checkpoint unless given: the env, the frames CLIP saw and the reward model
-EVALUATE_AS_TRAINED = """env_id episodes episode_length render_size render_quality realistic camera
+EVALUATE_AS_TRAINED = """env_id episodes episode_length render_size render_quality realistic camera renderer supersample
 reward goal baseline alpha clip_model clip_pretrained clip_checkpoint clip_cache_dir
 reward_family negatives temperature threshold soft antialias"""
 
@@ -779,7 +774,7 @@ def main(args: Args) -> None:
     run = utils.Run(args, check_args, EVALUATE_AS_TRAINED)  # the flags (a resumed run's own) checked; seeds
     args, device = run.args, run.device
     look = (args.render_size, args.render_quality, args.realistic, args.camera)
-    opts = (args.episode_length, *look, args.episodes == "fixed")
+    opts = (args.episode_length, *look, args.episodes == "fixed", args.renderer, args.supersample)
     eval_seed = args.seed + 10_000
     eval_envs = gym.vector.SyncVectorEnv([make_env(args.env_id, eval_seed, 0, *opts)])
     if args.evaluate is not None:  # roll the checkpoint's policy out
@@ -824,7 +819,10 @@ def main(args: Args) -> None:
         gt_success = (lambda episode: episode["success"]) if mountain_car else None  # the flag reached
         run.start(networks(), rb, reward_model, frame_shape, gt_success)
         chunk = args.reward_batch_size * max(1, len(args.reward_devices))  # frames CLIP scores at once
-        queue = utils.RewardQueue(reward_model, chunk, run.timing)
+        # --renderer warp: the envs return their states, which the scoring thread draws at once on the reward's device
+        batch_look = (args.realistic, args.render_size, args.supersample, args.num_envs, reward_model.device, args.camera)
+        draw = warp_renderer(*batch_look, args.render_quality).draw if args.renderer == "warp" and clip else None
+        queue = utils.RewardQueue(reward_model, chunk, run.timing, draw=draw)
         recent = deque(maxlen=100)  # the paper ranks checkpoints by the mean CLIP return of the last 100
         components = []  # the env's own reward terms (e.g. reward_forward), logged as diagnostics
 

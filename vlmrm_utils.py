@@ -10,6 +10,7 @@ reads only the flags both training scripts share; the tools' own file handling i
 import contextlib
 import copy
 import fcntl
+import importlib.util
 import logging
 import math
 import os
@@ -566,30 +567,33 @@ class FrameSpace(gym.spaces.Box):
     """uint8 frames of one shape, bounds 0 and 255 held as views: gymnasium's Box holds four arrays of the frame's size
     (bounds and their masks), in every env and, batched, four per env in the vector env: gigabytes for many envs."""
 
-    def __init__(self, shape: tuple):
-        super().__init__(0, 255, (1,), np.uint8)
+    def __init__(self, shape: tuple, dtype=np.uint8):  # float64: the states --renderer warp draws, unbounded
+        super().__init__(*((0, 255) if dtype == np.uint8 else (-np.inf, np.inf)), (1,), dtype)
         self._shape, self.low, self.high = (
             tuple(shape),
-            np.broadcast_to(np.uint8(0), shape),
-            np.broadcast_to(np.uint8(255), shape),
+            np.broadcast_to(self.low[0], shape),
+            np.broadcast_to(self.high[0], shape),
         )
-        self.bounded_below = self.bounded_above = np.broadcast_to(True, shape)
+        self.bounded_below = self.bounded_above = np.broadcast_to(dtype == np.uint8, shape)
 
 
 @gym.vector.utils.batch_space.register(FrameSpace)
 def _batch_frame_space(space: FrameSpace, n: int = 1) -> FrameSpace:
-    return FrameSpace((n, *space.shape))
+    return FrameSpace((n, *space.shape), space.dtype)
 
 
 class FrameAfterStep(gym.Wrapper):
     """An env whose step renders the frame after it and returns it with the observation: one round trip to an env
     process per vector step, and the frame travels through the vector env's shared memory, never pickled. A reset's
-    frame is blank: no reset frame ever scores a transition."""
+    frame is blank: no reset frame ever scores a transition. An env drawn by the trainer (WarpFrames) returns the state
+    the frame is drawn from instead."""
 
     def __init__(self, env: gym.Env, frame_shape: tuple):
         super().__init__(env)
-        self.observation_space = gym.spaces.Tuple((env.observation_space, FrameSpace(frame_shape)))
-        self.blank = np.zeros(frame_shape, np.uint8)
+        self.drawn_later = isinstance(env, WarpFrames)
+        frame_shape, dtype = (env.state_shape, np.float64) if self.drawn_later else (frame_shape, np.uint8)
+        self.observation_space = gym.spaces.Tuple((env.observation_space, FrameSpace(frame_shape, dtype)))
+        self.blank = np.zeros(frame_shape, dtype)
 
     def reset(self, **kwargs):
         obs, info = self.env.reset(**kwargs)
@@ -598,7 +602,7 @@ class FrameAfterStep(gym.Wrapper):
     def step(self, action):
         obs, reward, terminated, truncated, info = self.env.step(action)
         start = time.perf_counter()
-        frame = self.env.render()
+        frame = self.env.state() if self.drawn_later else self.env.render()
         info["render_s"] = time.perf_counter() - start  # the loop times one round trip: this says how much was rendering
         return (obs, frame), reward, terminated, truncated, info
 
@@ -629,14 +633,36 @@ class FramesInInfo(gym.vector.VectorWrapper):
 # ----------------------------------------------------------------------------------------------
 # MuJoCo Warp's ray tracer: every env's frame drawn in one batch on the reward's device (--renderer warp)
 # ----------------------------------------------------------------------------------------------
-def free_camera_pose(distance: float, lookat, elevation: float, azimuth: float) -> tuple[np.ndarray, np.ndarray]:
-    """A MuJoCo free camera (degrees) as a fixed camera's (pos, xyaxes): MuJoCo's own convention, forward = (cos el cos
-    az, cos el sin az, sin el), the camera distance behind the look-at point, its x axis level."""
-    el, az = np.radians(elevation), np.radians(azimuth)
+def free_cameras(spec, camera: dict, body: str):
+    """The model of `spec` with a MuJoCo free camera (distance, lookat, elevation, azimuth in degrees) as two model
+    cameras: "paper", fixed at its pose, and "tracking", at the same offset from `body`'s centre of mass (MuJoCo's
+    trackcom mode), as a free camera whose look-at point follows it. MuJoCo's convention: forward = (cos el cos az,
+    cos el sin az, sin el), the camera `distance` behind the look-at point, its x axis level."""
+    import mujoco
+
+    el, az = np.radians(camera["elevation"]), np.radians(camera["azimuth"])
     forward = np.array([np.cos(el) * np.cos(az), np.cos(el) * np.sin(az), np.sin(el)])
-    right = np.cross(forward, [0.0, 0.0, 1.0])
-    right /= np.linalg.norm(right)
-    return np.asarray(lookat) - distance * forward, np.concatenate([right, np.cross(right, forward)])
+    right = np.cross(forward, [0.0, 0.0, 1.0]) / np.linalg.norm(np.cross(forward, [0.0, 0.0, 1.0]))
+    pose = dict(xyaxes=np.concatenate([right, np.cross(right, forward)]), fovy=spec.visual.global_.fovy)
+    spec.worldbody.add_camera(name="paper", pos=np.asarray(camera["lookat"]) - camera["distance"] * forward, **pose)
+    data = mujoco.MjData(model := spec.compile())
+    mujoco.mj_forward(model, data)  # at qpos0, where trackcom measures its offset (`body` is not rotated there)
+    com = data.subtree_com[model.body(body).id] - data.xpos[model.body(body).id]
+    trackcom = mujoco.mjtCamLight.mjCAMLIGHT_TRACKCOM
+    spec.body(body).add_camera(name="tracking", mode=trackcom, pos=com - camera["distance"] * forward, **pose)
+    return spec.compile()
+
+
+def check_renderer_args(args) -> None:
+    """--renderer and --supersample, of the humanoid's training script and of the tools, in one sentence each."""
+    warp = args.renderer == "warp"
+    for failed, message in [
+        (not 1 <= args.supersample <= 8, f"--supersample must be between 1 and 8, got {args.supersample}."),
+        (warp and args.env_id != "Humanoid-v5", "--renderer warp draws Humanoid-v5 only; use --renderer egl."),
+        (warp and not importlib.util.find_spec("mujoco_warp"), "--renderer warp needs MuJoCo Warp: pip install mujoco-warp."),
+    ]:
+        if failed:
+            raise UserError(message)
 
 
 class WarpRenderer:
@@ -651,9 +677,10 @@ class WarpRenderer:
     averages `supersample` x `supersample` rays on a grid (MuJoCo Warp's samples_per_pixel, summed in float): as
     drawing at size * supersample and averaging the blocks; without it the floor's tiles show moire. `worlds`: states
     drawn per launch (a render context for N worlds is expensive to make: one per process); N states are drawn in
-    blocks of `worlds`. `shadows`: MuJoCo Warp's shadow rays (off: see docs/vlmrm_sac_humanoid.md)."""
+    blocks of `worlds`. `shadows`: shadow rays towards each light that casts shadows; a shadowed point gets none of
+    that light, as in MuJoCo's OpenGL renderer (whose shadows, unlike these, leave out what is above the light)."""
 
-    def __init__(self, model, camera: str, size: int, supersample: int, worlds: int, device, shadows: bool = False):
+    def __init__(self, model, camera: str, size: int, supersample: int, worlds: int, device, shadows: bool = True):
         import mujoco
         import warp as wp
 
@@ -666,9 +693,11 @@ class WarpRenderer:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.wp_device = str(self.device) if self.device.type == "cuda" else "cpu"
-        cache = Path(wp.config.kernel_cache_dir or "")
-        if not any(cache.glob("wp_mujoco_warp._src.render*")):
-            print("compiling MuJoCo Warp's ray tracer kernels (once per machine, about 35 s on a CPU)...", flush=True)
+        # Warp's cache holds each module's compiled code: object files for the CPU, cubin or ptx for CUDA
+        compiled = (".o",) if self.wp_device == "cpu" else (".cubin", ".ptx")
+        cached = Path(wp.config.kernel_cache_dir or "").glob("wp_mujoco_warp._src.render_*/*")
+        if not any(path.suffix in compiled for path in cached):
+            print(f"compiling MuJoCo Warp's ray tracer kernels for {self.wp_device} (once per machine, ~35 s on a CPU)...")
         model = copy.deepcopy(model)
         model.opt.solver = mujoco.mjtSolver.mjSOL_NEWTON
         data = mujoco.MjData(model)
@@ -678,7 +707,8 @@ class WarpRenderer:
             self.data = mjw.put_data(model, data, nworld=worlds)
             self.context = mjw.create_render_context(
                 model, worlds, (size, size), render_rgb=True, render_depth=False, render_seg=False, use_textures=True,
-                use_shadows=shadows, render_skybox=True, samples_per_pixel=supersample, cam_active=[camera],
+                use_shadows=shadows, shadow_light_fraction=0.0, render_skybox=True, samples_per_pixel=supersample,
+                cam_active=[camera],
             )  # fmt: skip
         self.qpos = wp.to_torch(self.data.qpos)  # (worlds, nq) float32, shared with the device's data
 
@@ -693,6 +723,8 @@ class WarpRenderer:
             for block in qpos.split(self.worlds):
                 self.qpos[: len(block)] = block
                 mjw.kinematics(self.model, self.data)
+                mjw.com_pos(self.model, self.data)  # the centre of mass a tracking camera follows
+                mjw.camlight(self.model, self.data)
                 mjw.refit_bvh(self.model, self.data, self.context)
                 mjw.render(self.model, self.data, self.context)
                 # rgb_data: a uint32 per pixel, blue in its lowest byte (little endian: B, G, R, A), rows top down
@@ -1001,8 +1033,9 @@ class RewardQueue:
     replay buffer receives what a serial loop gives it, in the same order. At most `in_flight` chunks are with the
     reward model: when it is the slower side, the loop waits for the oldest rather than piling frames up."""
 
-    def __init__(self, reward_model, chunk: int, timing: dict, in_flight: int = 2):
+    def __init__(self, reward_model, chunk: int, timing: dict, in_flight: int = 2, draw: Optional[Callable] = None):
         self.reward_model, self.chunk, self.timing, self.in_flight = reward_model, chunk, timing, in_flight
+        self.draw = draw  # --renderer warp: the envs sent their states; drawn here, in the scoring thread, then scored
         self.pending: dict[str, list] = {}
         self.scoring: deque = deque()  # (transitions, step, future of their CLIP rewards or None), oldest first
         self.pool = ThreadPoolExecutor(1) if reward_model is not None else None
@@ -1026,6 +1059,10 @@ class RewardQueue:
 
     def score(self, frames: np.ndarray) -> np.ndarray:  # in the scoring thread: the reward model's own time
         start = time.perf_counter()
+        if self.draw is not None:
+            frames = self.draw(frames)
+            self.timing["draw"] = self.timing.get("draw", 0.0) + time.perf_counter() - start
+            start = time.perf_counter()
         rewards = self.reward_model(frames)
         self.timing["reward_model"] += time.perf_counter() - start
         return rewards
