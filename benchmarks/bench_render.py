@@ -139,6 +139,9 @@ def main() -> None:
         parts.append(f"{s0}/{s1}px {get(s0, 'fast', n0) / get(s1, 'fast', n0):.1f}x (fast)")
     if n1 != n0 and fast:
         parts.append(f"{n1} subprocess envs {get(s0, 'fast', n1) / get(s0, 'fast', n0):.2f}x the frames/s of {n0}")
+    if "warp" in a.renderers:
+        w = f"warp ss{a.supersample[0]}"
+        parts.append(f"{w} " + ", ".join(f"{get(s, w, n1):.0f} frames/s at {s}px" for s in a.sizes) + f" ({n1} worlds)")
     if "warp" in a.renderers and "egl" in a.renderers:
         q, w = "high" if "high" in a.qualities else a.qualities[0], f"warp ss{a.supersample[0]}"
         parts += [

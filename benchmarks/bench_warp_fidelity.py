@@ -91,19 +91,15 @@ def worker(c: dict) -> dict:
     else:
         import torch
 
-        import vlmrm_utils as utils
-
-        if c["shadows"]:  # MuJoCo Warp's shadow rays, no light at all in shadow (as MuJoCo's OpenGL draws it)
-            made = utils.WarpRenderer
-            utils.WarpRenderer = lambda *a, **k: made(*a, **k, shadows=True)
-        if c["shadows"] == "gl":  # ... and cut at the light's plane, as MuJoCo's OpenGL shadow map
+        if c["shadows"] == "gl":  # shadow rays cut at the light's plane, as MuJoCo's OpenGL shadow map
             import _warp_gl_shadows
             import mujoco
 
             m = mujoco.MjModel.from_xml_path(ours.textured_humanoid_xml())
             _warp_gl_shadows.install(m.light_pos[0], m.light_dir[0])
-        renderer = ours.warp_renderer(True, size, c["supersample"], c["worlds"], torch.device("cpu"))
-        renderer.context.shadow_light_fraction = 0.0  # read when the kernel is built, at the first draw
+        # --render-quality high: shadow rays (a shadowed point gets none of the light); fast: none
+        quality = "high" if c["shadows"] else "fast"
+        renderer = ours.warp_renderer(True, size, c["supersample"], c["worlds"], torch.device("cpu"), quality=quality)
         renderer.draw(qpos[:1])  # the kernel: compiled once per machine, then loaded from Warp's cache
         start = time.perf_counter()
         frames = [f.numpy() for f in renderer.draw(qpos).split(1)]

@@ -31,7 +31,7 @@ step() {  # name, time limit (s), command...: each step's output in $out/<name>.
   timeout "$limit" "$@" 2>&1 | tee "$out/$name.txt" | grep -E "^(summary|machine|\|)" || echo "($name: no summary)"
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$out/nvidia-smi.txt"
-# the ray tracer's steps need warp-lang and mujoco-warp (warp-lang's wheel is 149 MB: docs/benchmarks.md says how it travels)
+# the ray tracer's steps need warp-lang and mujoco-warp (their wheels in .whl/ too; warp-lang's is 149 MB)
 warp=$(python3 -c "import mujoco_warp" 2>/dev/null && echo yes || echo no)
 [ "$warp" = yes ] || echo "(mujoco_warp does not import: the ray tracer's steps are skipped)"
 
@@ -46,7 +46,7 @@ if [ "$smoke" = "--smoke" ]; then
   step e2e_224_fast 300 python3 benchmarks/bench_end_to_end.py $e2e --render-size 64 --render-quality fast
   if [ "$warp" = yes ]; then
     step render_warp 300 python3 benchmarks/bench_render.py --renderers warp --sizes 64 --num-envs 2 --frames 2 --repeats 1
-    step e2e_paper_warp 300 python3 benchmarks/bench_end_to_end.py $e2e --render-size 64 --renderer warp
+    step e2e_paper_warp 300 python3 benchmarks/bench_end_to_end.py $e2e --render-size 64 --render-quality high --renderer warp
   fi
   step tests 300 python3 -m pytest -q -x tests/test_reward_overlap.py -k queue
 else
@@ -64,7 +64,7 @@ else
     # CUDA kernels (once, then Warp's cache in ~/.cache/warp serves every later process, the end-to-end run's too)
     step render_warp 150 python3 benchmarks/bench_render.py --renderers warp --sizes 224 480 --num-envs 32 256 --frames 10 --repeats 1
     # the paper's settings (as e2e_paper), the frames drawn by the ray tracer on the reward's GPU
-    step e2e_paper_warp 120 python3 benchmarks/bench_end_to_end.py $e2e --render-size 480 --renderer warp
+    step e2e_paper_warp 120 python3 benchmarks/bench_end_to_end.py $e2e --render-size 480 --render-quality high --renderer warp
   fi
   step tests 80 python3 -m pytest -q -n 8 tests/test_vlm_reward.py tests/test_reward_devices.py tests/test_reward_overlap.py
 fi
