@@ -60,7 +60,10 @@ def worker(c: dict) -> dict:
         ours.make_reward_model = lambda args, device: StandIn(c["stand_in_ms"])
         for name in ("say_reward_model_cost", "warn_if_slow_on_cpu"):  # the CPU speed note: this version's name
             setattr(ours.utils, name, lambda *a: None)
+    # --renderer warp: the frames drawn by MuJoCo Warp on the reward's device (passed only when given: older scripts)
+    warp = {k: c[k] for k in ("renderer", "supersample") if c.get(k) is not None}
     args = ours.Args(
+        **warp,
         clip_model=model,
         clip_pretrained="none",
         reward="clip",
@@ -89,6 +92,8 @@ def main() -> None:
     p.add_argument("--reward-stand-in-ms", nargs="+", type=float, help="a stand-in for CLIP: milliseconds per frame")
     p.add_argument("--render-size", type=int, default=224)
     p.add_argument("--render-quality", default="fast")
+    p.add_argument("--renderer", choices=["egl", "warp"], help="the script's --renderer (default: its own, egl)")
+    p.add_argument("--supersample", type=int, help="the script's --supersample for --renderer warp (default: its own)")
     p.add_argument("--num-envs", type=int, default=8 if gpu else 2)
     p.add_argument("--total-timesteps", type=int, default=4000 if gpu else 600)
     p.add_argument("--learning-starts", type=int, default=2000 if gpu else 300)
@@ -105,13 +110,15 @@ def main() -> None:
     common = dict(render_size=a.render_size, quality=a.render_quality, num_envs=a.num_envs, batch_size=a.batch_size)
     common.update(total_timesteps=a.total_timesteps, learning_starts=a.learning_starts, train_frequency=a.train_frequency)
     common.update(gradient_steps=a.gradient_steps, reward_batch_size=a.reward_batch_size, model=TINY)
+    common.update(renderer=a.renderer, supersample=a.supersample)
     if a.reward_stand_in_ms:  # 0 ms first: the envs and rendering alone
         configs = [dict(common, stand_in_ms=ms) for ms in [0.0, *a.reward_stand_in_ms]]
         names = [f"stand-in {ms:g} ms/frame" for ms in [0.0, *a.reward_stand_in_ms]]
     else:
         configs, names = [dict(common, model=m) for m in a.clip_models], [Path(m).stem for m in a.clip_models]
     print(
-        f"Humanoid-v5 textured, {a.render_size}px {a.render_quality}, {a.num_envs} subprocess envs, "
+        f"Humanoid-v5 textured, {a.render_size}px {a.render_quality}, renderer {a.renderer or 'egl'}, "
+        f"{a.num_envs} subprocess envs, "
         f"{a.total_timesteps} steps, learning starts {a.learning_starts}, {a.gradient_steps} gradient steps every "
         f"{a.train_frequency} vector steps, batch {a.batch_size}, reward batch {a.reward_batch_size}"
     )

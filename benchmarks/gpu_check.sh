@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU numbers in one call (about 8 minutes on one H100): the reward path against the bare image encoder in float16,
 # bfloat16 and float32; rendering of the textured humanoid (sizes, qualities, 1/16/32 envs) and what a frame's parts
-# cost; end to end at the paper's settings and at 224 px fast; the tests that touch the GPU paths.
+# cost; end to end at the paper's settings and at 224 px fast; MuJoCo Warp's ray tracer (--renderer warp: 224 and 480 px,
+# 32 and 256 worlds, and end to end at the paper's settings) when mujoco_warp imports; the tests that touch the GPU paths.
 #
 #   benchmarks/gpu_check.sh            # on the GPU machine, from the repository root; output in $OUT or gpu_check/
 #   benchmarks/gpu_check.sh --smoke    # the same steps at toy sizes on any machine (checks this script, measures nothing)
@@ -30,6 +31,9 @@ step() {  # name, time limit (s), command...: each step's output in $out/<name>.
   timeout "$limit" "$@" 2>&1 | tee "$out/$name.txt" | grep -E "^(summary|machine|\|)" || echo "($name: no summary)"
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$out/nvidia-smi.txt"
+# the ray tracer's steps need warp-lang and mujoco-warp (their wheels in .whl/ too; warp-lang's is 149 MB)
+warp=$(python3 -c "import mujoco_warp" 2>/dev/null && echo yes || echo no)
+[ "$warp" = yes ] || echo "(mujoco_warp does not import: the ray tracer's steps are skipped)"
 
 if [ "$smoke" = "--smoke" ]; then
   big=tests/vlmrm-tiny-test.json
@@ -40,6 +44,10 @@ if [ "$smoke" = "--smoke" ]; then
   e2e="$e2e --batch-size 32 --reward-batch-size 8 --repeats 1"
   step e2e_paper 300 python3 benchmarks/bench_end_to_end.py $e2e --render-size 64 --render-quality high
   step e2e_224_fast 300 python3 benchmarks/bench_end_to_end.py $e2e --render-size 64 --render-quality fast
+  if [ "$warp" = yes ]; then
+    step render_warp 300 python3 benchmarks/bench_render.py --renderers warp --sizes 64 --num-envs 2 --frames 2 --repeats 1
+    step e2e_paper_warp 300 python3 benchmarks/bench_end_to_end.py $e2e --render-size 64 --render-quality high --renderer warp
+  fi
   step tests 300 python3 -m pytest -q -x tests/test_reward_overlap.py -k queue
 else
   step reward_scoring 120 python3 benchmarks/bench_reward_scoring.py --models ViT-bigG-14 --batch-sizes 256 --frame-sizes 480 --repeats 2
@@ -51,6 +59,13 @@ else
   e2e="$e2e --gradient-steps 100 --batch-size 512 --reward-batch-size 256 --repeats 1"
   step e2e_paper 140 python3 benchmarks/bench_end_to_end.py $e2e --render-size 480 --render-quality high
   step e2e_224_fast 90 python3 benchmarks/bench_end_to_end.py $e2e --render-size 224 --render-quality fast
+  if [ "$warp" = yes ]; then
+    # one batch of N worlds per frame on the GPU, at the script's default --supersample; the first worker compiles the
+    # CUDA kernels (once, then Warp's cache in ~/.cache/warp serves every later process, the end-to-end run's too)
+    step render_warp 150 python3 benchmarks/bench_render.py --renderers warp --sizes 224 480 --num-envs 32 256 --frames 10 --repeats 1
+    # the paper's settings (as e2e_paper), the frames drawn by the ray tracer on the reward's GPU
+    step e2e_paper_warp 120 python3 benchmarks/bench_end_to_end.py $e2e --render-size 480 --render-quality high --renderer warp
+  fi
   step tests 80 python3 -m pytest -q -n 8 tests/test_vlm_reward.py tests/test_reward_devices.py tests/test_reward_overlap.py
 fi
 echo "=== done in $((SECONDS - start)) s; outputs in $out/"
