@@ -24,10 +24,9 @@ import os
 import sys
 import tempfile
 import time
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import REPO, Clock, emit, load, machine, run_worker, table, worker_payload  # noqa: E402
+from _common import REPO, Clock, load, machine, main_or_worker, run_worker, table  # noqa: E402
 
 TINY = str(REPO / "tests" / "vlmrm-tiny-test.json")
 HUMANOID_CLIP = str(REPO / "experiments" / "humanoid-clip.json")
@@ -230,9 +229,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    warnings.filterwarnings("ignore")
-    payload = worker_payload()
-    if payload is None:
-        main()
-    else:
-        emit(worker(payload))
+    main_or_worker(main, worker)
