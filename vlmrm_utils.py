@@ -818,9 +818,73 @@ def check_renderer_args(args) -> None:
         (not 1 <= args.supersample <= 8, f"--supersample must be between 1 and 8, got {args.supersample}."),
         (warp and args.env_id != "Humanoid-v5", "--renderer warp draws Humanoid-v5 only; use --renderer egl."),
         (warp and not importlib.util.find_spec("mujoco_warp"), "--renderer warp needs MuJoCo Warp: pip install mujoco-warp."),
+        (
+            warp and args.render_quality == "high" and importlib.util.find_spec("mujoco_warp") and not warp_lighting_hook(),
+            "--renderer warp with --render-quality high needs mujoco-warp 4.0.0 (its shadows are cut at the light's plane "
+            "through a private function other versions lack): pip install mujoco-warp==4.0.0, or use --render-quality "
+            "fast (no shadows), which works with any version.",
+        ),
     ]:
         if failed:
             raise UserError(message)
+
+
+def warp_lighting_hook():
+    """The private function of mujoco-warp 4.0.0 that cut_shadow_rays_at_the_light wraps, or None (another version)."""
+    from mujoco_warp._src import render
+
+    return getattr(render, "_make_compute_lighting", None)
+
+
+SHADOW_LIGHT = []  # the light (pos, dir) whose plane cuts this process's shadow rays: compiled into the kernel
+
+
+def cut_shadow_rays_at_the_light(model) -> None:
+    """Shadows as in the paper's frames: MuJoCo's OpenGL draws a directional light's shadow map from the light's
+    position, so only what lies between a point and the plane through the light (normal: its direction) shades it;
+    with the paper's light at z = 1 m, the legs and feet, not the torso and raised arms. MuJoCo Warp treats the light
+    as infinitely far; this stops its shadow rays at that plane, for the model's first light (the scene has one), by
+    wrapping mujoco-warp 4.0.0's private _make_compute_lighting, which a render context calls to build its kernel at
+    its first draw. Once per process, before the first draw."""
+    import warp as wp
+    from mujoco_warp._src import render
+
+    n = model.light_dir[0] / np.linalg.norm(model.light_dir[0])
+    light = (tuple(model.light_pos[0].tolist()), tuple(n.tolist()))
+    if SHADOW_LIGHT:
+        if SHADOW_LIGHT[0] != light:
+            raise UserError(f"MuJoCo Warp's shadows are cut at one light per process: {SHADOW_LIGHT[0]}, not {light}.")
+        return
+    if warp_lighting_hook() is None:
+        raise UserError("MuJoCo Warp's shadows need mujoco-warp 4.0.0: pip install mujoco-warp==4.0.0.")
+    SHADOW_LIGHT.append(light)
+    pos, normal, make = wp.constant(wp.vec3(*light[0])), wp.constant(wp.vec3(*light[1])), render._make_compute_lighting
+
+    def make_cut(cast_ray_first_hit):
+        @wp.func
+        def cast_to_the_light(
+            geom_type: wp.array[int], geom_dataid: wp.array2d[int], geom_matid: wp.array2d[int],
+            geom_size: wp.array2d[wp.vec3], geom_rgba: wp.array2d[wp.vec4], flex_vertadr: wp.array[int],
+            flex_edge: wp.array[wp.vec2i], flex_radius: wp.array[float], mat_rgba: wp.array2d[wp.vec4],
+            geom_xpos_in: wp.array2d[wp.vec3], geom_xmat_in: wp.array2d[wp.mat33], flexvert_xpos_in: wp.array2d[wp.vec3],
+            bvh_id: wp.uint64, group_root: int, worldid: int, bvh_ngeom: int, flex_bvh_ngeom: int,
+            enabled_geom_ids: wp.array[int], mesh_bvh_id: wp.array[wp.uint64], hfield_bvh_id: wp.array[wp.uint64],
+            flex_rgba: wp.array[wp.vec4], flex_geom_flexid: wp.array[int], flex_geom_edgeid: wp.array[int],
+            flex_bvh_id: wp.array[wp.uint64], flex_group_root: wp.array2d[int], ray_origin_world: wp.vec3,
+            ray_dir_world: wp.vec3, max_dist: float, cull_backfaces: bool,
+        ):  # fmt: skip
+            # the shadow ray runs against the light's direction: the light's plane is dot(origin - pos, dir) away
+            reach = wp.min(max_dist, wp.dot(ray_origin_world - pos, normal))
+            return cast_ray_first_hit(
+                geom_type, geom_dataid, geom_matid, geom_size, geom_rgba, flex_vertadr, flex_edge, flex_radius,
+                mat_rgba, geom_xpos_in, geom_xmat_in, flexvert_xpos_in, bvh_id, group_root, worldid, bvh_ngeom,
+                flex_bvh_ngeom, enabled_geom_ids, mesh_bvh_id, hfield_bvh_id, flex_rgba, flex_geom_flexid,
+                flex_geom_edgeid, flex_bvh_id, flex_group_root, ray_origin_world, ray_dir_world, reach, cull_backfaces,
+            )  # fmt: skip
+
+        return make(cast_to_the_light)
+
+    render._make_compute_lighting = make_cut
 
 
 class WarpRenderer:
@@ -835,8 +899,8 @@ class WarpRenderer:
     averages `supersample` x `supersample` rays on a grid (MuJoCo Warp's samples_per_pixel, summed in float): as
     drawing at size * supersample and averaging the blocks; without it the floor's tiles show moire. `worlds`: states
     drawn per launch (a render context for N worlds is expensive to make: one per process); N states are drawn in
-    blocks of `worlds`. `shadows`: shadow rays towards each light that casts shadows; a shadowed point gets none of
-    that light, as in MuJoCo's OpenGL renderer (whose shadows, unlike these, leave out what is above the light)."""
+    blocks of `worlds`. `shadows`: shadow rays towards each light that casts shadows, cut at the light's plane as
+    MuJoCo's OpenGL cuts them (cut_shadow_rays_at_the_light); a shadowed point gets none of that light, as there."""
 
     def __init__(self, model, camera: str, size: int, supersample: int, worlds: int, device, shadows: bool = True):
         import mujoco
@@ -856,6 +920,8 @@ class WarpRenderer:
         cached = Path(wp.config.kernel_cache_dir or "").glob("wp_mujoco_warp._src.render_*/*")
         if not any(path.suffix in compiled for path in cached):
             print(f"compiling MuJoCo Warp's ray tracer kernels for {self.wp_device} (once per machine, ~35 s on a CPU)...")
+        if shadows:
+            cut_shadow_rays_at_the_light(model)
         model = copy.deepcopy(model)
         model.opt.solver = mujoco.mjtSolver.mjSOL_NEWTON
         data = mujoco.MjData(model)

@@ -7,9 +7,9 @@ in pixels and in the rewards of three CLIPs, next to EGL "fast" against "high".
 States: seeded random-action rollouts of the textured Humanoid-v5 (episodes of 40 steps, every 4th step's qpos: standing,
 toppling, lying) plus the pose probe's 13 poses (reward_shape.py's POSES, set with its set_pose). Each renderer draws the
 same qpos, in a fresh process: EGL high and fast (the training script's make_env, set_state then render), warp (the
-training script's warp_renderer) at supersampling 1, 2, 3 and, at 2, with MuJoCo Warp's shadow rays on (light fraction 0
-in shadow, as MuJoCo's OpenGL), and with those rays cut at the light's plane as MuJoCo's OpenGL shadow map cuts them
-("GL shadows": benchmarks/_warp_gl_shadows.py, a candidate through a private hook of mujoco-warp; docs/benchmarks.md).
+training script's warp_renderer) at supersampling 1, 2, 3 without shadows (--render-quality fast) and, at 2, as
+shipped with --render-quality high ("shadows": shadow rays cut at the light's plane as MuJoCo's OpenGL shadow map cuts
+them, light fraction 0 in shadow); `--uncut-shadows-at N` adds MuJoCo Warp's own shadows (rays not cut) for comparison.
 
 Pixels: mean absolute difference to high per channel (0-255), over the frame and per region; the regions come from
 MuJoCo's segmentation render (EGL, same camera and state): floor = the floor geom, body = any other geom, sky = no geom.
@@ -90,12 +90,10 @@ def worker(c: dict) -> dict:
     else:
         import torch
 
-        if c["shadows"] == "gl":  # shadow rays cut at the light's plane, as MuJoCo's OpenGL shadow map
-            import _warp_gl_shadows
-            import mujoco
+        if c["shadows"] == "uncut":  # MuJoCo Warp's own shadow rays (this worker process only)
+            import vlmrm_utils
 
-            m = mujoco.MjModel.from_xml_path(ours.textured_humanoid_xml())
-            _warp_gl_shadows.install(m.light_pos[0], m.light_dir[0])
+            vlmrm_utils.cut_shadow_rays_at_the_light = lambda model: None
         # --render-quality high: shadow rays (a shadowed point gets none of the light); fast: none
         quality = "high" if c["shadows"] else "fast"
         renderer = ours.warp_renderer(True, size, c["supersample"], c["worlds"], torch.device("cpu"), quality=quality)
@@ -135,11 +133,10 @@ def main() -> None:
     p.add_argument("--states", type=int, default=300, help="random-rollout states at 224 px (the 13 poses come on top)")
     p.add_argument("--states-480", type=int, default=100, help="of those, the first N at 480 px (the CPU's time)")
     p.add_argument("--supersample", nargs="*", type=int, default=[1, 2, 3], help="warp's rays per pixel per axis")
-    p.add_argument("--shadows-at", type=int, default=2, help="also warp with shadow rays at this supersampling (0: no)")
-    p.add_argument("--gl-shadows-at", type=int, default=2, help="... with them cut at the light's plane (0: no)")
+    p.add_argument("--shadows-at", type=int, default=2, help="also warp with shadows (as shipped) at this supersampling")
+    p.add_argument("--uncut-shadows-at", type=int, default=0, help="... with MuJoCo Warp's own shadows (0: no)")
     p.add_argument("--clips", nargs="+", default=[TINY, "ViT-B-32", f"{HUMANOID_CLIP}=/tmp/humanoid-clip.pt"],
                    help="a name (random weights) or CONFIG.json=WEIGHTS.pt (experiments/humanoid_clip.py)")  # fmt: skip
-    p.add_argument("--picture-supersample", type=int, default=2, help="the warp frames the picture shows")
     p.add_argument("--picture", default=str(REPO / "docs" / "humanoid_warp_vs_egl.png"), help="EGL high | warp | diff")
     a = p.parse_args()
     clock, tmp = Clock(), tempfile.mkdtemp(prefix="bench_warp_fidelity_")
@@ -152,11 +149,11 @@ def main() -> None:
     poses = len(reward_shape.POSES)
     renderers = [("EGL high", dict(renderer="egl", quality="high")), ("EGL fast", dict(renderer="egl", quality="fast"))]
     renderers += [(f"warp ss{s}", dict(renderer="warp", supersample=s, shadows=False)) for s in a.supersample]
+    if a.uncut_shadows_at:
+        uncut = dict(renderer="warp", supersample=a.uncut_shadows_at, shadows="uncut")
+        renderers.append((f"warp ss{a.uncut_shadows_at} uncut shadows", uncut))
     if a.shadows_at:
         renderers.append((f"warp ss{a.shadows_at} shadows", dict(renderer="warp", supersample=a.shadows_at, shadows=True)))
-    if a.gl_shadows_at:  # benchmarks/_warp_gl_shadows.py
-        gl = dict(renderer="warp", supersample=a.gl_shadows_at, shadows="gl")
-        renderers.append((f"warp ss{a.gl_shadows_at} GL shadows", gl))
     clips = {s: clip_reward(s) for s in a.clips}
     torch.set_num_threads(1)
     rows, corr_rows, probe_rows, ms, picture, corr, ok = [], [], [], {}, {}, {}, {}
@@ -207,7 +204,7 @@ def main() -> None:
     if a.picture:  # three states at 480 px: standing, a random-rollout state, a pose
         import imageio.v2 as imageio
 
-        best = next(n for n, _ in reversed(renderers) if n.startswith(f"warp ss{a.picture_supersample}"))
+        best = renderers[-1][0]  # the shipped renderer (--render-quality high) unless --shadows-at 0
         n480 = len(picture[480, "EGL high"])
         idx = [n480 - poses, 7, n480 - poses + 8]
         high, warp = picture[480, "EGL high"][idx], picture[480, best][idx]
