@@ -119,7 +119,16 @@ def render_dataset(num_frames: int, seed: int, render_size: int = 64, quality: s
 
 def train(path: str, num_frames: int = NUM_FRAMES, steps: int = STEPS, seed: int = SEED, render_size: int = 64,
           quality: str = "fast", verbose: bool = True) -> str:  # fmt: skip
-    """Train the model and save its state dict to `path`; returns `path`."""
+    """Train the model on one torch thread and save its state dict to `path`; returns `path`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # float sums (so the weights) depend on the count, which the cache key cannot see
+    try:
+        return train_on_this_thread(path, num_frames, steps, seed, render_size, quality, verbose)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def train_on_this_thread(path: str, num_frames: int, steps: int, seed: int, render_size: int, quality: str, verbose) -> str:
     from PIL import Image
 
     start = time.perf_counter()

@@ -11,6 +11,7 @@ import clip_trainer
 import mujoco
 import numpy as np
 import pytest
+import torch
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "experiments"))
@@ -67,3 +68,19 @@ def test_clip_cache_key_follows_the_drawn_look(tmp_path, monkeypatch):
     (scene / "slate.png").write_bytes((tmp_path / "a" / scene.name / "metal.png").read_bytes())
     keys.append(humanoid_clip.cache_key(frames=1, steps=1))
     assert len(set(keys[1:])) == 3, keys
+
+
+def test_clip_trains_on_one_thread_whoever_calls(tmp_path, monkeypatch):
+    """The weights depend on torch's thread count (2 threads: loss 3.594 at step 100, 1 thread: 3.573), and the cache key
+    cannot see it: the CLIP trains on one thread however it is called, and the caller's count comes back."""
+    frames = np.zeros((4, 64, 64, 3), np.uint8)
+    monkeypatch.setattr(humanoid_clip, "render_dataset", lambda *a: (frames, np.zeros(4), ["standing"] * 4, ["a"] * 4))
+    seen = []
+    monkeypatch.setattr(clip_trainer, "fit", lambda *a, **k: seen.append(torch.get_num_threads()))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        humanoid_clip.train(str(tmp_path / "clip.pt"), 4, 1, verbose=False)
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
