@@ -119,7 +119,16 @@ def render_dataset(num_frames: int, seed: int, render_size: int = 64, quality: s
 
 def train(path: str, num_frames: int = NUM_FRAMES, steps: int = STEPS, seed: int = SEED, render_size: int = 64,
           quality: str = "fast", verbose: bool = True) -> str:  # fmt: skip
-    """Train the model and save its state dict to `path`; returns `path`."""
+    """Train the model on one torch thread and save its state dict to `path`; returns `path`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # float sums (so the weights) depend on the count, which the cache key cannot see
+    try:
+        return train_on_this_thread(path, num_frames, steps, seed, render_size, quality, verbose)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def train_on_this_thread(path: str, num_frames: int, steps: int, seed: int, render_size: int, quality: str, verbose) -> str:
     from PIL import Image
 
     start = time.perf_counter()
@@ -138,11 +147,27 @@ def train(path: str, num_frames: int = NUM_FRAMES, steps: int = STEPS, seed: int
     return clip_trainer.fit(model, images, texts, steps, seed, path, start, every=100 if verbose else 0)
 
 
+def scene_files() -> bytes:
+    """The look the frames are drawn from, as files: the textured model's XML (its folder's path aside) and every file it
+    names. Read from the files, not their code: they are cached in a temp folder under a hand-bumped tag, so a look
+    change without the bump (or a stale folder) draws other frames under the same source, and the look's code may move."""
+    import mujoco
+
+    from vlmrm_sac_humanoid import textured_humanoid_xml
+
+    xml = Path(textured_humanoid_xml())
+    text = xml.read_text()
+    files = [Path(xml.parent, name).read_bytes() for name in sorted(set(re.findall(r'file\w*="([^"]+)"', text)))]
+    return b"".join([text.replace(str(xml.parent), "").encode(), *files, mujoco.__version__.encode()])
+
+
 def cache_key(**settings) -> str:
-    """Hash of what determines the weights: this file, the recipe, the config, the env code, the settings, the versions."""
+    """Hash of what determines the weights: this file, the recipe, the config, the env code, the scene's files, the
+    settings, the versions."""
     h = hashlib.sha256()
     for f in (Path(__file__), Path(clip_trainer.__file__), CONFIG, ROOT / "vlmrm_sac_humanoid.py"):
         h.update(f.read_bytes())
+    h.update(scene_files())
     h.update(f"{sorted(settings.items())} {torch.__version__} {open_clip.__version__}".encode())
     return h.hexdigest()[:16]
 

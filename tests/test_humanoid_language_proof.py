@@ -11,6 +11,7 @@ import clip_trainer
 import mujoco
 import numpy as np
 import pytest
+import torch
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "experiments"))
@@ -44,3 +45,42 @@ def test_prompt_guard_refuses_training_captions_by_words():
             humanoid_clip.check_prompt(model, tokenizer, prompt)
     for prompt in (humanoid_arms.GOAL, humanoid_arms.BASELINE, humanoid_arms.SWAPPED):
         assert humanoid_clip.words(prompt) not in {humanoid_clip.words(c) for c in humanoid_clip.all_captions()}
+
+
+def test_clip_cache_key_follows_the_drawn_look(tmp_path, monkeypatch):
+    """The CLIP's cache key is the look's files, not only their code: a texture or the model's XML changed under the
+    same source (the look's temp folder is keyed by a hand-bumped tag) gives another key; the folder's path does not."""
+    import tempfile
+
+    from vlmrm_sac_humanoid import textured_humanoid_xml
+
+    keys = []
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / folder))
+        textured_humanoid_xml()
+        keys.append(humanoid_clip.cache_key(frames=1, steps=1))
+    assert keys[0] == keys[1]
+    (scene,) = (tmp_path / "b").glob("vlmrm_humanoid_*")
+    xml = scene / "humanoid_textured.xml"
+    xml.write_text(xml.read_text().replace('diffuse="1 1 1"', 'diffuse="0.5 0.5 0.5"', 1))
+    keys.append(humanoid_clip.cache_key(frames=1, steps=1))
+    (scene / "slate.png").write_bytes((tmp_path / "a" / scene.name / "metal.png").read_bytes())
+    keys.append(humanoid_clip.cache_key(frames=1, steps=1))
+    assert len(set(keys[1:])) == 3, keys
+
+
+def test_clip_trains_on_one_thread_whoever_calls(tmp_path, monkeypatch):
+    """The weights depend on torch's thread count (2 threads: loss 3.594 at step 100, 1 thread: 3.573), and the cache key
+    cannot see it: the CLIP trains on one thread however it is called, and the caller's count comes back."""
+    frames = np.zeros((4, 64, 64, 3), np.uint8)
+    monkeypatch.setattr(humanoid_clip, "render_dataset", lambda *a: (frames, np.zeros(4), ["standing"] * 4, ["a"] * 4))
+    seen = []
+    monkeypatch.setattr(clip_trainer, "fit", lambda *a, **k: seen.append(torch.get_num_threads()))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        humanoid_clip.train(str(tmp_path / "clip.pt"), 4, 1, verbose=False)
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
