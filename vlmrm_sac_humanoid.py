@@ -158,11 +158,6 @@ def check_args(args: Args) -> None:
         args.alpha = 0.5 if mountain_car else 0.0
     if args.episodes == "auto":  # resolved once: a checkpoint keeps the resolved value
         args.episodes = "fixed" if args.reward == "clip" else "stock"
-    # every vector step takes one step in each env
-    if args.num_envs > 0 and args.total_timesteps % args.num_envs:
-        rounded = -(-args.total_timesteps // args.num_envs) * args.num_envs
-        print(f"note: --total-timesteps {args.total_timesteps} rounded up to {rounded}, a multiple of --num-envs")
-        args.total_timesteps = rounded
     positive = "total_timesteps num_envs buffer_size batch_size train_frequency gradient_steps episode_length eval_episodes"
     positive += " reward_batch_size video_frequency checkpoint_frequency policy_lr q_lr ent_coef"
     utils.check_common_args(args, positive, "alpha gamma tau", "actor")
@@ -190,9 +185,9 @@ def check_args(args: Args) -> None:
 DEFAULT_PROMPTS = {  # (goal, baseline) of each env: the paper's
     "CartPole-v1": ("pole vertically upright on top of the cart", "pole and cart"),
     "MountainCar-v0": ("a car at the peak of the mountain, next to the yellow flag", "a car in the mountain"),
-    "MountainCarContinuous-v0": ("a car at the peak of the mountain, next to the yellow flag", "a car in the mountain"),
     "Humanoid-v5": ("a humanoid robot kneeling", "a humanoid robot"),
 }
+DEFAULT_PROMPTS["MountainCarContinuous-v0"] = DEFAULT_PROMPTS["MountainCar-v0"]  # the same scene
 # softmax family: our own negatives for the default goals (not the paper's), states the goal is not
 DEFAULT_NEGATIVES = {
     ("pole vertically upright on top of the cart",): (
@@ -207,9 +202,7 @@ DEFAULT_NEGATIVES = {
 }
 
 
-def vlm_reward(
-    image_embeddings: torch.Tensor, goal_embeddings: torch.Tensor, baseline_embeddings: torch.Tensor, alpha: float
-) -> torch.Tensor:
+def vlm_reward(image_embeddings, goal_embeddings, baseline_embeddings, alpha: float) -> torch.Tensor:
     """R(s) = 1 - 0.5 * ||(s - g) P||^2, P = alpha * d d^T / ||d||^2 + (1 - alpha) I, d = g - b; (N,) float32
     rewards."""
     s = F.normalize(image_embeddings.float(), dim=-1)
@@ -261,9 +254,9 @@ class CLIPReward(nn.Module):
     (closer to PIL).
     """
 
-    def __init__(self, model: nn.Module, tokenizer, goal: tuple, baseline: tuple, alpha: float, batch_size: int, device,
-                 family="projection", negatives=(), temperature=0.01, threshold=0.5, soft=False, antialias=False,
-                 replicas=(), dtype=torch.float32):  # fmt: skip
+    def __init__(self, model: nn.Module, tokenizer, goal: tuple, baseline: tuple, alpha: float,
+                 batch_size: int, device, family="projection", negatives=(), temperature=0.01, threshold=0.5,
+                 soft=False, antialias=False, replicas=(), dtype=torch.float32):  # fmt: skip
         super().__init__()
         import open_clip
 
@@ -280,7 +273,7 @@ class CLIPReward(nn.Module):
         self.antialias = antialias
         # (model, device) per reward device; the first embeds the prompts
         self.replicas = [(model, device), *replicas]
-        # the model's own mean/std: the paper used OpenAI's for every model, wrong only for ViT-L-14 laion2b (0.5, 0.5)
+        # the model's own mean/std (the paper: OpenAI's for all, wrong only for ViT-L-14 laion2b, (0.5, 0.5))
         cfg = open_clip.get_model_preprocess_cfg(model)
         self.image_size = (cfg["size"],) * 2 if isinstance(cfg["size"], int) else tuple(cfg["size"])
         self.register_buffer("mean", torch.tensor(cfg["mean"], device=device).view(1, 3, 1, 1))
@@ -304,7 +297,7 @@ class CLIPReward(nn.Module):
         than float)."""
         device = device or self.device
         x = frames.to(device, non_blocking=True)
-        # on the CPU numpy's cast is ~3x faster (torch's .float() page-faults a fresh batch in); same values and strides
+        # CPU: numpy's cast is ~3x faster (torch's .float() page-faults a new batch in); same values, strides
         x = torch.from_numpy(x.numpy().astype(np.float32)) if x.device.type == "cpu" else x.float()
         x = x.permute(0, 3, 1, 2).div_(255)
         # bicubic overshoots [0, 1] a little near edges: the reference kept it (no clamp), and so do we
@@ -320,14 +313,14 @@ class CLIPReward(nn.Module):
     def rewards(self, image_embeddings: torch.Tensor) -> torch.Tensor:
         """The chosen family's rewards (N,) of raw image embeddings (N, D)."""
         if self.family == "softmax":
-            return softmax_reward(
-                image_embeddings, self.goal_embeddings, self.negative_embeddings, self.temperature, self.threshold, self.soft
-            )
+            settings = (self.temperature, self.threshold, self.soft)
+            return softmax_reward(image_embeddings, self.goal_embeddings, self.negative_embeddings, *settings)
         return vlm_reward(image_embeddings, self.goal_embeddings, self.baseline_embeddings, self.alpha)
 
     @torch.no_grad()
-    def forward(self, frames) -> np.ndarray:  # uint8 (N, H, W, 3), numpy or torch (on the reward device: not copied)
-        chunks = (frames if torch.is_tensor(frames) else torch.from_numpy(np.ascontiguousarray(frames))).split(self.batch_size)
+    def forward(self, frames) -> np.ndarray:  # uint8 (N, H, W, 3), numpy or torch (on the device: not copied)
+        frames = frames if torch.is_tensor(frames) else torch.from_numpy(np.ascontiguousarray(frames))
+        chunks = frames.split(self.batch_size)
         k = len(self.replicas)
 
         # replica i scores chunks i, i + k, ...: the batches one device would score
@@ -349,12 +342,11 @@ def make_reward_model(args: Args, device: torch.device) -> CLIPReward:
     utils.warn_long_prompts(tokenizer, args)
     # copies: the same weights (even random test ones)
     replicas = [(copy.deepcopy(model).to(d), d) for d in devices[1:]]
-    family = [args.reward_family, args.negatives or (), args.temperature, args.threshold, args.soft, args.antialias]
+    scored = (args.goal, args.baseline, args.alpha, args.reward_batch_size, devices[0])
+    family = (args.reward_family, args.negatives or (), args.temperature, args.threshold, args.soft)
     # CPUs gain nothing from half
     dtype = getattr(torch, args.clip_dtype) if devices[0].type == "cuda" else torch.float32
-    reward_model = CLIPReward(
-        model, tokenizer, args.goal, args.baseline, args.alpha, args.reward_batch_size, devices[0], *family, replicas, dtype
-    )
+    reward_model = CLIPReward(model, tokenizer, *scored, *family, args.antialias, replicas, dtype)
     try:  # vlm_reward's rule, said in terms of the flags: different prompts can share one CLIP embedding
         reward_model.rewards(reward_model.goal_embeddings)
     except ValueError as e:
@@ -513,7 +505,8 @@ class RealisticMountainCar(gym.Wrapper):
             [[95, 95, 100], [110, 85, 55] + noise, [70, 140, 55] + noise, [120, 140, 165]],
             [70, 130, 210] + rows[..., None] / 399 * np.array([130, 95, 35]),
         )
-        self.background = pygame.surfarray.make_surface(np.clip(pixels, 0, 255).astype(np.uint8).transpose(1, 0, 2))
+        pixels = np.clip(pixels, 0, 255).astype(np.uint8).transpose(1, 0, 2)  # pygame's surfaces are (x, y)
+        self.background = pygame.surfarray.make_surface(pixels)
         x, y = (int(v) for v in self.pixel(MOUNTAINCAR_GOAL))
         pygame.draw.line(self.background, (60, 60, 60), (x, y - 4), (x, y - 64), 3)
         pygame.draw.polygon(self.background, (250, 210, 20), [(x + 2, y - 64), (x + 32, y - 54), (x + 2, y - 44)])
@@ -540,7 +533,7 @@ class RealisticMountainCar(gym.Wrapper):
         column, row = self.pixel(x)  # the car's centre stands 10 px above the road, along its normal
         self.canvas.blit(self.background, (0, 0))
         self.canvas.blit(car, car.get_rect(center=(column - 10 * math.sin(slope), row - 10 * math.cos(slope))))
-        # row-major RGB bytes: surfarray.array3d(...).transpose(1, 0, 2)'s pixels, 3x faster (copied: writable)
+        # row-major RGB bytes, 3x faster than surfarray.array3d(...).transpose(1, 0, 2) (copied: writable)
         return np.frombuffer(pygame.image.tobytes(self.canvas, "RGB"), np.uint8).reshape(400, 600, 3).copy()
 
 
@@ -640,7 +633,7 @@ class ReplayBuffer:
     """Ring buffer of transitions in host memory; a batch goes to the device when sampled; its state_dict (the
     filled part) makes a resume exact."""
 
-    def __init__(self, size: int, obs_shape: tuple, action_shape: tuple, action_dtype: type, device: torch.device):
+    def __init__(self, size: int, obs_shape: tuple, action_shape: tuple, action_dtype: type, device):
         self.size = size
         self.device = device
         self.pos = 0
@@ -679,28 +672,9 @@ class ReplayBuffer:
         return tuple(torch.from_numpy(self.data[k][idx]).to(self.device) for k in keys)
 
 
-def evaluate(actor, eval_envs, device, reward_model, episodes, seed):
-    """Deterministic episodes of the policy: the frames and their rate, the ground-truth and CLIP return of
-    each."""
-    results = []
-    for episode in range(episodes):
-        obs, _ = eval_envs.reset(seed=seed + episode)
-        frames = [eval_envs.call("render")[0]]
-        gt_return = 0.0
-        done = False
-        while not done:  # fixed length: --episode-length steps; stock: until the env terminates or truncates
-            with torch.no_grad():
-                actions = actor.get_action(torch.as_tensor(obs, dtype=torch.float32, device=device))[2]
-            actions = actions.cpu().numpy()
-            obs, gt_rewards, terminations, truncations, _ = eval_envs.step(actions)
-            done = bool(terminations[0] or truncations[0])
-            gt_return += float(gt_rewards[0])
-            frames.append(eval_envs.call("render")[0])
-        # the reset frame scores no transition: the reward of step t is the score of frame t + 1
-        clip_return = float(reward_model(np.stack(frames[1:])).sum()) if reward_model is not None else math.nan
-        fps = eval_envs.metadata["render_fps"]
-        results.append(dict(frames=frames, gt_return=gt_return, clip_return=clip_return, fps=fps))
-    return results
+def deterministic(actor: Actor, device: torch.device):
+    """The policy an evaluation rolls out (utils.evaluate): the mean action, in env units."""
+    return lambda obs: actor.get_action(torch.as_tensor(obs, dtype=torch.float32, device=device))[2].cpu().numpy()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -732,7 +706,7 @@ def main(args: Args) -> None:
         reward_model = make_reward_model(args, device) if args.reward == "clip" else None
         actor = Actor(eval_envs).to(device)
         actor.load_state_dict(run.checkpoint["actor"])
-        episodes = evaluate(actor, eval_envs, device, reward_model, args.eval_episodes, eval_seed)
+        episodes = utils.evaluate(deterministic(actor, device), eval_envs, reward_model, args.eval_episodes, eval_seed)
         return run.save_episodes(episodes)
 
     # each env renders the frame after its step and returns it with the step (with the ground truth: nothing)
@@ -764,7 +738,7 @@ def main(args: Args) -> None:
         learner = dict(actor=actor, qf1=qf1, qf2=qf2, qf1_target=qf1_target, qf2_target=qf2_target)
         learner.update(q_optimizer=q_optimizer, actor_optimizer=actor_optimizer, ent_coef_optimizer=ent_coef_optimizer)
         networks = lambda: {k: learner[k].state_dict() for k in ("actor", "qf1", "qf2")}  # noqa: E731
-        evaluation = partial(evaluate, actor, eval_envs, device, reward_model)  # deterministic episodes
+        evaluation = partial(utils.evaluate, deterministic(actor, device), eval_envs, reward_model)
         action_scale = (space.high - space.low) / 2.0  # the actor's, on the host: no device sync
         action_bias = (space.high + space.low) / 2.0
         gt_success = (lambda episode: episode["success"]) if mountain_car else None  # the flag reached
