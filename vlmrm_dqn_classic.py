@@ -120,8 +120,7 @@ class Args:
 
 
 def check_args(args: Args) -> None:
-    """The defaults that depend on --env-id, then bad flags refused, each in one sentence, before anything
-    expensive (a model download, the envs) happens."""
+    """The defaults of --env-id, then bad flags refused, in one sentence each, before anything costly."""
     goal, baseline = DEFAULT_PROMPTS[args.env_id]
     args.goal = (goal,) if args.goal is None else args.goal
     args.baseline = (baseline,) if args.baseline is None else args.baseline
@@ -129,8 +128,9 @@ def check_args(args: Args) -> None:
         args.alpha = 0.5 if args.env_id == "MountainCar-v0" else 0.0
     if args.episodes == "auto":  # resolved once: a checkpoint keeps the resolved value
         args.episodes = "fixed" if args.reward == "clip" else "stock"
-    positive = "total_timesteps num_envs buffer_size batch_size train_frequency target_network_frequency episode_length"
-    positive += " eval_episodes reward_batch_size video_frequency checkpoint_frequency learning_rate"
+    positive = "total_timesteps num_envs buffer_size batch_size train_frequency target_network_frequency"
+    positive += " episode_length eval_episodes reward_batch_size video_frequency checkpoint_frequency"
+    positive += " learning_rate"
     utils.check_common_args(args, positive, "alpha gamma tau start_e end_e exploration_fraction", "q_network")
     if softmax_problem(args.temperature, args.threshold) is not None:
         raise utils.UserError(softmax_problem(args.temperature, args.threshold) + ".")
@@ -145,7 +145,8 @@ def check_args(args: Args) -> None:
         env_bytes = 2.5e6 if args.reward == "clip" else 0
         # floats per sampled transition: an upper bound for the Q-network, forward and backward
         activations = 16 * 256
-        utils.check_resources(args, probe.observation_space, probe.action_space, (400, 600, 3), env_bytes, activations)
+        spaces = (probe.observation_space, probe.action_space)
+        utils.check_resources(args, *spaces, (400, 600, 3), env_bytes, activations)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -172,8 +173,7 @@ DEFAULT_NEGATIVES = {
 
 
 def vlm_reward(image_embeddings, goal_embeddings, baseline_embeddings, alpha: float) -> torch.Tensor:
-    """R(s) = 1 - 0.5 * ||(s - g) P||^2, P = alpha * d d^T / ||d||^2 + (1 - alpha) I, d = g - b; (N,) float32
-    rewards."""
+    """R(s) = 1 - 0.5 ||(s - g) P||^2, P = alpha d d^T / ||d||^2 + (1 - alpha) I, d = g - b: (N,) float32."""
     s = F.normalize(image_embeddings.float(), dim=-1)
     g = F.normalize(goal_embeddings.float(), dim=-1).mean(0)  # the means are deliberately not re-normalised
     b = F.normalize(baseline_embeddings.float(), dim=-1).mean(0)
@@ -189,8 +189,7 @@ def vlm_reward(image_embeddings, goal_embeddings, baseline_embeddings, alpha: fl
 
 
 def softmax_problem(temperature: float, threshold: float) -> Optional[str]:
-    """What is wrong with the softmax family's parameters, or None: its one check, of flags and of calls
-    alike."""
+    """What is wrong with the softmax family's parameters, or None: one check, of flags and calls alike."""
     if not 0 < temperature < math.inf:
         return f"--temperature must be a positive number, got {temperature}"
     if not 0 < threshold < 1:
@@ -199,8 +198,7 @@ def softmax_problem(temperature: float, threshold: float) -> Optional[str]:
 
 
 def softmax_reward(image_embeddings, goal_embeddings, negative_embeddings, temperature: float, threshold: float, soft=False):
-    """R(s) = 1 if p > threshold else 0 (p itself if soft), p = the goal's softmax(cos(s, e_k) / temperature)
-    vs negatives."""
+    """R(s) = 1 if p > threshold else 0 (p if soft), p = the goal's softmax(cos(s, e_k) / temperature)."""
     problem = softmax_problem(temperature, threshold)
     problem = problem or ("no negative prompts" if len(negative_embeddings) == 0 else None)
     if problem is not None:
@@ -215,8 +213,7 @@ def softmax_reward(image_embeddings, goal_embeddings, negative_embeddings, tempe
 
 
 class CLIPReward(nn.Module):
-    """Scores uint8 frames (N, H, W, 3) with `vlm_reward` (family "projection") or `softmax_reward`
-    ("softmax").
+    """Scores uint8 frames (N, H, W, 3) with `vlm_reward` (family "projection") or `softmax_reward`.
 
     Frames are preprocessed as the paper's code did (a tensor torchvision Resize of torch 2.0): squashed to
     the model's square input, bicubic, no antialiasing, no clamp; `antialias=True` smooths a large downscale
@@ -262,8 +259,7 @@ class CLIPReward(nn.Module):
 
     @torch.no_grad()
     def preprocess(self, frames: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
-        """uint8 (N, H, W, 3) -> the model's normalised input (N, 3, S, S); frames travel as uint8 (4x less
-        than float)."""
+        """uint8 (N, H, W, 3) -> the model's normalised input (N, 3, S, S); moved as uint8: 4x less data."""
         device = device or self.device
         x = frames.to(device, non_blocking=True)
         # CPU: numpy's cast is ~3x faster (torch's .float() page-faults a new batch in); same values, strides
@@ -327,14 +323,14 @@ def make_reward_model(args: Args, device: torch.device) -> CLIPReward:
 # Environments: fixed-length episodes; the env's own reward is the ground truth (logged, not learned from)
 # ----------------------------------------------------------------------------------------------
 class GymnasiumPixels(gym.Wrapper):
-    """Gymnasium's own drawing of CartPole and MountainCar, its pixels read out as row-major RGB bytes: the frame its
-    render returns, 2.4x faster than with its surfarray copy (benchmarks/bench_cpu_frames.py)."""
+    """Gymnasium's own drawing of CartPole and MountainCar, its pixels read out as row-major RGB bytes: the
+    frame its render returns, 2.4x faster than with its surfarray copy (benchmarks/bench_cpu_frames.py)."""
 
     def render(self) -> np.ndarray:
         import pygame
 
         env = self.env.unwrapped
-        env.render_mode = "screen"  # a mode gymnasium does not know: it draws onto env.screen and returns nothing
+        env.render_mode = "screen"  # unknown to gymnasium: it draws onto env.screen and returns nothing
         env.render()
         env.render_mode = "rgb_array"
         pixels = np.frombuffer(pygame.image.tobytes(env.screen, "RGB"), np.uint8)
@@ -366,8 +362,7 @@ MOUNTAINCAR_GOAL = 0.45
 
 class FixedLengthMountainCar(gym.Wrapper):
     """MountainCar that never terminates: reward 1 while at the flag, else 0; `info["success"]`: reached this
-    episode. After success x is clipped to the flag, as in the paper's env, so CLIP never scores the car
-    past it."""
+    episode. After success x is clipped to the flag (the paper's env): CLIP never scores the car past it."""
 
     def reset(self, **kwargs):
         self.reached_goal = False
@@ -396,9 +391,8 @@ class FixedLengthMountainCar(gym.Wrapper):
 
 
 class RealisticMountainCar(gym.Wrapper):
-    """MountainCar drawn as a landscape (sky, far ridge, grassy hill, road, yellow flag, red car on the
-    slope): CLIP scores photo-like scenes far better than line art. Gymnasium's world-to-pixel mapping; the
-    background is drawn once."""
+    """MountainCar as a landscape (sky, far ridge, grassy hill, road, yellow flag, red car on the slope): CLIP
+    scores photo-like scenes far better than line art. Gymnasium's world-to-pixel mapping; a fixed background."""
 
     def __init__(self, env: gym.Env):
         super().__init__(env)
@@ -507,8 +501,7 @@ def linear_schedule(start_e: float, end_e: float, duration: float, t: int) -> fl
 
 
 class ReplayBuffer:
-    """Ring buffer of transitions in host memory; a batch goes to the device when sampled; its state_dict (the
-    filled part) makes a resume exact."""
+    """Transitions in host memory (a ring), sampled batches sent to the device; state_dict: exact resumes."""
 
     def __init__(self, size: int, obs_shape: tuple, action_shape: tuple, action_dtype: type, device):
         self.size = size
@@ -571,8 +564,8 @@ def main(args: Args) -> None:
     opts = (args.episode_length, args.realistic, args.episodes == "fixed")
     eval_seed = args.seed + 10_000
     eval_envs = gym.vector.SyncVectorEnv([make_env(args.env_id, eval_seed, 0, *opts)])
-    if run.checkpoint:  # its tensors fit networks built as below (on the CPU): one sentence before anything starts
-        with torch.random.fork_rng(devices=[]):  # the run's random streams untouched (a random-weight CLIP too)
+    if run.checkpoint:  # its tensors fit networks built as below (on the CPU): one sentence before anything
+        with torch.random.fork_rng(devices=[]):  # the run's random streams untouched (a random CLIP's too)
             q = QNetwork(eval_envs)
             fresh = dict(q_network=q, target_network=q, optimizer=optim.Adam(q.parameters()), schedule_steps=0)
             run.check_fits(eval_envs, fresh)
@@ -580,7 +573,8 @@ def main(args: Args) -> None:
         reward_model = make_reward_model(args, device) if args.reward == "clip" else None
         q_network = QNetwork(eval_envs).to(device)
         q_network.load_state_dict(run.checkpoint["q_network"])
-        episodes = utils.evaluate(greedy(q_network, device), eval_envs, reward_model, args.eval_episodes, eval_seed)
+        policy = greedy(q_network, device)
+        episodes = utils.evaluate(policy, eval_envs, reward_model, args.eval_episodes, eval_seed)
         return run.save_episodes(episodes)
 
     # each env renders the frame after its step and returns it with the step (with the ground truth: nothing)

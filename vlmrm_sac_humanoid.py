@@ -75,8 +75,8 @@ class Args:
     camera: Literal["paper", "tracking"] = "paper"
     """Humanoid: the paper's fixed frontal camera, or following the torso"""
     renderer: Literal["egl", "warp"] = "egl"
-    """egl: OpenGL in each env process (the paper's); warp: MuJoCo Warp's ray tracer, all at once on the reward device"""
-    supersample: int = 2  # --renderer warp: rays per pixel along each axis, averaged (1: the floor shows moire)
+    """egl: OpenGL in each env process (the paper's); warp: MuJoCo Warp's ray tracer on the reward device"""
+    supersample: int = 2  # --renderer warp: rays per pixel per axis, averaged (1: the floor shows moire)
 
     # Reward
     reward: Literal["clip", "gt"] = "clip"
@@ -130,8 +130,7 @@ class Args:
 
 
 def check_args(args: Args) -> None:
-    """The defaults that depend on --env-id, then bad flags refused, each in one sentence, before anything
-    expensive (a model download, the env processes) happens."""
+    """The defaults of --env-id, then bad flags refused, in one sentence each, before anything costly."""
     mountain_car = args.env_id == "MountainCarContinuous-v0"
     entry_point = str(getattr(gym.registry.get(args.env_id), "entry_point", ""))  # "" when not registered
     for failed, message in [
@@ -158,8 +157,9 @@ def check_args(args: Args) -> None:
         args.alpha = 0.5 if mountain_car else 0.0
     if args.episodes == "auto":  # resolved once: a checkpoint keeps the resolved value
         args.episodes = "fixed" if args.reward == "clip" else "stock"
-    positive = "total_timesteps num_envs buffer_size batch_size train_frequency gradient_steps episode_length eval_episodes"
-    positive += " reward_batch_size video_frequency checkpoint_frequency policy_lr q_lr ent_coef"
+    positive = "total_timesteps num_envs buffer_size batch_size train_frequency gradient_steps episode_length"
+    positive += " eval_episodes reward_batch_size video_frequency checkpoint_frequency policy_lr q_lr"
+    positive += " ent_coef"
     utils.check_common_args(args, positive, "alpha gamma tau", "actor")
     if softmax_problem(args.temperature, args.threshold) is not None:
         raise utils.UserError(softmax_problem(args.temperature, args.threshold) + ".")
@@ -170,13 +170,13 @@ def check_args(args: Args) -> None:
         utils.check_clip_args(args)
     if args.evaluate is None:  # a rollout allocates no replay buffer
         probe = gym.make(args.env_id)  # cheap: no rendering, just the spaces
-        # measured (2 and 6 envs, Mesa's software EGL): a MuJoCo worker process that renders 180 MB (224 or
-        # 480 pixels), a MountainCar one 40 MB; without rendering (gt) the envs live in this process, 2.5 MB
-        # each
+        # measured (2 and 6 envs, Mesa's software EGL): a MuJoCo worker process rendering 180 MB (224 or 480
+        # pixels), a MountainCar one 40 MB; without rendering (gt) the envs live in this process, 2.5 MB each
         env_bytes = (40e6 if mountain_car else 180e6) if args.reward == "clip" else 2.5e6
         # floats per sampled transition: actor and critics, forward and backward, ~16 layers of 256
         activations = 16 * 256
-        utils.check_resources(args, probe.observation_space, probe.action_space, frame_shape_of(args), env_bytes, activations)
+        spaces = (probe.observation_space, probe.action_space)
+        utils.check_resources(args, *spaces, frame_shape_of(args), env_bytes, activations)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,8 +203,7 @@ DEFAULT_NEGATIVES = {
 
 
 def vlm_reward(image_embeddings, goal_embeddings, baseline_embeddings, alpha: float) -> torch.Tensor:
-    """R(s) = 1 - 0.5 * ||(s - g) P||^2, P = alpha * d d^T / ||d||^2 + (1 - alpha) I, d = g - b; (N,) float32
-    rewards."""
+    """R(s) = 1 - 0.5 ||(s - g) P||^2, P = alpha d d^T / ||d||^2 + (1 - alpha) I, d = g - b: (N,) float32."""
     s = F.normalize(image_embeddings.float(), dim=-1)
     g = F.normalize(goal_embeddings.float(), dim=-1).mean(0)  # the means are deliberately not re-normalised
     b = F.normalize(baseline_embeddings.float(), dim=-1).mean(0)
@@ -220,8 +219,7 @@ def vlm_reward(image_embeddings, goal_embeddings, baseline_embeddings, alpha: fl
 
 
 def softmax_problem(temperature: float, threshold: float) -> Optional[str]:
-    """What is wrong with the softmax family's parameters, or None: its one check, of flags and of calls
-    alike."""
+    """What is wrong with the softmax family's parameters, or None: one check, of flags and calls alike."""
     if not 0 < temperature < math.inf:
         return f"--temperature must be a positive number, got {temperature}"
     if not 0 < threshold < 1:
@@ -230,8 +228,7 @@ def softmax_problem(temperature: float, threshold: float) -> Optional[str]:
 
 
 def softmax_reward(image_embeddings, goal_embeddings, negative_embeddings, temperature: float, threshold: float, soft=False):
-    """R(s) = 1 if p > threshold else 0 (p itself if soft), p = the goal's softmax(cos(s, e_k) / temperature)
-    vs negatives."""
+    """R(s) = 1 if p > threshold else 0 (p if soft), p = the goal's softmax(cos(s, e_k) / temperature)."""
     problem = softmax_problem(temperature, threshold)
     problem = problem or ("no negative prompts" if len(negative_embeddings) == 0 else None)
     if problem is not None:
@@ -246,8 +243,7 @@ def softmax_reward(image_embeddings, goal_embeddings, negative_embeddings, tempe
 
 
 class CLIPReward(nn.Module):
-    """Scores uint8 frames (N, H, W, 3) with `vlm_reward` (family "projection") or `softmax_reward`
-    ("softmax").
+    """Scores uint8 frames (N, H, W, 3) with `vlm_reward` (family "projection") or `softmax_reward`.
 
     Frames are preprocessed as the paper's code did (a tensor torchvision Resize of torch 2.0): squashed to
     the model's square input, bicubic, no antialiasing, no clamp; `antialias=True` smooths a large downscale
@@ -293,8 +289,7 @@ class CLIPReward(nn.Module):
 
     @torch.no_grad()
     def preprocess(self, frames: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
-        """uint8 (N, H, W, 3) -> the model's normalised input (N, 3, S, S); frames travel as uint8 (4x less
-        than float)."""
+        """uint8 (N, H, W, 3) -> the model's normalised input (N, 3, S, S); moved as uint8: 4x less data."""
         device = device or self.device
         x = frames.to(device, non_blocking=True)
         # CPU: numpy's cast is ~3x faster (torch's .float() page-faults a new batch in); same values, strides
@@ -359,21 +354,18 @@ def make_reward_model(args: Args, device: torch.device) -> CLIPReward:
 # ----------------------------------------------------------------------------------------------
 # The paper's frontal FREE camera: fixed in the world (only a tracking camera follows a body)
 HUMANOID_CAMERA = {"distance": 3.5, "lookat": np.array([0.0, 0.0, 1.0]), "elevation": -10.0, "azimuth": 180.0}
-# the paper's look, drawn once by assets/make_textures.py (a sky with clouds on a cube map's six faces, slate tiles,
-# brushed metal), found beside vlmrm_utils.py: a copied script finds them too
+# the paper's look, drawn once by assets/make_textures.py (a sky with clouds on a cube map's six faces, slate
+# tiles, brushed metal), found beside vlmrm_utils.py: a copied script finds them too
 TEXTURES = Path(utils.__file__).parent / "assets"
-SKYBOX_FACES = "right left back front up down".split()
 
 
 def textured_humanoid_xml() -> str:
-    """Gymnasium's Humanoid-v5 model with only its look changed (textures, materials, light); returns the
-    file's path.
+    """The path of Gymnasium's Humanoid-v5 model with only its look changed (textures, materials, light).
 
-    Bodies, joints, geom sizes, masses, contacts, actuators and options are untouched: the physics is
-    identical.
+    Bodies, joints, geom sizes, masses, contacts, actuators and options are untouched: identical physics.
     """
     stock = Path(gym.envs.mujoco.__file__).parent / "assets" / "humanoid.xml"
-    key = hashlib.sha1(stock.read_bytes() + bytes(TEXTURES) + b"v7").hexdigest()[:10]  # "v7": bump on a new look
+    key = hashlib.sha1(stock.read_bytes() + bytes(TEXTURES) + b"v7").hexdigest()[:10]  # bump on a new look
     cache = os.path.join(tempfile.gettempdir(), f"vlmrm_humanoid_{key}")
     xml_path = os.path.join(cache, "humanoid_textured.xml")
     if os.path.exists(xml_path):
@@ -384,14 +376,18 @@ def textured_humanoid_xml() -> str:
     # colours come from the materials: no stock tan body, green floor
     root.find("default/geom").attrib.pop("rgba", None)
     root.find("worldbody/geom[@name='floor']").attrib.pop("rgba", None)
+    skybox = " ".join(f'file{f}="{TEXTURES}/{f}.png"' for f in "right left back front up down".split())
     root.find("asset").clear()
     root.find("asset").extend(
         ET.fromstring(
-            f"""<asset><texture type="skybox" {" ".join(f'file{face}="{TEXTURES}/{face}.png"' for face in SKYBOX_FACES)}/>
+            f"""<asset><texture type="skybox" {skybox}/>
             <texture name="texplane" type="2d" file="{TEXTURES}/slate.png"/>
             <texture name="texgeom" type="cube" file="{TEXTURES}/metal.png"/>
-            <material name="MatPlane" texture="texplane" texrepeat="60 60" reflectance="0" shininess="0" specular="0"/>
-            <material name="geom" texture="texgeom" texuniform="true" rgba="1 1 1 1" specular="1" shininess="1"/></asset>"""
+            <material name="MatPlane" texture="texplane" texrepeat="60 60"
+                      reflectance="0" shininess="0" specular="0"/>
+            <material name="geom" texture="texgeom" texuniform="true" rgba="1 1 1 1"
+                      specular="1" shininess="1"/>
+            </asset>"""
         )
     )
     # one light from above, as in the paper; MuJoCo's default headlight stays (nothing brighter added)
@@ -401,38 +397,10 @@ def textured_humanoid_xml() -> str:
     return xml_path
 
 
-class Renderer(gym.Wrapper):
-    """The frames the reward sees: quality "fast" turns shadows and reflections off; a tracking camera follows
-    the torso."""
-
-    def __init__(self, env: gym.Env, quality: str, tracking: bool = False) -> None:
-        super().__init__(env)
-        self.flags_set = quality == "high"  # high keeps MuJoCo's defaults (both on)
-        self.tracking = tracking
-
-    def render(self) -> np.ndarray:
-        base = self.env.unwrapped
-        if self.tracking:  # the paper camera's distance and angles, looking at the torso's centre of mass
-            lookat = base.data.subtree_com[base.model.body("torso").id].copy()
-            # the first render() creates the viewer from this configuration
-            if base.mujoco_renderer.viewer is None:
-                base.mujoco_renderer.default_cam_config = {**HUMANOID_CAMERA, "lookat": lookat}
-            else:
-                base.mujoco_renderer.viewer.cam.lookat[:] = lookat
-        frame = self.env.render()
-        # the viewer exists only after the first render(): set its flags, then render again
-        if not self.flags_set:
-            flags = base.mujoco_renderer.viewer.scn.flags
-            flags[mujoco.mjtRndFlag.mjRND_SHADOW] = flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
-            self.flags_set = True
-            frame = self.env.render()
-        return frame
-
-
-def warp_renderer(realistic: bool, size: int, supersample: int, worlds: int, device, camera="paper", quality="high"):
-    """--renderer warp: this scene drawn by MuJoCo Warp on `device`, `worlds` states per launch, through the paper's
-    camera as model cameras (the ray tracer draws only those): fixed, or following the torso ("tracking"); quality
-    "high" casts shadows (the scene has no reflections)."""
+def warp_renderer(realistic, size, supersample, worlds, device, camera="paper", quality="high"):
+    """--renderer warp: this scene drawn by MuJoCo Warp on `device`, `worlds` states per launch, through the
+    paper's camera as model cameras (the ray tracer draws only those): fixed, or following the torso
+    ("tracking"); quality "high" casts shadows (the scene has no reflections)."""
     stock = Path(gym.envs.mujoco.__file__).parent / "assets" / "humanoid.xml"
     spec = mujoco.MjSpec.from_file(textured_humanoid_xml() if realistic else str(stock))
     model = utils.free_cameras(spec, HUMANOID_CAMERA, "torso")
@@ -454,8 +422,7 @@ MOUNTAINCAR_GOAL = 0.45
 
 class FixedLengthMountainCar(gym.Wrapper):
     """MountainCar that never terminates: reward 1 while at the flag, else 0; `info["success"]`: reached this
-    episode. After success x is clipped to the flag, as in the paper's env, so CLIP never scores the car
-    past it."""
+    episode. After success x is clipped to the flag (the paper's env): CLIP never scores the car past it."""
 
     def reset(self, **kwargs):
         self.reached_goal = False
@@ -484,9 +451,8 @@ class FixedLengthMountainCar(gym.Wrapper):
 
 
 class RealisticMountainCar(gym.Wrapper):
-    """MountainCar drawn as a landscape (sky, far ridge, grassy hill, road, yellow flag, red car on the
-    slope): CLIP scores photo-like scenes far better than line art. Gymnasium's world-to-pixel mapping; the
-    background is drawn once."""
+    """MountainCar as a landscape (sky, far ridge, grassy hill, road, yellow flag, red car on the slope): CLIP
+    scores photo-like scenes far better than line art. Gymnasium's world-to-pixel mapping; a fixed background."""
 
     def __init__(self, env: gym.Env):
         super().__init__(env)
@@ -539,12 +505,12 @@ class RealisticMountainCar(gym.Wrapper):
 
 def frame_shape_of(args: Args) -> tuple[int, int, int]:
     """The frames CLIP scores: MountainCar draws its own 600x400, MuJoCo renders --render-size squares."""
-    return (400, 600, 3) if args.env_id == "MountainCarContinuous-v0" else (args.render_size, args.render_size, 3)
+    return (400, 600, 3) if args.env_id == "MountainCarContinuous-v0" else (*(args.render_size,) * 2, 3)
 
 
-def make_env(env_id, seed, idx, episode_length, render_size, render_quality, realistic, camera="paper", fixed_length=True,
-             renderer="egl", supersample=2):  # fmt: skip
-    """CleanRL-style thunk: fixed-length episodes (or the stock task's), rgb_array frames for the CLIP reward."""
+def make_env(env_id, seed, idx, episode_length, render_size, render_quality, realistic, camera="paper",
+             fixed_length=True, renderer="egl", supersample=2):  # fmt: skip
+    """CleanRL's thunk: fixed-length episodes (or the stock task's), rgb_array frames for the CLIP reward."""
 
     def thunk() -> gym.Env:
         # gym.make's TimeLimit; stock: the task's
@@ -565,7 +531,8 @@ def make_env(env_id, seed, idx, episode_length, render_size, render_quality, rea
                 look = dict(camera=camera, quality=render_quality)
                 env = utils.WarpFrames(env, partial(warp_renderer, realistic, render_size, supersample, **look))
             else:
-                env = Renderer(env, render_quality, tracking=humanoid and camera == "tracking")
+                tracking = (HUMANOID_CAMERA, "torso") if humanoid and camera == "tracking" else None
+                env = utils.MujocoRenderer(env, render_quality, tracking)
             env.observation_space.seed(seed + idx)
         env.action_space.seed(seed + idx)
         return env
@@ -630,8 +597,7 @@ class Actor(nn.Module):
 
 
 class ReplayBuffer:
-    """Ring buffer of transitions in host memory; a batch goes to the device when sampled; its state_dict (the
-    filled part) makes a resume exact."""
+    """Transitions in host memory (a ring), sampled batches sent to the device; state_dict: exact resumes."""
 
     def __init__(self, size: int, obs_shape: tuple, action_shape: tuple, action_dtype: type, device):
         self.size = size
@@ -674,15 +640,19 @@ class ReplayBuffer:
 
 def deterministic(actor: Actor, device: torch.device):
     """The policy an evaluation rolls out (utils.evaluate): the mean action, in env units."""
-    return lambda obs: actor.get_action(torch.as_tensor(obs, dtype=torch.float32, device=device))[2].cpu().numpy()
+
+    def policy(obs: np.ndarray) -> np.ndarray:
+        return actor.get_action(torch.as_tensor(obs, dtype=torch.float32, device=device))[2].cpu().numpy()
+
+    return policy
 
 
 # ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
 # what --evaluate takes from the checkpoint unless given: the env, the frames CLIP saw and the reward model
-EVALUATE_AS_TRAINED = """env_id episodes episode_length render_size render_quality realistic camera renderer supersample
-reward goal baseline alpha clip_model clip_pretrained clip_checkpoint clip_cache_dir
+EVALUATE_AS_TRAINED = """env_id episodes episode_length render_size render_quality realistic camera renderer
+supersample reward goal baseline alpha clip_model clip_pretrained clip_checkpoint clip_cache_dir
 reward_family negatives temperature threshold soft antialias"""
 
 
@@ -695,8 +665,8 @@ def main(args: Args) -> None:
     opts = (args.episode_length, *look, args.episodes == "fixed", args.renderer, args.supersample)
     eval_seed = args.seed + 10_000
     eval_envs = gym.vector.SyncVectorEnv([make_env(args.env_id, eval_seed, 0, *opts)])
-    if run.checkpoint:  # its tensors fit networks built as below (on the CPU): one sentence before anything starts
-        with torch.random.fork_rng(devices=[]):  # the run's random streams untouched (a random-weight CLIP too)
+    if run.checkpoint:  # its tensors fit networks built as below (on the CPU): one sentence before anything
+        with torch.random.fork_rng(devices=[]):  # the run's random streams untouched (a random CLIP's too)
             a, q1, q2 = Actor(eval_envs), SoftQNetwork(eval_envs), SoftQNetwork(eval_envs)
             fresh = dict(actor=a, qf1=q1, qf2=q2, qf1_target=q1, qf2_target=q2, actor_optimizer=optim.Adam(a.parameters()))
             entropy = optim.Adam([torch.zeros(1)]) if args.autotune else None
@@ -706,7 +676,8 @@ def main(args: Args) -> None:
         reward_model = make_reward_model(args, device) if args.reward == "clip" else None
         actor = Actor(eval_envs).to(device)
         actor.load_state_dict(run.checkpoint["actor"])
-        episodes = utils.evaluate(deterministic(actor, device), eval_envs, reward_model, args.eval_episodes, eval_seed)
+        policy = deterministic(actor, device)
+        episodes = utils.evaluate(policy, eval_envs, reward_model, args.eval_episodes, eval_seed)
         return run.save_episodes(episodes)
 
     # each env renders the frame after its step and returns it with the step (with the ground truth: nothing)
@@ -736,7 +707,8 @@ def main(args: Args) -> None:
         rb = ReplayBuffer(args.buffer_size, obs_shape, space.shape, np.float32, device)
         # everything a gradient step changes, by name: checkpointed and restored together
         learner = dict(actor=actor, qf1=qf1, qf2=qf2, qf1_target=qf1_target, qf2_target=qf2_target)
-        learner.update(q_optimizer=q_optimizer, actor_optimizer=actor_optimizer, ent_coef_optimizer=ent_coef_optimizer)
+        learner.update(q_optimizer=q_optimizer, actor_optimizer=actor_optimizer)
+        learner["ent_coef_optimizer"] = ent_coef_optimizer
         networks = lambda: {k: learner[k].state_dict() for k in ("actor", "qf1", "qf2")}  # noqa: E731
         evaluation = partial(utils.evaluate, deterministic(actor, device), eval_envs, reward_model)
         action_scale = (space.high - space.low) / 2.0  # the actor's, on the host: no device sync
@@ -744,11 +716,11 @@ def main(args: Args) -> None:
         gt_success = (lambda episode: episode["success"]) if mountain_car else None  # the flag reached
         run.start(networks(), rb, reward_model, frame_shape, gt_success)
         chunk = args.reward_batch_size * max(1, len(args.reward_devices))  # frames CLIP scores at once
-        # --renderer warp: the envs return their states, which the scoring thread draws at once on the reward's device
+        # --renderer warp: the envs return their states, which the scoring thread draws on the reward device
         draw = None
         if args.renderer == "warp" and clip:
-            batch_look = (args.realistic, args.render_size, args.supersample, args.num_envs, reward_model.device, args.camera)
-            draw = warp_renderer(*batch_look, args.render_quality).draw
+            look = (args.realistic, args.render_size, args.supersample, args.num_envs, reward_model.device)
+            draw = warp_renderer(*look, args.camera, args.render_quality).draw
         queue = run.reward_queue(reward_model, chunk, draw)
         recent = deque(maxlen=100)  # the paper ranks checkpoints by the mean CLIP return of the last 100
         components = []  # the env's own reward terms (e.g. reward_forward), logged as diagnostics

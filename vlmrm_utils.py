@@ -792,6 +792,37 @@ class FramesInInfo(gym.vector.VectorWrapper):
         return getattr(self.env, name)
 
 
+class MujocoRenderer(gym.Wrapper):
+    """A MuJoCo env's frames as the reward sees them: quality "fast" turns shadows and reflections off; `tracking`
+    (a free camera, a body): that camera's distance and angles, looking at the body's centre of mass."""
+
+    def __init__(self, env: gym.Env, quality: str, tracking: Optional[tuple[dict, str]] = None) -> None:
+        super().__init__(env)
+        self.flags_set = quality == "high"  # high keeps MuJoCo's defaults (both on)
+        self.tracking = tracking
+
+    def render(self) -> np.ndarray:
+        import mujoco
+
+        base = self.env.unwrapped
+        if self.tracking:
+            camera, body = self.tracking
+            lookat = base.data.subtree_com[base.model.body(body).id].copy()
+            # the first render() creates the viewer from this configuration
+            if base.mujoco_renderer.viewer is None:
+                base.mujoco_renderer.default_cam_config = {**camera, "lookat": lookat}
+            else:
+                base.mujoco_renderer.viewer.cam.lookat[:] = lookat
+        frame = self.env.render()
+        # the viewer exists only after the first render(): set its flags, then render again
+        if not self.flags_set:
+            flags = base.mujoco_renderer.viewer.scn.flags
+            flags[mujoco.mjtRndFlag.mjRND_SHADOW] = flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
+            self.flags_set = True
+            frame = self.env.render()
+        return frame
+
+
 # ----------------------------------------------------------------------------------------------
 # MuJoCo Warp's ray tracer: every env's frame drawn in one batch on the reward's device (--renderer warp)
 # ----------------------------------------------------------------------------------------------
