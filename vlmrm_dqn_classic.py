@@ -128,9 +128,8 @@ def check_args(args: Args) -> None:
         args.alpha = 0.5 if args.env_id == "MountainCar-v0" else 0.0
     if args.episodes == "auto":  # resolved once: a checkpoint keeps the resolved value
         args.episodes = "fixed" if args.reward == "clip" else "stock"
-    positive = "total_timesteps num_envs buffer_size batch_size train_frequency target_network_frequency"
-    positive += " episode_length eval_episodes reward_batch_size video_frequency checkpoint_frequency"
-    positive += " learning_rate"
+    positive = """total_timesteps num_envs buffer_size batch_size train_frequency target_network_frequency
+    episode_length eval_episodes reward_batch_size video_frequency checkpoint_frequency learning_rate"""
     utils.check_common_args(args, positive, "alpha gamma tau start_e end_e exploration_fraction", "q_network")
     if softmax_problem(args.temperature, args.threshold) is not None:
         raise utils.UserError(softmax_problem(args.temperature, args.threshold) + ".")
@@ -179,8 +178,7 @@ def vlm_reward(image_embeddings, goal_embeddings, baseline_embeddings, alpha: fl
     b = F.normalize(baseline_embeddings.float(), dim=-1).mean(0)
     u = s - g
     if alpha != 0:
-        # no direction where goal and baseline share an embedding (e.g. prompts cut at CLIP's 77 tokens): real
-        # prompt pairs are > 0.1 apart, float32 round-off ~1e-6
+        # one embedding, no direction (e.g. prompts cut at CLIP's 77 tokens): real pairs are > 0.1 apart
         if (g - b).norm() < 1e-4:
             raise ValueError("goal and baseline have one embedding: d = g - b is 0, alpha > 0 has no direction")
         d = (g - b) / (g - b).norm()
@@ -228,14 +226,8 @@ class CLIPReward(nn.Module):
 
         if family not in ("projection", "softmax") or (family == "softmax" and not negatives):
             raise ValueError(f"unknown reward family {family!r}, or the softmax family without negative prompts")
-        self.model = model
-        self.device = device
-        self.batch_size = batch_size
-        self.family = family
-        self.alpha = alpha
-        self.temperature = temperature
-        self.threshold = threshold
-        self.soft = soft
+        self.model, self.device, self.batch_size, self.family = model, device, batch_size, family
+        self.alpha, self.temperature, self.threshold, self.soft = alpha, temperature, threshold, soft
         self.antialias = antialias
         # (model, device) per reward device; the first embeds the prompts
         self.replicas = [(model, device), *replicas]
@@ -392,7 +384,7 @@ class FixedLengthMountainCar(gym.Wrapper):
 
 class RealisticMountainCar(gym.Wrapper):
     """MountainCar as a landscape (sky, far ridge, grassy hill, road, yellow flag, red car on the slope): CLIP
-    scores photo-like scenes far better than line art. Gymnasium's world-to-pixel mapping; a fixed background."""
+    scores photo-like scenes far better than line art. Gymnasium's world-to-pixel mapping."""
 
     def __init__(self, env: gym.Env):
         super().__init__(env)

@@ -147,19 +147,16 @@ def check_args(args: Args) -> None:
     utils.check_renderer_args(args)
     if args.episode_length is None:
         args.episode_length = 200 if mountain_car else 100
-    # other MuJoCo tasks: give --goal (or use --reward gt)
-    goal, baseline = DEFAULT_PROMPTS.get(args.env_id, ("", ""))
+    goal, baseline = DEFAULT_PROMPTS.get(args.env_id, ("", ""))  # other MuJoCo tasks: --goal (or --reward gt)
     args.goal = (goal,) if args.goal is None else args.goal
     args.baseline = (baseline,) if args.baseline is None else args.baseline
-    # the authors: MountainCar cannot be solved without goal-baseline regularisation; 0.5: measured
-    if args.alpha is None:
-        # on a test CLIP's reward shape (docs/language_proof.md), the paper's own value is not published
+    # the authors: MountainCar cannot be solved without goal-baseline regularisation; their value is not
+    if args.alpha is None:  # published; 0.5: measured on a test CLIP's reward shape (docs/language_proof.md)
         args.alpha = 0.5 if mountain_car else 0.0
     if args.episodes == "auto":  # resolved once: a checkpoint keeps the resolved value
         args.episodes = "fixed" if args.reward == "clip" else "stock"
-    positive = "total_timesteps num_envs buffer_size batch_size train_frequency gradient_steps episode_length"
-    positive += " eval_episodes reward_batch_size video_frequency checkpoint_frequency policy_lr q_lr"
-    positive += " ent_coef"
+    positive = """total_timesteps num_envs buffer_size batch_size train_frequency gradient_steps
+episode_length eval_episodes reward_batch_size video_frequency checkpoint_frequency policy_lr q_lr ent_coef"""
     utils.check_common_args(args, positive, "alpha gamma tau", "actor")
     if softmax_problem(args.temperature, args.threshold) is not None:
         raise utils.UserError(softmax_problem(args.temperature, args.threshold) + ".")
@@ -209,8 +206,7 @@ def vlm_reward(image_embeddings, goal_embeddings, baseline_embeddings, alpha: fl
     b = F.normalize(baseline_embeddings.float(), dim=-1).mean(0)
     u = s - g
     if alpha != 0:
-        # no direction where goal and baseline share an embedding (e.g. prompts cut at CLIP's 77 tokens): real
-        # prompt pairs are > 0.1 apart, float32 round-off ~1e-6
+        # one embedding, no direction (e.g. prompts cut at CLIP's 77 tokens): real pairs are > 0.1 apart
         if (g - b).norm() < 1e-4:
             raise ValueError("goal and baseline have one embedding: d = g - b is 0, alpha > 0 has no direction")
         d = (g - b) / (g - b).norm()
@@ -258,14 +254,8 @@ class CLIPReward(nn.Module):
 
         if family not in ("projection", "softmax") or (family == "softmax" and not negatives):
             raise ValueError(f"unknown reward family {family!r}, or the softmax family without negative prompts")
-        self.model = model
-        self.device = device
-        self.batch_size = batch_size
-        self.family = family
-        self.alpha = alpha
-        self.temperature = temperature
-        self.threshold = threshold
-        self.soft = soft
+        self.model, self.device, self.batch_size, self.family = model, device, batch_size, family
+        self.alpha, self.temperature, self.threshold, self.soft = alpha, temperature, threshold, soft
         self.antialias = antialias
         # (model, device) per reward device; the first embeds the prompts
         self.replicas = [(model, device), *replicas]
@@ -354,8 +344,7 @@ def make_reward_model(args: Args, device: torch.device) -> CLIPReward:
 # ----------------------------------------------------------------------------------------------
 # The paper's frontal FREE camera: fixed in the world (only a tracking camera follows a body)
 HUMANOID_CAMERA = {"distance": 3.5, "lookat": np.array([0.0, 0.0, 1.0]), "elevation": -10.0, "azimuth": 180.0}
-# the paper's look, drawn once by assets/make_textures.py (a sky with clouds on a cube map's six faces, slate
-# tiles, brushed metal), found beside vlmrm_utils.py: a copied script finds them too
+# the paper's look: PNGs drawn once by assets/make_textures.py, found beside vlmrm_utils.py (by a copy too)
 TEXTURES = Path(utils.__file__).parent / "assets"
 
 
@@ -377,10 +366,7 @@ def textured_humanoid_xml() -> str:
     root.find("default/geom").attrib.pop("rgba", None)
     root.find("worldbody/geom[@name='floor']").attrib.pop("rgba", None)
     skybox = " ".join(f'file{f}="{TEXTURES}/{f}.png"' for f in "right left back front up down".split())
-    root.find("asset").clear()
-    root.find("asset").extend(
-        ET.fromstring(
-            f"""<asset><texture type="skybox" {skybox}/>
+    look = f"""<asset><texture type="skybox" {skybox}/>
             <texture name="texplane" type="2d" file="{TEXTURES}/slate.png"/>
             <texture name="texgeom" type="cube" file="{TEXTURES}/metal.png"/>
             <material name="MatPlane" texture="texplane" texrepeat="60 60"
@@ -388,8 +374,8 @@ def textured_humanoid_xml() -> str:
             <material name="geom" texture="texgeom" texuniform="true" rgba="1 1 1 1"
                       specular="1" shininess="1"/>
             </asset>"""
-        )
-    )
+    root.find("asset").clear()
+    root.find("asset").extend(ET.fromstring(look))
     # one light from above, as in the paper; MuJoCo's default headlight stays (nothing brighter added)
     root.find("worldbody/light").attrib.update(diffuse="1 1 1", pos="0 0 1", dir="0 0 -1.5", specular="0.5 0.5 0.5")
     ET.ElementTree(root).write(xml_path + tmp)
@@ -405,14 +391,6 @@ def warp_renderer(realistic, size, supersample, worlds, device, camera="paper", 
     spec = mujoco.MjSpec.from_file(textured_humanoid_xml() if realistic else str(stock))
     model = utils.free_cameras(spec, HUMANOID_CAMERA, "torso")
     return utils.WarpRenderer(model, camera, size, supersample, worlds, device, shadows=quality == "high")
-
-
-class NoEarlyTermination(gym.Wrapper):
-    """Fixed-length episodes for any MuJoCo task: a fallen robot keeps being rendered and scored."""
-
-    def step(self, action):
-        obs, reward, _, truncated, info = self.env.step(action)
-        return obs, reward, False, truncated, info
 
 
 # MountainCarContinuous-v0, the paper's MountainCar (trained with SAC): copied from vlmrm_dqn_classic.py
@@ -452,7 +430,7 @@ class FixedLengthMountainCar(gym.Wrapper):
 
 class RealisticMountainCar(gym.Wrapper):
     """MountainCar as a landscape (sky, far ridge, grassy hill, road, yellow flag, red car on the slope): CLIP
-    scores photo-like scenes far better than line art. Gymnasium's world-to-pixel mapping; a fixed background."""
+    scores photo-like scenes far better than line art. Gymnasium's world-to-pixel mapping."""
 
     def __init__(self, env: gym.Env):
         super().__init__(env)
@@ -526,7 +504,7 @@ def make_env(env_id, seed, idx, episode_length, render_size, render_quality, rea
                 kwargs.update(terminate_when_unhealthy=not fixed_length, default_camera_config=HUMANOID_CAMERA)
                 kwargs.update({"xml_file": textured_humanoid_xml()} if realistic else {})
             env = gym.make(env_id, **kwargs)
-            env = NoEarlyTermination(env) if fixed_length and not humanoid else env
+            env = utils.NoEarlyTermination(env) if fixed_length and not humanoid else env
             if renderer == "warp":
                 look = dict(camera=camera, quality=render_quality)
                 env = utils.WarpFrames(env, partial(warp_renderer, realistic, render_size, supersample, **look))
@@ -568,8 +546,7 @@ class Actor(nn.Module):
         self.trunk = nn.Sequential(nn.Linear(obs_dim, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU())
         self.fc_mean = nn.Linear(256, action_dim)
         self.fc_logstd = nn.Linear(256, action_dim)
-        # actions live on the tanh-squashed unit box (replay buffer and critics see them there, as in
-        # Stable-Baselines3)
+        # actions live on the tanh-squashed unit box, where the buffer and critics see them (as in SB3)
         low = env.single_action_space.low
         high = env.single_action_space.high
         self.register_buffer("action_scale", torch.tensor((high - low) / 2.0, dtype=torch.float32))
@@ -584,11 +561,9 @@ class Actor(nn.Module):
         return y * self.action_scale + self.action_bias
 
     def get_action(self, x):
-        """(sampled unit-box action, its log-probability on the unit box, the deterministic action in env
-        units)."""
+        """(sampled unit-box action, its log-probability there, the deterministic action in env units)."""
         mean, log_std = self(x)
-        # a NaN is caught by the loop's check
-        normal = torch.distributions.Normal(mean, log_std.exp(), validate_args=False)
+        normal = torch.distributions.Normal(mean, log_std.exp(), validate_args=False)  # NaN: the loop's check
         x_t = normal.rsample()  # reparameterisation trick
         y_t = torch.tanh(x_t)
         # change of variables through tanh only: the paper's (SB3's) entropy scale, whatever the env's bounds
@@ -640,11 +615,7 @@ class ReplayBuffer:
 
 def deterministic(actor: Actor, device: torch.device):
     """The policy an evaluation rolls out (utils.evaluate): the mean action, in env units."""
-
-    def policy(obs: np.ndarray) -> np.ndarray:
-        return actor.get_action(torch.as_tensor(obs, dtype=torch.float32, device=device))[2].cpu().numpy()
-
-    return policy
+    return lambda x: actor.get_action(torch.as_tensor(x, dtype=torch.float32, device=device))[2].cpu().numpy()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -792,6 +792,14 @@ class FramesInInfo(gym.vector.VectorWrapper):
         return getattr(self.env, name)
 
 
+class NoEarlyTermination(gym.Wrapper):
+    """Fixed-length episodes for any MuJoCo task: a fallen robot keeps being rendered and scored."""
+
+    def step(self, action):
+        obs, reward, _, truncated, info = self.env.step(action)
+        return obs, reward, False, truncated, info
+
+
 class MujocoRenderer(gym.Wrapper):
     """A MuJoCo env's frames as the reward sees them: quality "fast" turns shadows and reflections off; `tracking`
     (a free camera, a body): that camera's distance and angles, looking at the body's centre of mass."""
