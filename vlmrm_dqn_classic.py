@@ -178,7 +178,7 @@ def vlm_reward(image_embeddings, goal_embeddings, baseline_embeddings, alpha: fl
     b = F.normalize(baseline_embeddings.float(), dim=-1).mean(0)
     u = s - g
     if alpha != 0:
-        # one embedding, no direction (e.g. prompts cut at CLIP's 77 tokens): real pairs are > 0.1 apart
+        # g = b: no direction (e.g. prompts cut at 77 tokens); real pairs are > 0.1 apart, round-off ~1e-6
         if (g - b).norm() < 1e-4:
             raise ValueError("goal and baseline have one embedding: d = g - b is 0, alpha > 0 has no direction")
         d = (g - b) / (g - b).norm()

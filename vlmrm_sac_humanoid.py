@@ -150,8 +150,8 @@ def check_args(args: Args) -> None:
     goal, baseline = DEFAULT_PROMPTS.get(args.env_id, ("", ""))  # other MuJoCo tasks: --goal (or --reward gt)
     args.goal = (goal,) if args.goal is None else args.goal
     args.baseline = (baseline,) if args.baseline is None else args.baseline
-    # the authors: MountainCar cannot be solved without goal-baseline regularisation; their value is not
-    if args.alpha is None:  # published; 0.5: measured on a test CLIP's reward shape (docs/language_proof.md)
+    # the authors: MountainCar cannot be solved without goal-baseline regularisation; theirs is unpublished
+    if args.alpha is None:  # 0.5: measured on a test CLIP's reward shape (docs/language_proof.md)
         args.alpha = 0.5 if mountain_car else 0.0
     if args.episodes == "auto":  # resolved once: a checkpoint keeps the resolved value
         args.episodes = "fixed" if args.reward == "clip" else "stock"
@@ -206,7 +206,7 @@ def vlm_reward(image_embeddings, goal_embeddings, baseline_embeddings, alpha: fl
     b = F.normalize(baseline_embeddings.float(), dim=-1).mean(0)
     u = s - g
     if alpha != 0:
-        # one embedding, no direction (e.g. prompts cut at CLIP's 77 tokens): real pairs are > 0.1 apart
+        # g = b: no direction (e.g. prompts cut at 77 tokens); real pairs are > 0.1 apart, round-off ~1e-6
         if (g - b).norm() < 1e-4:
             raise ValueError("goal and baseline have one embedding: d = g - b is 0, alpha > 0 has no direction")
         d = (g - b) / (g - b).norm()
