@@ -305,7 +305,7 @@ def collect(args: Collect) -> None:
         thunk = make_humanoid_env(args.env_id, args.seed, 0, args.episode_length, *look)
     else:
         thunk = make_env(args.env_id, args.seed, 0, args.episode_length, args.realistic)
-    # a one-env vector env, as in the training scripts' evaluate(): QNetwork reads its single_* spaces
+    # a one-env vector env, as in utils.evaluate(): QNetwork reads its single_* spaces
     envs = gym.vector.SyncVectorEnv([thunk])
     env = envs.envs[0]
     try:

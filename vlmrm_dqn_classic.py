@@ -120,8 +120,7 @@ class Args:
 
 
 def check_args(args: Args) -> None:
-    """The defaults that depend on --env-id, then bad flags refused, each in one sentence, before anything
-    expensive (a model download, the envs) happens."""
+    """The defaults of --env-id, then bad flags refused, in one sentence each, before anything costly."""
     goal, baseline = DEFAULT_PROMPTS[args.env_id]
     args.goal = (goal,) if args.goal is None else args.goal
     args.baseline = (baseline,) if args.baseline is None else args.baseline
@@ -129,13 +128,8 @@ def check_args(args: Args) -> None:
         args.alpha = 0.5 if args.env_id == "MountainCar-v0" else 0.0
     if args.episodes == "auto":  # resolved once: a checkpoint keeps the resolved value
         args.episodes = "fixed" if args.reward == "clip" else "stock"
-    # every vector step takes one step in each env
-    if args.num_envs > 0 and args.total_timesteps % args.num_envs:
-        rounded = -(-args.total_timesteps // args.num_envs) * args.num_envs
-        print(f"note: --total-timesteps {args.total_timesteps} rounded up to {rounded}, a multiple of --num-envs")
-        args.total_timesteps = rounded
-    positive = "total_timesteps num_envs buffer_size batch_size train_frequency target_network_frequency episode_length"
-    positive += " eval_episodes reward_batch_size video_frequency checkpoint_frequency learning_rate"
+    positive = """total_timesteps num_envs buffer_size batch_size train_frequency target_network_frequency
+    episode_length eval_episodes reward_batch_size video_frequency checkpoint_frequency learning_rate"""
     utils.check_common_args(args, positive, "alpha gamma tau start_e end_e exploration_fraction", "q_network")
     if softmax_problem(args.temperature, args.threshold) is not None:
         raise utils.UserError(softmax_problem(args.temperature, args.threshold) + ".")
@@ -150,7 +144,8 @@ def check_args(args: Args) -> None:
         env_bytes = 2.5e6 if args.reward == "clip" else 0
         # floats per sampled transition: an upper bound for the Q-network, forward and backward
         activations = 16 * 256
-        utils.check_resources(args, probe.observation_space, probe.action_space, (400, 600, 3), env_bytes, activations)
+        spaces = (probe.observation_space, probe.action_space)
+        utils.check_resources(args, *spaces, (400, 600, 3), env_bytes, activations)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,9 +154,9 @@ def check_args(args: Args) -> None:
 DEFAULT_PROMPTS = {  # (goal, baseline) of each env: the paper's
     "CartPole-v1": ("pole vertically upright on top of the cart", "pole and cart"),
     "MountainCar-v0": ("a car at the peak of the mountain, next to the yellow flag", "a car in the mountain"),
-    "MountainCarContinuous-v0": ("a car at the peak of the mountain, next to the yellow flag", "a car in the mountain"),
     "Humanoid-v5": ("a humanoid robot kneeling", "a humanoid robot"),
 }
+DEFAULT_PROMPTS["MountainCarContinuous-v0"] = DEFAULT_PROMPTS["MountainCar-v0"]  # the same scene
 # softmax family: our own negatives for the default goals (not the paper's), states the goal is not
 DEFAULT_NEGATIVES = {
     ("pole vertically upright on top of the cart",): (
@@ -176,18 +171,14 @@ DEFAULT_NEGATIVES = {
 }
 
 
-def vlm_reward(
-    image_embeddings: torch.Tensor, goal_embeddings: torch.Tensor, baseline_embeddings: torch.Tensor, alpha: float
-) -> torch.Tensor:
-    """R(s) = 1 - 0.5 * ||(s - g) P||^2, P = alpha * d d^T / ||d||^2 + (1 - alpha) I, d = g - b; (N,) float32
-    rewards."""
+def vlm_reward(image_embeddings, goal_embeddings, baseline_embeddings, alpha: float) -> torch.Tensor:
+    """R(s) = 1 - 0.5 ||(s - g) P||^2, P = alpha d d^T / ||d||^2 + (1 - alpha) I, d = g - b: (N,) float32."""
     s = F.normalize(image_embeddings.float(), dim=-1)
     g = F.normalize(goal_embeddings.float(), dim=-1).mean(0)  # the means are deliberately not re-normalised
     b = F.normalize(baseline_embeddings.float(), dim=-1).mean(0)
     u = s - g
     if alpha != 0:
-        # no direction where goal and baseline share an embedding (e.g. prompts cut at CLIP's 77 tokens): real
-        # prompt pairs are > 0.1 apart, float32 round-off ~1e-6
+        # g = b: no direction (e.g. prompts cut at 77 tokens); real pairs are > 0.1 apart, round-off ~1e-6
         if (g - b).norm() < 1e-4:
             raise ValueError("goal and baseline have one embedding: d = g - b is 0, alpha > 0 has no direction")
         d = (g - b) / (g - b).norm()
@@ -196,8 +187,7 @@ def vlm_reward(
 
 
 def softmax_problem(temperature: float, threshold: float) -> Optional[str]:
-    """What is wrong with the softmax family's parameters, or None: its one check, of flags and of calls
-    alike."""
+    """What is wrong with the softmax family's parameters, or None: one check, of flags and calls alike."""
     if not 0 < temperature < math.inf:
         return f"--temperature must be a positive number, got {temperature}"
     if not 0 < threshold < 1:
@@ -206,8 +196,7 @@ def softmax_problem(temperature: float, threshold: float) -> Optional[str]:
 
 
 def softmax_reward(image_embeddings, goal_embeddings, negative_embeddings, temperature: float, threshold: float, soft=False):
-    """R(s) = 1 if p > threshold else 0 (p itself if soft), p = the goal's softmax(cos(s, e_k) / temperature)
-    vs negatives."""
+    """R(s) = 1 if p > threshold else 0 (p if soft), p = the goal's softmax(cos(s, e_k) / temperature)."""
     problem = softmax_problem(temperature, threshold)
     problem = problem or ("no negative prompts" if len(negative_embeddings) == 0 else None)
     if problem is not None:
@@ -222,34 +211,27 @@ def softmax_reward(image_embeddings, goal_embeddings, negative_embeddings, tempe
 
 
 class CLIPReward(nn.Module):
-    """Scores uint8 frames (N, H, W, 3) with `vlm_reward` (family "projection") or `softmax_reward`
-    ("softmax").
+    """Scores uint8 frames (N, H, W, 3) with `vlm_reward` (family "projection") or `softmax_reward`.
 
     Frames are preprocessed as the paper's code did (a tensor torchvision Resize of torch 2.0): squashed to
     the model's square input, bicubic, no antialiasing, no clamp; `antialias=True` smooths a large downscale
     (closer to PIL).
     """
 
-    def __init__(self, model: nn.Module, tokenizer, goal: tuple, baseline: tuple, alpha: float, batch_size: int, device,
-                 family="projection", negatives=(), temperature=0.01, threshold=0.5, soft=False, antialias=False,
-                 replicas=(), dtype=torch.float32):  # fmt: skip
+    def __init__(self, model: nn.Module, tokenizer, goal: tuple, baseline: tuple, alpha: float,
+                 batch_size: int, device, family="projection", negatives=(), temperature=0.01, threshold=0.5,
+                 soft=False, antialias=False, replicas=(), dtype=torch.float32):  # fmt: skip
         super().__init__()
         import open_clip
 
         if family not in ("projection", "softmax") or (family == "softmax" and not negatives):
             raise ValueError(f"unknown reward family {family!r}, or the softmax family without negative prompts")
-        self.model = model
-        self.device = device
-        self.batch_size = batch_size
-        self.family = family
-        self.alpha = alpha
-        self.temperature = temperature
-        self.threshold = threshold
-        self.soft = soft
+        self.model, self.device, self.batch_size, self.family = model, device, batch_size, family
+        self.alpha, self.temperature, self.threshold, self.soft = alpha, temperature, threshold, soft
         self.antialias = antialias
         # (model, device) per reward device; the first embeds the prompts
         self.replicas = [(model, device), *replicas]
-        # the model's own mean/std: the paper used OpenAI's for every model, wrong only for ViT-L-14 laion2b (0.5, 0.5)
+        # the model's own mean/std (the paper: OpenAI's for all, wrong only for ViT-L-14 laion2b, (0.5, 0.5))
         cfg = open_clip.get_model_preprocess_cfg(model)
         self.image_size = (cfg["size"],) * 2 if isinstance(cfg["size"], int) else tuple(cfg["size"])
         self.register_buffer("mean", torch.tensor(cfg["mean"], device=device).view(1, 3, 1, 1))
@@ -269,11 +251,10 @@ class CLIPReward(nn.Module):
 
     @torch.no_grad()
     def preprocess(self, frames: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
-        """uint8 (N, H, W, 3) -> the model's normalised input (N, 3, S, S); frames travel as uint8 (4x less
-        than float)."""
+        """uint8 (N, H, W, 3) -> the model's normalised input (N, 3, S, S); moved as uint8: 4x less data."""
         device = device or self.device
         x = frames.to(device, non_blocking=True)
-        # on the CPU numpy's cast is ~3x faster (torch's .float() page-faults a fresh batch in); same values and strides
+        # CPU: numpy's cast is ~3x faster (torch's .float() page-faults a new batch in); same values, strides
         x = torch.from_numpy(x.numpy().astype(np.float32)) if x.device.type == "cpu" else x.float()
         x = x.permute(0, 3, 1, 2).div_(255)
         # bicubic overshoots [0, 1] a little near edges: the reference kept it (no clamp), and so do we
@@ -289,14 +270,14 @@ class CLIPReward(nn.Module):
     def rewards(self, image_embeddings: torch.Tensor) -> torch.Tensor:
         """The chosen family's rewards (N,) of raw image embeddings (N, D)."""
         if self.family == "softmax":
-            return softmax_reward(
-                image_embeddings, self.goal_embeddings, self.negative_embeddings, self.temperature, self.threshold, self.soft
-            )
+            settings = (self.temperature, self.threshold, self.soft)
+            return softmax_reward(image_embeddings, self.goal_embeddings, self.negative_embeddings, *settings)
         return vlm_reward(image_embeddings, self.goal_embeddings, self.baseline_embeddings, self.alpha)
 
     @torch.no_grad()
-    def forward(self, frames) -> np.ndarray:  # uint8 (N, H, W, 3), numpy or torch (on the reward device: not copied)
-        chunks = (frames if torch.is_tensor(frames) else torch.from_numpy(np.ascontiguousarray(frames))).split(self.batch_size)
+    def forward(self, frames) -> np.ndarray:  # uint8 (N, H, W, 3), numpy or torch (on the device: not copied)
+        frames = frames if torch.is_tensor(frames) else torch.from_numpy(np.ascontiguousarray(frames))
+        chunks = frames.split(self.batch_size)
         k = len(self.replicas)
 
         # replica i scores chunks i, i + k, ...: the batches one device would score
@@ -318,12 +299,11 @@ def make_reward_model(args: Args, device: torch.device) -> CLIPReward:
     utils.warn_long_prompts(tokenizer, args)
     # copies: the same weights (even random test ones)
     replicas = [(copy.deepcopy(model).to(d), d) for d in devices[1:]]
-    family = [args.reward_family, args.negatives or (), args.temperature, args.threshold, args.soft, args.antialias]
+    scored = (args.goal, args.baseline, args.alpha, args.reward_batch_size, devices[0])
+    family = (args.reward_family, args.negatives or (), args.temperature, args.threshold, args.soft)
     # CPUs gain nothing from half
     dtype = getattr(torch, args.clip_dtype) if devices[0].type == "cuda" else torch.float32
-    reward_model = CLIPReward(
-        model, tokenizer, args.goal, args.baseline, args.alpha, args.reward_batch_size, devices[0], *family, replicas, dtype
-    )
+    reward_model = CLIPReward(model, tokenizer, *scored, *family, args.antialias, replicas, dtype)
     try:  # vlm_reward's rule, said in terms of the flags: different prompts can share one CLIP embedding
         reward_model.rewards(reward_model.goal_embeddings)
     except ValueError as e:
@@ -335,14 +315,14 @@ def make_reward_model(args: Args, device: torch.device) -> CLIPReward:
 # Environments: fixed-length episodes; the env's own reward is the ground truth (logged, not learned from)
 # ----------------------------------------------------------------------------------------------
 class GymnasiumPixels(gym.Wrapper):
-    """Gymnasium's own drawing of CartPole and MountainCar, its pixels read out as row-major RGB bytes: the frame its
-    render returns, 2.4x faster than with its surfarray copy (benchmarks/bench_cpu_frames.py)."""
+    """Gymnasium's own drawing of CartPole and MountainCar, its pixels read out as row-major RGB bytes: the
+    frame its render returns, 2.4x faster than with its surfarray copy (benchmarks/bench_cpu_frames.py)."""
 
     def render(self) -> np.ndarray:
         import pygame
 
         env = self.env.unwrapped
-        env.render_mode = "screen"  # a mode gymnasium does not know: it draws onto env.screen and returns nothing
+        env.render_mode = "screen"  # unknown to gymnasium: it draws onto env.screen and returns nothing
         env.render()
         env.render_mode = "rgb_array"
         pixels = np.frombuffer(pygame.image.tobytes(env.screen, "RGB"), np.uint8)
@@ -374,8 +354,7 @@ MOUNTAINCAR_GOAL = 0.45
 
 class FixedLengthMountainCar(gym.Wrapper):
     """MountainCar that never terminates: reward 1 while at the flag, else 0; `info["success"]`: reached this
-    episode. After success x is clipped to the flag, as in the paper's env, so CLIP never scores the car
-    past it."""
+    episode. After success x is clipped to the flag (the paper's env): CLIP never scores the car past it."""
 
     def reset(self, **kwargs):
         self.reached_goal = False
@@ -404,9 +383,8 @@ class FixedLengthMountainCar(gym.Wrapper):
 
 
 class RealisticMountainCar(gym.Wrapper):
-    """MountainCar drawn as a landscape (sky, far ridge, grassy hill, road, yellow flag, red car on the
-    slope): CLIP scores photo-like scenes far better than line art. Gymnasium's world-to-pixel mapping; the
-    background is drawn once."""
+    """MountainCar as a landscape (sky, far ridge, grassy hill, road, yellow flag, red car on the slope): CLIP
+    scores photo-like scenes far better than line art. Gymnasium's world-to-pixel mapping."""
 
     def __init__(self, env: gym.Env):
         super().__init__(env)
@@ -425,7 +403,8 @@ class RealisticMountainCar(gym.Wrapper):
             [[95, 95, 100], [110, 85, 55] + noise, [70, 140, 55] + noise, [120, 140, 165]],
             [70, 130, 210] + rows[..., None] / 399 * np.array([130, 95, 35]),
         )
-        self.background = pygame.surfarray.make_surface(np.clip(pixels, 0, 255).astype(np.uint8).transpose(1, 0, 2))
+        pixels = np.clip(pixels, 0, 255).astype(np.uint8).transpose(1, 0, 2)  # pygame's surfaces are (x, y)
+        self.background = pygame.surfarray.make_surface(pixels)
         x, y = (int(v) for v in self.pixel(MOUNTAINCAR_GOAL))
         pygame.draw.line(self.background, (60, 60, 60), (x, y - 4), (x, y - 64), 3)
         pygame.draw.polygon(self.background, (250, 210, 20), [(x + 2, y - 64), (x + 32, y - 54), (x + 2, y - 44)])
@@ -452,7 +431,7 @@ class RealisticMountainCar(gym.Wrapper):
         column, row = self.pixel(x)  # the car's centre stands 10 px above the road, along its normal
         self.canvas.blit(self.background, (0, 0))
         self.canvas.blit(car, car.get_rect(center=(column - 10 * math.sin(slope), row - 10 * math.cos(slope))))
-        # row-major RGB bytes: surfarray.array3d(...).transpose(1, 0, 2)'s pixels, 3x faster (copied: writable)
+        # row-major RGB bytes, 3x faster than surfarray.array3d(...).transpose(1, 0, 2) (copied: writable)
         return np.frombuffer(pygame.image.tobytes(self.canvas, "RGB"), np.uint8).reshape(400, 600, 3).copy()
 
 
@@ -514,10 +493,9 @@ def linear_schedule(start_e: float, end_e: float, duration: float, t: int) -> fl
 
 
 class ReplayBuffer:
-    """Ring buffer of transitions in host memory; a batch goes to the device when sampled; its state_dict (the
-    filled part) makes a resume exact."""
+    """Transitions in host memory (a ring), sampled batches sent to the device; state_dict: exact resumes."""
 
-    def __init__(self, size: int, obs_shape: tuple, action_shape: tuple, action_dtype: type, device: torch.device):
+    def __init__(self, size: int, obs_shape: tuple, action_shape: tuple, action_dtype: type, device):
         self.size = size
         self.device = device
         self.pos = 0
@@ -556,26 +534,9 @@ class ReplayBuffer:
         return tuple(torch.from_numpy(self.data[k][idx]).to(self.device) for k in keys)
 
 
-def evaluate(q_network: QNetwork, eval_envs: gym.vector.VectorEnv, device, reward_model, episodes: int, seed: int) -> list:
-    """Greedy episodes of the Q-network: the frames and their rate, the ground-truth and CLIP return of each."""
-    results = []
-    for episode in range(episodes):
-        obs, _ = eval_envs.reset(seed=seed + episode)
-        frames = [eval_envs.call("render")[0]]
-        gt_return = 0.0
-        done = False
-        while not done:  # fixed length: --episode-length steps; stock: until the env terminates or truncates
-            with torch.no_grad():
-                actions = q_network(torch.as_tensor(obs, device=device)).argmax(dim=1).cpu().numpy()
-            obs, gt_rewards, terminations, truncations, _ = eval_envs.step(actions)
-            done = bool(terminations[0] or truncations[0])
-            gt_return += float(gt_rewards[0])
-            frames.append(eval_envs.call("render")[0])
-        # the reset frame scores no transition: the reward of step t is the score of frame t + 1
-        clip_return = float(reward_model(np.stack(frames[1:])).sum()) if reward_model is not None else math.nan
-        fps = eval_envs.metadata["render_fps"]
-        results.append(dict(frames=frames, gt_return=gt_return, clip_return=clip_return, fps=fps))
-    return results
+def greedy(q_network: QNetwork, device: torch.device):
+    """The policy an evaluation rolls out (utils.evaluate): the greedy action."""
+    return lambda obs: q_network(torch.as_tensor(obs, device=device)).argmax(dim=1).cpu().numpy()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -595,8 +556,8 @@ def main(args: Args) -> None:
     opts = (args.episode_length, args.realistic, args.episodes == "fixed")
     eval_seed = args.seed + 10_000
     eval_envs = gym.vector.SyncVectorEnv([make_env(args.env_id, eval_seed, 0, *opts)])
-    if run.checkpoint:  # its tensors fit networks built as below (on the CPU): one sentence before anything starts
-        with torch.random.fork_rng(devices=[]):  # the run's random streams untouched (a random-weight CLIP too)
+    if run.checkpoint:  # its tensors fit networks built as below (on the CPU): one sentence before anything
+        with torch.random.fork_rng(devices=[]):  # the run's random streams untouched (a random CLIP's too)
             q = QNetwork(eval_envs)
             fresh = dict(q_network=q, target_network=q, optimizer=optim.Adam(q.parameters()), schedule_steps=0)
             run.check_fits(eval_envs, fresh)
@@ -604,7 +565,8 @@ def main(args: Args) -> None:
         reward_model = make_reward_model(args, device) if args.reward == "clip" else None
         q_network = QNetwork(eval_envs).to(device)
         q_network.load_state_dict(run.checkpoint["q_network"])
-        episodes = evaluate(q_network, eval_envs, device, reward_model, args.eval_episodes, eval_seed)
+        policy = greedy(q_network, device)
+        episodes = utils.evaluate(policy, eval_envs, reward_model, args.eval_episodes, eval_seed)
         return run.save_episodes(episodes)
 
     # each env renders the frame after its step and returns it with the step (with the ground truth: nothing)
@@ -626,7 +588,7 @@ def main(args: Args) -> None:
         # everything a gradient step changes, by name: checkpointed and restored together
         learner = dict(q_network=q_network, target_network=target_network, optimizer=optimizer)
         networks = lambda: {k: learner[k].state_dict() for k in ("q_network",)}  # noqa: E731
-        evaluation = partial(evaluate, q_network, eval_envs, device, reward_model)  # greedy episodes
+        evaluation = partial(utils.evaluate, greedy(q_network, device), eval_envs, reward_model)
         # epsilon's schedule keeps the length of the run as first started, when --resume extends it
         schedule_steps = run.checkpoint["schedule_steps"] if run.checkpoint else args.total_timesteps
         # charts/gt_success: CartPole, the share of the time limit spent upright; MountainCar, the flag

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import gymnasium as gym
-import imageio.v2 as imageio
 import numpy as np
 import torch
 import torch.nn as nn
@@ -76,8 +75,8 @@ class Args:
     camera: Literal["paper", "tracking"] = "paper"
     """Humanoid: the paper's fixed frontal camera, or following the torso"""
     renderer: Literal["egl", "warp"] = "egl"
-    """egl: OpenGL in each env process (the paper's); warp: MuJoCo Warp's ray tracer, all at once on the reward device"""
-    supersample: int = 2  # --renderer warp: rays per pixel along each axis, averaged (1: the floor shows moire)
+    """egl: OpenGL in each env process (the paper's); warp: MuJoCo Warp's ray tracer on the reward device"""
+    supersample: int = 2  # --renderer warp: rays per pixel per axis, averaged (1: the floor shows moire)
 
     # Reward
     reward: Literal["clip", "gt"] = "clip"
@@ -131,8 +130,7 @@ class Args:
 
 
 def check_args(args: Args) -> None:
-    """The defaults that depend on --env-id, then bad flags refused, each in one sentence, before anything
-    expensive (a model download, the env processes) happens."""
+    """The defaults of --env-id, then bad flags refused, in one sentence each, before anything costly."""
     mountain_car = args.env_id == "MountainCarContinuous-v0"
     entry_point = str(getattr(gym.registry.get(args.env_id), "entry_point", ""))  # "" when not registered
     for failed, message in [
@@ -149,23 +147,16 @@ def check_args(args: Args) -> None:
     utils.check_renderer_args(args)
     if args.episode_length is None:
         args.episode_length = 200 if mountain_car else 100
-    # other MuJoCo tasks: give --goal (or use --reward gt)
-    goal, baseline = DEFAULT_PROMPTS.get(args.env_id, ("", ""))
+    goal, baseline = DEFAULT_PROMPTS.get(args.env_id, ("", ""))  # other MuJoCo tasks: --goal (or --reward gt)
     args.goal = (goal,) if args.goal is None else args.goal
     args.baseline = (baseline,) if args.baseline is None else args.baseline
-    # the authors: MountainCar cannot be solved without goal-baseline regularisation; 0.5: measured
-    if args.alpha is None:
-        # on a test CLIP's reward shape (docs/language_proof.md), the paper's own value is not published
+    # the authors: MountainCar cannot be solved without goal-baseline regularisation; theirs is unpublished
+    if args.alpha is None:  # 0.5: measured on a test CLIP's reward shape (docs/language_proof.md)
         args.alpha = 0.5 if mountain_car else 0.0
     if args.episodes == "auto":  # resolved once: a checkpoint keeps the resolved value
         args.episodes = "fixed" if args.reward == "clip" else "stock"
-    # every vector step takes one step in each env
-    if args.num_envs > 0 and args.total_timesteps % args.num_envs:
-        rounded = -(-args.total_timesteps // args.num_envs) * args.num_envs
-        print(f"note: --total-timesteps {args.total_timesteps} rounded up to {rounded}, a multiple of --num-envs")
-        args.total_timesteps = rounded
-    positive = "total_timesteps num_envs buffer_size batch_size train_frequency gradient_steps episode_length eval_episodes"
-    positive += " reward_batch_size video_frequency checkpoint_frequency policy_lr q_lr ent_coef"
+    positive = """total_timesteps num_envs buffer_size batch_size train_frequency gradient_steps
+episode_length eval_episodes reward_batch_size video_frequency checkpoint_frequency policy_lr q_lr ent_coef"""
     utils.check_common_args(args, positive, "alpha gamma tau", "actor")
     if softmax_problem(args.temperature, args.threshold) is not None:
         raise utils.UserError(softmax_problem(args.temperature, args.threshold) + ".")
@@ -176,13 +167,13 @@ def check_args(args: Args) -> None:
         utils.check_clip_args(args)
     if args.evaluate is None:  # a rollout allocates no replay buffer
         probe = gym.make(args.env_id)  # cheap: no rendering, just the spaces
-        # measured (2 and 6 envs, Mesa's software EGL): a MuJoCo worker process that renders 180 MB (224 or
-        # 480 pixels), a MountainCar one 40 MB; without rendering (gt) the envs live in this process, 2.5 MB
-        # each
+        # measured (2 and 6 envs, Mesa's software EGL): a MuJoCo worker process rendering 180 MB (224 or 480
+        # pixels), a MountainCar one 40 MB; without rendering (gt) the envs live in this process, 2.5 MB each
         env_bytes = (40e6 if mountain_car else 180e6) if args.reward == "clip" else 2.5e6
         # floats per sampled transition: actor and critics, forward and backward, ~16 layers of 256
         activations = 16 * 256
-        utils.check_resources(args, probe.observation_space, probe.action_space, frame_shape_of(args), env_bytes, activations)
+        spaces = (probe.observation_space, probe.action_space)
+        utils.check_resources(args, *spaces, frame_shape_of(args), env_bytes, activations)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -191,9 +182,9 @@ def check_args(args: Args) -> None:
 DEFAULT_PROMPTS = {  # (goal, baseline) of each env: the paper's
     "CartPole-v1": ("pole vertically upright on top of the cart", "pole and cart"),
     "MountainCar-v0": ("a car at the peak of the mountain, next to the yellow flag", "a car in the mountain"),
-    "MountainCarContinuous-v0": ("a car at the peak of the mountain, next to the yellow flag", "a car in the mountain"),
     "Humanoid-v5": ("a humanoid robot kneeling", "a humanoid robot"),
 }
+DEFAULT_PROMPTS["MountainCarContinuous-v0"] = DEFAULT_PROMPTS["MountainCar-v0"]  # the same scene
 # softmax family: our own negatives for the default goals (not the paper's), states the goal is not
 DEFAULT_NEGATIVES = {
     ("pole vertically upright on top of the cart",): (
@@ -208,18 +199,14 @@ DEFAULT_NEGATIVES = {
 }
 
 
-def vlm_reward(
-    image_embeddings: torch.Tensor, goal_embeddings: torch.Tensor, baseline_embeddings: torch.Tensor, alpha: float
-) -> torch.Tensor:
-    """R(s) = 1 - 0.5 * ||(s - g) P||^2, P = alpha * d d^T / ||d||^2 + (1 - alpha) I, d = g - b; (N,) float32
-    rewards."""
+def vlm_reward(image_embeddings, goal_embeddings, baseline_embeddings, alpha: float) -> torch.Tensor:
+    """R(s) = 1 - 0.5 ||(s - g) P||^2, P = alpha d d^T / ||d||^2 + (1 - alpha) I, d = g - b: (N,) float32."""
     s = F.normalize(image_embeddings.float(), dim=-1)
     g = F.normalize(goal_embeddings.float(), dim=-1).mean(0)  # the means are deliberately not re-normalised
     b = F.normalize(baseline_embeddings.float(), dim=-1).mean(0)
     u = s - g
     if alpha != 0:
-        # no direction where goal and baseline share an embedding (e.g. prompts cut at CLIP's 77 tokens): real
-        # prompt pairs are > 0.1 apart, float32 round-off ~1e-6
+        # g = b: no direction (e.g. prompts cut at 77 tokens); real pairs are > 0.1 apart, round-off ~1e-6
         if (g - b).norm() < 1e-4:
             raise ValueError("goal and baseline have one embedding: d = g - b is 0, alpha > 0 has no direction")
         d = (g - b) / (g - b).norm()
@@ -228,8 +215,7 @@ def vlm_reward(
 
 
 def softmax_problem(temperature: float, threshold: float) -> Optional[str]:
-    """What is wrong with the softmax family's parameters, or None: its one check, of flags and of calls
-    alike."""
+    """What is wrong with the softmax family's parameters, or None: one check, of flags and calls alike."""
     if not 0 < temperature < math.inf:
         return f"--temperature must be a positive number, got {temperature}"
     if not 0 < threshold < 1:
@@ -238,8 +224,7 @@ def softmax_problem(temperature: float, threshold: float) -> Optional[str]:
 
 
 def softmax_reward(image_embeddings, goal_embeddings, negative_embeddings, temperature: float, threshold: float, soft=False):
-    """R(s) = 1 if p > threshold else 0 (p itself if soft), p = the goal's softmax(cos(s, e_k) / temperature)
-    vs negatives."""
+    """R(s) = 1 if p > threshold else 0 (p if soft), p = the goal's softmax(cos(s, e_k) / temperature)."""
     problem = softmax_problem(temperature, threshold)
     problem = problem or ("no negative prompts" if len(negative_embeddings) == 0 else None)
     if problem is not None:
@@ -254,34 +239,27 @@ def softmax_reward(image_embeddings, goal_embeddings, negative_embeddings, tempe
 
 
 class CLIPReward(nn.Module):
-    """Scores uint8 frames (N, H, W, 3) with `vlm_reward` (family "projection") or `softmax_reward`
-    ("softmax").
+    """Scores uint8 frames (N, H, W, 3) with `vlm_reward` (family "projection") or `softmax_reward`.
 
     Frames are preprocessed as the paper's code did (a tensor torchvision Resize of torch 2.0): squashed to
     the model's square input, bicubic, no antialiasing, no clamp; `antialias=True` smooths a large downscale
     (closer to PIL).
     """
 
-    def __init__(self, model: nn.Module, tokenizer, goal: tuple, baseline: tuple, alpha: float, batch_size: int, device,
-                 family="projection", negatives=(), temperature=0.01, threshold=0.5, soft=False, antialias=False,
-                 replicas=(), dtype=torch.float32):  # fmt: skip
+    def __init__(self, model: nn.Module, tokenizer, goal: tuple, baseline: tuple, alpha: float,
+                 batch_size: int, device, family="projection", negatives=(), temperature=0.01, threshold=0.5,
+                 soft=False, antialias=False, replicas=(), dtype=torch.float32):  # fmt: skip
         super().__init__()
         import open_clip
 
         if family not in ("projection", "softmax") or (family == "softmax" and not negatives):
             raise ValueError(f"unknown reward family {family!r}, or the softmax family without negative prompts")
-        self.model = model
-        self.device = device
-        self.batch_size = batch_size
-        self.family = family
-        self.alpha = alpha
-        self.temperature = temperature
-        self.threshold = threshold
-        self.soft = soft
+        self.model, self.device, self.batch_size, self.family = model, device, batch_size, family
+        self.alpha, self.temperature, self.threshold, self.soft = alpha, temperature, threshold, soft
         self.antialias = antialias
         # (model, device) per reward device; the first embeds the prompts
         self.replicas = [(model, device), *replicas]
-        # the model's own mean/std: the paper used OpenAI's for every model, wrong only for ViT-L-14 laion2b (0.5, 0.5)
+        # the model's own mean/std (the paper: OpenAI's for all, wrong only for ViT-L-14 laion2b, (0.5, 0.5))
         cfg = open_clip.get_model_preprocess_cfg(model)
         self.image_size = (cfg["size"],) * 2 if isinstance(cfg["size"], int) else tuple(cfg["size"])
         self.register_buffer("mean", torch.tensor(cfg["mean"], device=device).view(1, 3, 1, 1))
@@ -301,11 +279,10 @@ class CLIPReward(nn.Module):
 
     @torch.no_grad()
     def preprocess(self, frames: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
-        """uint8 (N, H, W, 3) -> the model's normalised input (N, 3, S, S); frames travel as uint8 (4x less
-        than float)."""
+        """uint8 (N, H, W, 3) -> the model's normalised input (N, 3, S, S); moved as uint8: 4x less data."""
         device = device or self.device
         x = frames.to(device, non_blocking=True)
-        # on the CPU numpy's cast is ~3x faster (torch's .float() page-faults a fresh batch in); same values and strides
+        # CPU: numpy's cast is ~3x faster (torch's .float() page-faults a new batch in); same values, strides
         x = torch.from_numpy(x.numpy().astype(np.float32)) if x.device.type == "cpu" else x.float()
         x = x.permute(0, 3, 1, 2).div_(255)
         # bicubic overshoots [0, 1] a little near edges: the reference kept it (no clamp), and so do we
@@ -321,14 +298,14 @@ class CLIPReward(nn.Module):
     def rewards(self, image_embeddings: torch.Tensor) -> torch.Tensor:
         """The chosen family's rewards (N,) of raw image embeddings (N, D)."""
         if self.family == "softmax":
-            return softmax_reward(
-                image_embeddings, self.goal_embeddings, self.negative_embeddings, self.temperature, self.threshold, self.soft
-            )
+            settings = (self.temperature, self.threshold, self.soft)
+            return softmax_reward(image_embeddings, self.goal_embeddings, self.negative_embeddings, *settings)
         return vlm_reward(image_embeddings, self.goal_embeddings, self.baseline_embeddings, self.alpha)
 
     @torch.no_grad()
-    def forward(self, frames) -> np.ndarray:  # uint8 (N, H, W, 3), numpy or torch (on the reward device: not copied)
-        chunks = (frames if torch.is_tensor(frames) else torch.from_numpy(np.ascontiguousarray(frames))).split(self.batch_size)
+    def forward(self, frames) -> np.ndarray:  # uint8 (N, H, W, 3), numpy or torch (on the device: not copied)
+        frames = frames if torch.is_tensor(frames) else torch.from_numpy(np.ascontiguousarray(frames))
+        chunks = frames.split(self.batch_size)
         k = len(self.replicas)
 
         # replica i scores chunks i, i + k, ...: the batches one device would score
@@ -350,12 +327,11 @@ def make_reward_model(args: Args, device: torch.device) -> CLIPReward:
     utils.warn_long_prompts(tokenizer, args)
     # copies: the same weights (even random test ones)
     replicas = [(copy.deepcopy(model).to(d), d) for d in devices[1:]]
-    family = [args.reward_family, args.negatives or (), args.temperature, args.threshold, args.soft, args.antialias]
+    scored = (args.goal, args.baseline, args.alpha, args.reward_batch_size, devices[0])
+    family = (args.reward_family, args.negatives or (), args.temperature, args.threshold, args.soft)
     # CPUs gain nothing from half
     dtype = getattr(torch, args.clip_dtype) if devices[0].type == "cuda" else torch.float32
-    reward_model = CLIPReward(
-        model, tokenizer, args.goal, args.baseline, args.alpha, args.reward_batch_size, devices[0], *family, replicas, dtype
-    )
+    reward_model = CLIPReward(model, tokenizer, *scored, *family, args.antialias, replicas, dtype)
     try:  # vlm_reward's rule, said in terms of the flags: different prompts can share one CLIP embedding
         reward_model.rewards(reward_model.goal_embeddings)
     except ValueError as e:
@@ -368,89 +344,38 @@ def make_reward_model(args: Args, device: torch.device) -> CLIPReward:
 # ----------------------------------------------------------------------------------------------
 # The paper's frontal FREE camera: fixed in the world (only a tracking camera follows a body)
 HUMANOID_CAMERA = {"distance": 3.5, "lookat": np.array([0.0, 0.0, 1.0]), "elevation": -10.0, "azimuth": 180.0}
-# MuJoCo's skybox faces, measured: face pixel (a, b) in [-1, 1] looks along the world direction whose
-# components are (a, b, 1)[|i| - 1] * sign(i) for the indices i below (x forward of the humanoid, z up, b
-# grows downwards)
-SKYBOX_AXES = dict(right=(3, 1, -2), left=(-3, -1, -2), back=(-1, 3, -2), front=(1, -3, -2), up=(1, -2, 3), down=(1, 2, -3))
-
-
-def fractal_noise(rng: np.random.Generator, size: int, cells: int, octaves: int) -> np.ndarray:
-    """Seamless smooth noise in [0, 1]: octaves of a random grid, bicubically upsampled from a 3x3 tiling (no
-    seams)."""
-    out = 0
-    for o in range(octaves):
-        grid = torch.from_numpy(rng.random((1, 1, cells * 2**o, cells * 2**o))).repeat(1, 1, 3, 3)
-        up = F.interpolate(grid, scale_factor=size / (cells * 2**o), mode="bicubic")[0, 0, size:-size, size:-size]
-        out = out + 0.5**o * up
-    return ((out - out.min()) / (out.max() - out.min())).numpy()
-
-
-def scene_textures() -> dict[str, np.ndarray]:
-    """The paper's look, drawn at run time: a blue sky with white clouds, dark grey slate tiles, light brushed
-    metal."""
-    # slate: per-tile shade, layered grain, dark grout; mean grey ~54/255 as the paper's
-    rng = np.random.default_rng(1234)
-    shade = 0.19 + 0.06 * rng.random((2, 2)).repeat(128, 0).repeat(128, 1)
-    # pixels to the grout
-    edge = np.minimum(*[np.minimum(c % 128, 127 - c % 128) for c in np.mgrid[0:256, 0:256]])
-    grey = np.where(edge < 2, 0.08, shade * (0.75 + 0.5 * fractal_noise(rng, 256, 8, 4)))
-    images = {"slate": np.repeat(grey[..., None], 3, -1)}  # neutral grey, as the paper's frame
-    rng = np.random.default_rng(99)  # metal: fine streaks along one direction
-    streaks = 0.6 * fractal_noise(rng, 128, 4, 5).mean(1, keepdims=True) + 0.4 * rng.random((128, 1))
-    images["metal"] = np.broadcast_to((0.72 + 0.16 * streaks)[..., None], (128, 128, 3))
-    clouds = torch.from_numpy(fractal_noise(np.random.default_rng(4321), 1024, 6, 6))[None, None].float()
-    a, b = np.meshgrid(*[(np.arange(256) + 0.5) / 256 * 2 - 1] * 2)
-    for face, axes in SKYBOX_AXES.items():
-        d = np.stack([np.sign(i) * (a, b, np.ones_like(a))[abs(i) - 1] for i in axes], -1)
-        d /= np.linalg.norm(d, axis=-1, keepdims=True)
-        up = d[..., 2]
-        elevation = np.arcsin(np.clip(up, -1, 1))
-        # saturated blue, lighter at the horizon; below it (past the floor's edge) the horizon's blue goes on:
-        # no haze band
-        t = np.clip(elevation / 0.6, 0, 1)[..., None]
-        sky = (1 - t) * np.array([0.04, 0.58, 0.88]) + t * np.array([0.04, 0.40, 0.82])
-        # clouds (grey undersides): noise at (azimuth, elevation), one scale on both, the seam behind the
-        # camera, thinning up
-        grid = torch.from_numpy(np.stack([np.arctan2(-d[..., 1], -d[..., 0]) / np.pi, elevation / np.pi - 1], -1))
-        c = F.grid_sample(clouds, grid[None].float(), padding_mode="reflection", align_corners=False)[0, 0].numpy()
-        density = (np.clip((c - 0.6) / 0.08, 0, 1) * np.clip(1.3 - 1.3 * up, 0, 1) * (up > -0.02))[..., None]
-        images[face] = sky * (1 - density) + density * (0.78 + 0.22 * np.clip((c - 0.6) / 0.2, 0, 1))[..., None]
-    return images
+# the paper's look: PNGs drawn once by assets/make_textures.py, found beside vlmrm_utils.py (by a copy too)
+TEXTURES = Path(utils.__file__).parent / "assets"
 
 
 def textured_humanoid_xml() -> str:
-    """Gymnasium's Humanoid-v5 model with only its look changed (textures, materials, light); returns the
-    file's path.
+    """The path of Gymnasium's Humanoid-v5 model with only its look changed (textures, materials, light).
 
-    Bodies, joints, geom sizes, masses, contacts, actuators and options are untouched: the physics is
-    identical.
+    Bodies, joints, geom sizes, masses, contacts, actuators and options are untouched: identical physics.
     """
     stock = Path(gym.envs.mujoco.__file__).parent / "assets" / "humanoid.xml"
-    key = hashlib.sha1(stock.read_bytes() + b"v6").hexdigest()[:10]  # bump "v6" when the look changes
+    key = hashlib.sha1(stock.read_bytes() + bytes(TEXTURES) + b"v7").hexdigest()[:10]  # bump on a new look
     cache = os.path.join(tempfile.gettempdir(), f"vlmrm_humanoid_{key}")
     xml_path = os.path.join(cache, "humanoid_textured.xml")
     if os.path.exists(xml_path):
         return xml_path
     os.makedirs(cache, exist_ok=True)
-    # written, then renamed: parallel env workers may build the same files at once
-    tmp = f".{os.getpid()}.tmp"
-    for name, image in scene_textures().items():
-        imageio.imwrite(f"{cache}/{name}{tmp}", (np.clip(image, 0, 1) * 255).astype(np.uint8), format="png")
-        os.replace(f"{cache}/{name}{tmp}", f"{cache}/{name}.png")
+    tmp = f".{os.getpid()}.tmp"  # written, then renamed: parallel env workers may build the file at once
     root = ET.parse(stock).getroot()
     # colours come from the materials: no stock tan body, green floor
     root.find("default/geom").attrib.pop("rgba", None)
     root.find("worldbody/geom[@name='floor']").attrib.pop("rgba", None)
+    skybox = " ".join(f'file{f}="{TEXTURES}/{f}.png"' for f in "right left back front up down".split())
+    look = f"""<asset><texture type="skybox" {skybox}/>
+            <texture name="texplane" type="2d" file="{TEXTURES}/slate.png"/>
+            <texture name="texgeom" type="cube" file="{TEXTURES}/metal.png"/>
+            <material name="MatPlane" texture="texplane" texrepeat="60 60"
+                      reflectance="0" shininess="0" specular="0"/>
+            <material name="geom" texture="texgeom" texuniform="true" rgba="1 1 1 1"
+                      specular="1" shininess="1"/>
+            </asset>"""
     root.find("asset").clear()
-    root.find("asset").extend(
-        ET.fromstring(
-            f"""<asset><texture type="skybox" {" ".join(f'file{face}="{cache}/{face}.png"' for face in SKYBOX_AXES)}/>
-            <texture name="texplane" type="2d" file="{cache}/slate.png"/>
-            <texture name="texgeom" type="cube" file="{cache}/metal.png"/>
-            <material name="MatPlane" texture="texplane" texrepeat="60 60" reflectance="0" shininess="0" specular="0"/>
-            <material name="geom" texture="texgeom" texuniform="true" rgba="1 1 1 1" specular="1" shininess="1"/></asset>"""
-        )
-    )
+    root.find("asset").extend(ET.fromstring(look))
     # one light from above, as in the paper; MuJoCo's default headlight stays (nothing brighter added)
     root.find("worldbody/light").attrib.update(diffuse="1 1 1", pos="0 0 1", dir="0 0 -1.5", specular="0.5 0.5 0.5")
     ET.ElementTree(root).write(xml_path + tmp)
@@ -458,50 +383,14 @@ def textured_humanoid_xml() -> str:
     return xml_path
 
 
-class Renderer(gym.Wrapper):
-    """The frames the reward sees: quality "fast" turns shadows and reflections off; a tracking camera follows
-    the torso."""
-
-    def __init__(self, env: gym.Env, quality: str, tracking: bool = False) -> None:
-        super().__init__(env)
-        self.flags_set = quality == "high"  # high keeps MuJoCo's defaults (both on)
-        self.tracking = tracking
-
-    def render(self) -> np.ndarray:
-        base = self.env.unwrapped
-        if self.tracking:  # the paper camera's distance and angles, looking at the torso's centre of mass
-            lookat = base.data.subtree_com[base.model.body("torso").id].copy()
-            # the first render() creates the viewer from this configuration
-            if base.mujoco_renderer.viewer is None:
-                base.mujoco_renderer.default_cam_config = {**HUMANOID_CAMERA, "lookat": lookat}
-            else:
-                base.mujoco_renderer.viewer.cam.lookat[:] = lookat
-        frame = self.env.render()
-        # the viewer exists only after the first render(): set its flags, then render again
-        if not self.flags_set:
-            flags = base.mujoco_renderer.viewer.scn.flags
-            flags[mujoco.mjtRndFlag.mjRND_SHADOW] = flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
-            self.flags_set = True
-            frame = self.env.render()
-        return frame
-
-
-def warp_renderer(realistic: bool, size: int, supersample: int, worlds: int, device, camera="paper", quality="high"):
-    """--renderer warp: this scene drawn by MuJoCo Warp on `device`, `worlds` states per launch, through the paper's
-    camera as model cameras (the ray tracer draws only those): fixed, or following the torso ("tracking"); quality
-    "high" casts shadows (the scene has no reflections)."""
+def warp_renderer(realistic, size, supersample, worlds, device, camera="paper", quality="high"):
+    """--renderer warp: this scene drawn by MuJoCo Warp on `device`, `worlds` states per launch, through the
+    paper's camera as model cameras (the ray tracer draws only those): fixed, or following the torso
+    ("tracking"); quality "high" casts shadows (the scene has no reflections)."""
     stock = Path(gym.envs.mujoco.__file__).parent / "assets" / "humanoid.xml"
     spec = mujoco.MjSpec.from_file(textured_humanoid_xml() if realistic else str(stock))
     model = utils.free_cameras(spec, HUMANOID_CAMERA, "torso")
     return utils.WarpRenderer(model, camera, size, supersample, worlds, device, shadows=quality == "high")
-
-
-class NoEarlyTermination(gym.Wrapper):
-    """Fixed-length episodes for any MuJoCo task: a fallen robot keeps being rendered and scored."""
-
-    def step(self, action):
-        obs, reward, _, truncated, info = self.env.step(action)
-        return obs, reward, False, truncated, info
 
 
 # MountainCarContinuous-v0, the paper's MountainCar (trained with SAC): copied from vlmrm_dqn_classic.py
@@ -511,8 +400,7 @@ MOUNTAINCAR_GOAL = 0.45
 
 class FixedLengthMountainCar(gym.Wrapper):
     """MountainCar that never terminates: reward 1 while at the flag, else 0; `info["success"]`: reached this
-    episode. After success x is clipped to the flag, as in the paper's env, so CLIP never scores the car
-    past it."""
+    episode. After success x is clipped to the flag (the paper's env): CLIP never scores the car past it."""
 
     def reset(self, **kwargs):
         self.reached_goal = False
@@ -541,9 +429,8 @@ class FixedLengthMountainCar(gym.Wrapper):
 
 
 class RealisticMountainCar(gym.Wrapper):
-    """MountainCar drawn as a landscape (sky, far ridge, grassy hill, road, yellow flag, red car on the
-    slope): CLIP scores photo-like scenes far better than line art. Gymnasium's world-to-pixel mapping; the
-    background is drawn once."""
+    """MountainCar as a landscape (sky, far ridge, grassy hill, road, yellow flag, red car on the slope): CLIP
+    scores photo-like scenes far better than line art. Gymnasium's world-to-pixel mapping."""
 
     def __init__(self, env: gym.Env):
         super().__init__(env)
@@ -562,7 +449,8 @@ class RealisticMountainCar(gym.Wrapper):
             [[95, 95, 100], [110, 85, 55] + noise, [70, 140, 55] + noise, [120, 140, 165]],
             [70, 130, 210] + rows[..., None] / 399 * np.array([130, 95, 35]),
         )
-        self.background = pygame.surfarray.make_surface(np.clip(pixels, 0, 255).astype(np.uint8).transpose(1, 0, 2))
+        pixels = np.clip(pixels, 0, 255).astype(np.uint8).transpose(1, 0, 2)  # pygame's surfaces are (x, y)
+        self.background = pygame.surfarray.make_surface(pixels)
         x, y = (int(v) for v in self.pixel(MOUNTAINCAR_GOAL))
         pygame.draw.line(self.background, (60, 60, 60), (x, y - 4), (x, y - 64), 3)
         pygame.draw.polygon(self.background, (250, 210, 20), [(x + 2, y - 64), (x + 32, y - 54), (x + 2, y - 44)])
@@ -589,18 +477,18 @@ class RealisticMountainCar(gym.Wrapper):
         column, row = self.pixel(x)  # the car's centre stands 10 px above the road, along its normal
         self.canvas.blit(self.background, (0, 0))
         self.canvas.blit(car, car.get_rect(center=(column - 10 * math.sin(slope), row - 10 * math.cos(slope))))
-        # row-major RGB bytes: surfarray.array3d(...).transpose(1, 0, 2)'s pixels, 3x faster (copied: writable)
+        # row-major RGB bytes, 3x faster than surfarray.array3d(...).transpose(1, 0, 2) (copied: writable)
         return np.frombuffer(pygame.image.tobytes(self.canvas, "RGB"), np.uint8).reshape(400, 600, 3).copy()
 
 
 def frame_shape_of(args: Args) -> tuple[int, int, int]:
     """The frames CLIP scores: MountainCar draws its own 600x400, MuJoCo renders --render-size squares."""
-    return (400, 600, 3) if args.env_id == "MountainCarContinuous-v0" else (args.render_size, args.render_size, 3)
+    return (400, 600, 3) if args.env_id == "MountainCarContinuous-v0" else (*(args.render_size,) * 2, 3)
 
 
-def make_env(env_id, seed, idx, episode_length, render_size, render_quality, realistic, camera="paper", fixed_length=True,
-             renderer="egl", supersample=2):  # fmt: skip
-    """CleanRL-style thunk: fixed-length episodes (or the stock task's), rgb_array frames for the CLIP reward."""
+def make_env(env_id, seed, idx, episode_length, render_size, render_quality, realistic, camera="paper",
+             fixed_length=True, renderer="egl", supersample=2):  # fmt: skip
+    """CleanRL's thunk: fixed-length episodes (or the stock task's), rgb_array frames for the CLIP reward."""
 
     def thunk() -> gym.Env:
         # gym.make's TimeLimit; stock: the task's
@@ -616,12 +504,13 @@ def make_env(env_id, seed, idx, episode_length, render_size, render_quality, rea
                 kwargs.update(terminate_when_unhealthy=not fixed_length, default_camera_config=HUMANOID_CAMERA)
                 kwargs.update({"xml_file": textured_humanoid_xml()} if realistic else {})
             env = gym.make(env_id, **kwargs)
-            env = NoEarlyTermination(env) if fixed_length and not humanoid else env
+            env = utils.NoEarlyTermination(env) if fixed_length and not humanoid else env
             if renderer == "warp":
                 look = dict(camera=camera, quality=render_quality)
                 env = utils.WarpFrames(env, partial(warp_renderer, realistic, render_size, supersample, **look))
             else:
-                env = Renderer(env, render_quality, tracking=humanoid and camera == "tracking")
+                tracking = (HUMANOID_CAMERA, "torso") if humanoid and camera == "tracking" else None
+                env = utils.MujocoRenderer(env, render_quality, tracking)
             env.observation_space.seed(seed + idx)
         env.action_space.seed(seed + idx)
         return env
@@ -657,8 +546,7 @@ class Actor(nn.Module):
         self.trunk = nn.Sequential(nn.Linear(obs_dim, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU())
         self.fc_mean = nn.Linear(256, action_dim)
         self.fc_logstd = nn.Linear(256, action_dim)
-        # actions live on the tanh-squashed unit box (replay buffer and critics see them there, as in
-        # Stable-Baselines3)
+        # actions live on the tanh-squashed unit box, where the buffer and critics see them (as in SB3)
         low = env.single_action_space.low
         high = env.single_action_space.high
         self.register_buffer("action_scale", torch.tensor((high - low) / 2.0, dtype=torch.float32))
@@ -673,11 +561,9 @@ class Actor(nn.Module):
         return y * self.action_scale + self.action_bias
 
     def get_action(self, x):
-        """(sampled unit-box action, its log-probability on the unit box, the deterministic action in env
-        units)."""
+        """(sampled unit-box action, its log-probability there, the deterministic action in env units)."""
         mean, log_std = self(x)
-        # a NaN is caught by the loop's check
-        normal = torch.distributions.Normal(mean, log_std.exp(), validate_args=False)
+        normal = torch.distributions.Normal(mean, log_std.exp(), validate_args=False)  # NaN: the loop's check
         x_t = normal.rsample()  # reparameterisation trick
         y_t = torch.tanh(x_t)
         # change of variables through tanh only: the paper's (SB3's) entropy scale, whatever the env's bounds
@@ -686,10 +572,9 @@ class Actor(nn.Module):
 
 
 class ReplayBuffer:
-    """Ring buffer of transitions in host memory; a batch goes to the device when sampled; its state_dict (the
-    filled part) makes a resume exact."""
+    """Transitions in host memory (a ring), sampled batches sent to the device; state_dict: exact resumes."""
 
-    def __init__(self, size: int, obs_shape: tuple, action_shape: tuple, action_dtype: type, device: torch.device):
+    def __init__(self, size: int, obs_shape: tuple, action_shape: tuple, action_dtype: type, device):
         self.size = size
         self.device = device
         self.pos = 0
@@ -728,36 +613,17 @@ class ReplayBuffer:
         return tuple(torch.from_numpy(self.data[k][idx]).to(self.device) for k in keys)
 
 
-def evaluate(actor, eval_envs, device, reward_model, episodes, seed):
-    """Deterministic episodes of the policy: the frames and their rate, the ground-truth and CLIP return of
-    each."""
-    results = []
-    for episode in range(episodes):
-        obs, _ = eval_envs.reset(seed=seed + episode)
-        frames = [eval_envs.call("render")[0]]
-        gt_return = 0.0
-        done = False
-        while not done:  # fixed length: --episode-length steps; stock: until the env terminates or truncates
-            with torch.no_grad():
-                actions = actor.get_action(torch.as_tensor(obs, dtype=torch.float32, device=device))[2]
-            actions = actions.cpu().numpy()
-            obs, gt_rewards, terminations, truncations, _ = eval_envs.step(actions)
-            done = bool(terminations[0] or truncations[0])
-            gt_return += float(gt_rewards[0])
-            frames.append(eval_envs.call("render")[0])
-        # the reset frame scores no transition: the reward of step t is the score of frame t + 1
-        clip_return = float(reward_model(np.stack(frames[1:])).sum()) if reward_model is not None else math.nan
-        fps = eval_envs.metadata["render_fps"]
-        results.append(dict(frames=frames, gt_return=gt_return, clip_return=clip_return, fps=fps))
-    return results
+def deterministic(actor: Actor, device: torch.device):
+    """The policy an evaluation rolls out (utils.evaluate): the mean action, in env units."""
+    return lambda x: actor.get_action(torch.as_tensor(x, dtype=torch.float32, device=device))[2].cpu().numpy()
 
 
 # ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
 # what --evaluate takes from the checkpoint unless given: the env, the frames CLIP saw and the reward model
-EVALUATE_AS_TRAINED = """env_id episodes episode_length render_size render_quality realistic camera renderer supersample
-reward goal baseline alpha clip_model clip_pretrained clip_checkpoint clip_cache_dir
+EVALUATE_AS_TRAINED = """env_id episodes episode_length render_size render_quality realistic camera renderer
+supersample reward goal baseline alpha clip_model clip_pretrained clip_checkpoint clip_cache_dir
 reward_family negatives temperature threshold soft antialias"""
 
 
@@ -770,8 +636,8 @@ def main(args: Args) -> None:
     opts = (args.episode_length, *look, args.episodes == "fixed", args.renderer, args.supersample)
     eval_seed = args.seed + 10_000
     eval_envs = gym.vector.SyncVectorEnv([make_env(args.env_id, eval_seed, 0, *opts)])
-    if run.checkpoint:  # its tensors fit networks built as below (on the CPU): one sentence before anything starts
-        with torch.random.fork_rng(devices=[]):  # the run's random streams untouched (a random-weight CLIP too)
+    if run.checkpoint:  # its tensors fit networks built as below (on the CPU): one sentence before anything
+        with torch.random.fork_rng(devices=[]):  # the run's random streams untouched (a random CLIP's too)
             a, q1, q2 = Actor(eval_envs), SoftQNetwork(eval_envs), SoftQNetwork(eval_envs)
             fresh = dict(actor=a, qf1=q1, qf2=q2, qf1_target=q1, qf2_target=q2, actor_optimizer=optim.Adam(a.parameters()))
             entropy = optim.Adam([torch.zeros(1)]) if args.autotune else None
@@ -781,7 +647,8 @@ def main(args: Args) -> None:
         reward_model = make_reward_model(args, device) if args.reward == "clip" else None
         actor = Actor(eval_envs).to(device)
         actor.load_state_dict(run.checkpoint["actor"])
-        episodes = evaluate(actor, eval_envs, device, reward_model, args.eval_episodes, eval_seed)
+        policy = deterministic(actor, device)
+        episodes = utils.evaluate(policy, eval_envs, reward_model, args.eval_episodes, eval_seed)
         return run.save_episodes(episodes)
 
     # each env renders the frame after its step and returns it with the step (with the ground truth: nothing)
@@ -811,19 +678,20 @@ def main(args: Args) -> None:
         rb = ReplayBuffer(args.buffer_size, obs_shape, space.shape, np.float32, device)
         # everything a gradient step changes, by name: checkpointed and restored together
         learner = dict(actor=actor, qf1=qf1, qf2=qf2, qf1_target=qf1_target, qf2_target=qf2_target)
-        learner.update(q_optimizer=q_optimizer, actor_optimizer=actor_optimizer, ent_coef_optimizer=ent_coef_optimizer)
+        learner.update(q_optimizer=q_optimizer, actor_optimizer=actor_optimizer)
+        learner["ent_coef_optimizer"] = ent_coef_optimizer
         networks = lambda: {k: learner[k].state_dict() for k in ("actor", "qf1", "qf2")}  # noqa: E731
-        evaluation = partial(evaluate, actor, eval_envs, device, reward_model)  # deterministic episodes
+        evaluation = partial(utils.evaluate, deterministic(actor, device), eval_envs, reward_model)
         action_scale = (space.high - space.low) / 2.0  # the actor's, on the host: no device sync
         action_bias = (space.high + space.low) / 2.0
         gt_success = (lambda episode: episode["success"]) if mountain_car else None  # the flag reached
         run.start(networks(), rb, reward_model, frame_shape, gt_success)
         chunk = args.reward_batch_size * max(1, len(args.reward_devices))  # frames CLIP scores at once
-        # --renderer warp: the envs return their states, which the scoring thread draws at once on the reward's device
+        # --renderer warp: the envs return their states, which the scoring thread draws on the reward device
         draw = None
         if args.renderer == "warp" and clip:
-            batch_look = (args.realistic, args.render_size, args.supersample, args.num_envs, reward_model.device, args.camera)
-            draw = warp_renderer(*batch_look, args.render_quality).draw
+            look = (args.realistic, args.render_size, args.supersample, args.num_envs, reward_model.device)
+            draw = warp_renderer(*look, args.camera, args.render_quality).draw
         queue = run.reward_queue(reward_model, chunk, draw)
         recent = deque(maxlen=100)  # the paper ranks checkpoints by the mean CLIP return of the last 100
         components = []  # the env's own reward terms (e.g. reward_forward), logged as diagnostics

@@ -89,6 +89,10 @@ def cli(main: Callable, args_class, argv: Optional[list] = None, interrupted: st
 # ----------------------------------------------------------------------------------------------
 def check_common_args(args, positive: str, unit_interval: str, network: str) -> None:
     """The checks of the flags both training scripts share, each one sentence, before anything expensive starts."""
+    if args.num_envs > 0 and args.total_timesteps % args.num_envs:  # every vector step takes one step in each env
+        rounded = -(-args.total_timesteps // args.num_envs) * args.num_envs
+        print(f"note: --total-timesteps {args.total_timesteps} rounded up to {rounded}, a multiple of --num-envs")
+        args.total_timesteps = rounded
     for name in positive.split():  # inf passes `> 0` and fails at the first update: finite too
         if not 0 < getattr(args, name) < math.inf:
             raise UserError(f"--{name.replace('_', '-')} must be positive and finite, got {getattr(args, name)}.")
@@ -786,6 +790,45 @@ class FramesInInfo(gym.vector.VectorWrapper):
 
     def __getattr__(self, name: str):  # call, get_attr, set_attr: the wrapped vector env's
         return getattr(self.env, name)
+
+
+class NoEarlyTermination(gym.Wrapper):
+    """Fixed-length episodes for any MuJoCo task: a fallen robot keeps being rendered and scored."""
+
+    def step(self, action):
+        obs, reward, _, truncated, info = self.env.step(action)
+        return obs, reward, False, truncated, info
+
+
+class MujocoRenderer(gym.Wrapper):
+    """A MuJoCo env's frames as the reward sees them: quality "fast" turns shadows and reflections off; `tracking`
+    (a free camera, a body): that camera's distance and angles, looking at the body's centre of mass."""
+
+    def __init__(self, env: gym.Env, quality: str, tracking: Optional[tuple[dict, str]] = None) -> None:
+        super().__init__(env)
+        self.flags_set = quality == "high"  # high keeps MuJoCo's defaults (both on)
+        self.tracking = tracking
+
+    def render(self) -> np.ndarray:
+        import mujoco
+
+        base = self.env.unwrapped
+        if self.tracking:
+            camera, body = self.tracking
+            lookat = base.data.subtree_com[base.model.body(body).id].copy()
+            # the first render() creates the viewer from this configuration
+            if base.mujoco_renderer.viewer is None:
+                base.mujoco_renderer.default_cam_config = {**camera, "lookat": lookat}
+            else:
+                base.mujoco_renderer.viewer.cam.lookat[:] = lookat
+        frame = self.env.render()
+        # the viewer exists only after the first render(): set its flags, then render again
+        if not self.flags_set:
+            flags = base.mujoco_renderer.viewer.scn.flags
+            flags[mujoco.mjtRndFlag.mjRND_SHADOW] = flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
+            self.flags_set = True
+            frame = self.env.render()
+        return frame
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1745,6 +1788,29 @@ def save_video(frames: list[np.ndarray], path: str, fps: int) -> None:
     if "wandb" in sys.modules and sys.modules["wandb"].run is not None:  # --track: the videos go to W&B too
         wandb = sys.modules["wandb"]
         wandb.log({f"videos/{Path(path).stem}": wandb.Video(path, format="mp4")})
+
+
+def evaluate(policy: Callable, eval_envs: gym.vector.VectorEnv, reward_model, episodes: int, seed: int) -> list[dict]:
+    """Episodes of `policy` (the script's: observations -> actions) in a one-env vector env: the frames and their rate,
+    the ground-truth and CLIP return of each; as CleanRL keeps its evaluations in cleanrl_utils."""
+    results = []
+    for episode in range(episodes):
+        obs, _ = eval_envs.reset(seed=seed + episode)
+        frames = [eval_envs.call("render")[0]]
+        gt_return = 0.0
+        done = False
+        while not done:  # fixed length: --episode-length steps; stock: until the env terminates or truncates
+            with torch.no_grad():
+                actions = policy(obs)
+            obs, gt_rewards, terminations, truncations, _ = eval_envs.step(actions)
+            done = bool(terminations[0] or truncations[0])
+            gt_return += float(gt_rewards[0])
+            frames.append(eval_envs.call("render")[0])
+        # the reset frame scores no transition: the reward of step t is the score of frame t + 1
+        clip_return = float(reward_model(np.stack(frames[1:])).sum()) if reward_model is not None else math.nan
+        fps = eval_envs.metadata["render_fps"]
+        results.append(dict(frames=frames, gt_return=gt_return, clip_return=clip_return, fps=fps))
+    return results
 
 
 def save_episodes(results: list[dict], run_name: str) -> None:

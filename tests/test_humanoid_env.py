@@ -1,13 +1,15 @@
 """The textured Humanoid-v5 of vlmrm_sac_humanoid.py: identical physics, a realistic look, the paper's fixed camera."""
 
+import importlib.util
 import os
 
 import gymnasium as gym
+import imageio.v2 as imageio
 import mujoco
 import numpy as np
 import pytest
 
-from vlmrm_sac_humanoid import HUMANOID_CAMERA, make_env, textured_humanoid_xml
+from vlmrm_sac_humanoid import HUMANOID_CAMERA, TEXTURES, make_env, textured_humanoid_xml
 
 STOCK_XML = os.path.join(os.path.dirname(gym.envs.mujoco.__file__), "assets", "humanoid.xml")
 # MjModel fields that only describe the look (textures, materials, colours, lights, names).
@@ -60,6 +62,17 @@ def test_model_physics_fields_identical():
     # ...while the look did change.
     assert not np.array_equal(stock.mat_specular, textured.mat_specular)
     assert textured.ntex >= 2
+
+
+def test_the_committed_textures_are_what_make_textures_draws(tmp_path):
+    spec = importlib.util.spec_from_file_location("make_textures", TEXTURES / "make_textures.py")
+    make_textures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_textures)
+    make_textures.main(tmp_path)  # the look drawn now, written as the committed PNGs were
+    drawn = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert drawn == sorted(p.name for p in TEXTURES.glob("*.png")) and len(drawn) == 8
+    for name in drawn:  # pixels, not bytes: another PNG encoder may compress the same pixels otherwise
+        assert np.array_equal(imageio.imread(tmp_path / name), imageio.imread(TEXTURES / name)), name
 
 
 def test_physics_identical_to_stock_humanoid():
