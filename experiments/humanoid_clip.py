@@ -148,7 +148,7 @@ def train_on_this_thread(path: str, num_frames: int, steps: int, seed: int, rend
 
 
 def scene_files() -> bytes:
-    """The look the frames are drawn from, as files: the textured model's XML (its folder's path aside) and every file it
+    """The look the frames are drawn from, as files: the textured model's XML (the files' folders aside) and every file it
     names. Read from the files, not their code: they are cached in a temp folder under a hand-bumped tag, so a look
     change without the bump (or a stale folder) draws other frames under the same source, and the look's code may move."""
     import mujoco
@@ -157,8 +157,11 @@ def scene_files() -> bytes:
 
     xml = Path(textured_humanoid_xml())
     text = xml.read_text()
-    files = [Path(xml.parent, name).read_bytes() for name in sorted(set(re.findall(r'file\w*="([^"]+)"', text)))]
-    return b"".join([text.replace(str(xml.parent), "").encode(), *files, mujoco.__version__.encode()])
+    names = sorted(set(re.findall(r'file\w*="([^"]+)"', text)))
+    files = [Path(xml.parent, name).read_bytes() for name in names]
+    for name in names:  # the files' bytes count, not where this checkout keeps them
+        text = text.replace(name, Path(name).name)
+    return b"".join([text.encode(), *files, mujoco.__version__.encode()])
 
 
 def cache_key(**settings) -> str:

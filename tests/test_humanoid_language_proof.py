@@ -49,23 +49,25 @@ def test_prompt_guard_refuses_training_captions_by_words():
 
 def test_clip_cache_key_follows_the_drawn_look(tmp_path, monkeypatch):
     """The CLIP's cache key is the look's files, not only their code: a texture or the model's XML changed under the
-    same source (the look's temp folder is keyed by a hand-bumped tag) gives another key; the folder's path does not."""
+    same source (the look's temp folder is keyed by a hand-bumped tag) gives another key; where the files are does not."""
+    import shutil
     import tempfile
 
-    from vlmrm_sac_humanoid import textured_humanoid_xml
+    import vlmrm_sac_humanoid as sac
 
     keys = []
-    for folder in ("a", "b"):
+    for folder in ("a", "b"):  # b: the same textures copied elsewhere (another checkout)
         (tmp_path / folder).mkdir()
         monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / folder))
-        textured_humanoid_xml()
+        if folder == "b":
+            monkeypatch.setattr(sac, "TEXTURES", shutil.copytree(sac.TEXTURES, tmp_path / "textures"))
+        sac.textured_humanoid_xml()
         keys.append(humanoid_clip.cache_key(frames=1, steps=1))
     assert keys[0] == keys[1]
-    (scene,) = (tmp_path / "b").glob("vlmrm_humanoid_*")
-    xml = scene / "humanoid_textured.xml"
+    (xml,) = (tmp_path / "b").glob("vlmrm_humanoid_*/humanoid_textured.xml")
     xml.write_text(xml.read_text().replace('diffuse="1 1 1"', 'diffuse="0.5 0.5 0.5"', 1))
     keys.append(humanoid_clip.cache_key(frames=1, steps=1))
-    (scene / "slate.png").write_bytes((tmp_path / "a" / scene.name / "metal.png").read_bytes())
+    (tmp_path / "textures" / "slate.png").write_bytes((tmp_path / "textures" / "metal.png").read_bytes())
     keys.append(humanoid_clip.cache_key(frames=1, steps=1))
     assert len(set(keys[1:])) == 3, keys
 
