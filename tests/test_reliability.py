@@ -625,7 +625,7 @@ def tree_pss(pid: int) -> int:
     return total
 
 
-def test_humanoid_memory_estimate_follows_the_measured_peak_per_env():
+def test_humanoid_memory_estimate_follows_the_measured_peak_per_env(tmp_path):
     """Issue 41: 8 humanoid envs at 16 px were estimated at 1.37 GiB and peaked at 2.23 GiB. The estimate counts what
     a run allocates beyond the process that checks it (0.54 GiB here: Python, torch, MuJoCo); each rendering worker
     is the 180 MB it says. The process itself and what its trainer adds as learning runs are the documented rest."""
@@ -639,7 +639,9 @@ def test_humanoid_memory_estimate_follows_the_measured_peak_per_env():
         flags = [*TINY_CLIP_FLAGS, "--num-envs", str(n), "--render-size", "16", "--render-quality", "fast"]
         flags += ["--episode-length", "50", "--total-timesteps", str(100 * n), "--learning-starts", str(50 * n)]
         flags += ["--buffer-size", "1000", "--batch-size", "32", "--gradient-steps", "5", "--train-frequency", "50"]
-        proc = subprocess.Popen([sys.executable, "-c", code, *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(  # in a temporary folder: its runs/ stays out of the checkout
+            [sys.executable, "-c", code, *flags], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
         peak = 0
         while proc.poll() is None:
             peak = max(peak, tree_pss(proc.pid))
