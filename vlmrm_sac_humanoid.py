@@ -613,6 +613,21 @@ class ReplayBuffer:
         return tuple(torch.from_numpy(self.data[k][idx]).to(self.device) for k in keys)
 
 
+def make_learner(envs, args, device) -> tuple[dict, torch.Tensor]:
+    """Everything a gradient step changes, by name (checkpointed and restored together), and log alpha."""
+    actor = Actor(envs).to(device)
+    qf1, qf2, qf1_target, qf2_target = (SoftQNetwork(envs).to(device) for _ in range(4))
+    qf1_target.load_state_dict(qf1.state_dict())
+    qf2_target.load_state_dict(qf2.state_dict())
+    log_ent_coef = torch.tensor([math.log(args.ent_coef)], device=device, requires_grad=args.autotune)
+    adam = partial(optim.Adam, fused=True)  # fused: one kernel per step
+    learner = dict(actor=actor, qf1=qf1, qf2=qf2, qf1_target=qf1_target, qf2_target=qf2_target)
+    learner["q_optimizer"] = adam([*qf1.parameters(), *qf2.parameters()], lr=args.q_lr)
+    learner["actor_optimizer"] = adam(actor.parameters(), lr=args.policy_lr)
+    learner["ent_coef_optimizer"] = adam([log_ent_coef], lr=args.q_lr) if args.autotune else None
+    return learner, log_ent_coef
+
+
 def deterministic(actor: Actor, device: torch.device):
     """The policy an evaluation rolls out (utils.evaluate): the mean action, in env units."""
     return lambda x: actor.get_action(torch.as_tensor(x, dtype=torch.float32, device=device))[2].cpu().numpy()
@@ -638,11 +653,8 @@ def main(args: Args) -> None:
     eval_envs = gym.vector.SyncVectorEnv([make_env(args.env_id, eval_seed, 0, *opts)])
     if run.checkpoint:  # its tensors fit networks built as below (on the CPU): one sentence before anything
         with torch.random.fork_rng(devices=[]):  # the run's random streams untouched (a random CLIP's too)
-            a, q1, q2 = Actor(eval_envs), SoftQNetwork(eval_envs), SoftQNetwork(eval_envs)
-            fresh = dict(actor=a, qf1=q1, qf2=q2, qf1_target=q1, qf2_target=q2, actor_optimizer=optim.Adam(a.parameters()))
-            entropy = optim.Adam([torch.zeros(1)]) if args.autotune else None
-            fresh.update(q_optimizer=optim.Adam([*q1.parameters(), *q2.parameters()]), ent_coef_optimizer=entropy)
-            run.check_fits(eval_envs, dict(fresh, log_ent_coef=torch.zeros(1)))
+            learner, log_ent_coef = make_learner(eval_envs, args, torch.device("cpu"))
+            run.check_fits(eval_envs, dict(learner, log_ent_coef=log_ent_coef))
     if args.evaluate is not None:  # roll the checkpoint's policy out
         reward_model = make_reward_model(args, device) if args.reward == "clip" else None
         actor = Actor(eval_envs).to(device)
@@ -653,7 +665,6 @@ def main(args: Args) -> None:
 
     # each env renders the frame after its step and returns it with the step (with the ground truth: nothing)
     clip = args.reward == "clip"
-    mountain_car = args.env_id == "MountainCarContinuous-v0"
     frame_shape = frame_shape_of(args)
     vector_env = gym.vector.AsyncVectorEnv if clip else gym.vector.SyncVectorEnv
     env_fns = [make_env(args.env_id, args.seed, i, *opts) for i in range(args.num_envs)]
@@ -662,36 +673,25 @@ def main(args: Args) -> None:
     envs = utils.make_vector_env(vector_env, env_fns, autoreset, frame_shape if clip else None)
     with run.closing(envs):
         reward_model = make_reward_model(args, device) if clip else None  # CUDA: after the envs fork
-        obs_shape = envs.single_observation_space.shape
-        actor = Actor(envs).to(device)
-        qf1, qf2, qf1_target, qf2_target = (SoftQNetwork(envs).to(device) for _ in range(4))
-        qf1_target.load_state_dict(qf1.state_dict())
-        qf2_target.load_state_dict(qf2.state_dict())
+        learner, log_ent_coef = make_learner(envs, args, device)
+        actor, qf1, qf2, qf1_target, qf2_target = list(learner.values())[:5]
+        q_optimizer, actor_optimizer, ent_coef_optimizer = list(learner.values())[5:]
         q_params = [*qf1.parameters(), *qf2.parameters()]
         target_params = [*qf1_target.parameters(), *qf2_target.parameters()]
-        q_optimizer = optim.Adam(q_params, lr=args.q_lr, fused=True)  # fused: one kernel per step
-        actor_optimizer = optim.Adam(actor.parameters(), lr=args.policy_lr, fused=True)
         space = envs.single_action_space
         target_entropy = -float(np.prod(space.shape))
-        log_ent_coef = torch.tensor([math.log(args.ent_coef)], device=device, requires_grad=args.autotune)
-        ent_coef_optimizer = optim.Adam([log_ent_coef], lr=args.q_lr, fused=True) if args.autotune else None
-        rb = ReplayBuffer(args.buffer_size, obs_shape, space.shape, np.float32, device)
-        # everything a gradient step changes, by name: checkpointed and restored together
-        learner = dict(actor=actor, qf1=qf1, qf2=qf2, qf1_target=qf1_target, qf2_target=qf2_target)
-        learner.update(q_optimizer=q_optimizer, actor_optimizer=actor_optimizer)
-        learner["ent_coef_optimizer"] = ent_coef_optimizer
+        rb = ReplayBuffer(args.buffer_size, envs.observation_space.shape[1:], space.shape, np.float32, device)
         networks = lambda: {k: learner[k].state_dict() for k in ("actor", "qf1", "qf2")}  # noqa: E731
         evaluation = partial(utils.evaluate, deterministic(actor, device), eval_envs, reward_model)
-        action_scale = (space.high - space.low) / 2.0  # the actor's, on the host: no device sync
-        action_bias = (space.high + space.low) / 2.0
-        gt_success = (lambda episode: episode["success"]) if mountain_car else None  # the flag reached
+        # the actor's action scale and bias, on the host: no device sync
+        action_scale, action_bias = (space.high - space.low) / 2.0, (space.high + space.low) / 2.0
+        gt_success = (lambda episode: episode["success"]) if args.env_id == "MountainCarContinuous-v0" else None
         run.start(networks(), rb, reward_model, frame_shape, gt_success)
         chunk = args.reward_batch_size * max(1, len(args.reward_devices))  # frames CLIP scores at once
         # --renderer warp: the envs return their states, which the scoring thread draws on the reward device
-        draw = None
-        if args.renderer == "warp" and clip:
-            look = (args.realistic, args.render_size, args.supersample, args.num_envs, reward_model.device)
-            draw = warp_renderer(*look, args.camera, args.render_quality).draw
+        look = (args.realistic, args.render_size, args.supersample, args.num_envs)
+        warp = args.renderer == "warp" and clip
+        draw = warp_renderer(*look, reward_model.device, args.camera, args.render_quality).draw if warp else None
         queue = run.reward_queue(reward_model, chunk, draw)
         recent = deque(maxlen=100)  # the paper ranks checkpoints by the mean CLIP return of the last 100
         components = []  # the env's own reward terms (e.g. reward_forward), logged as diagnostics
