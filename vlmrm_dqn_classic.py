@@ -13,6 +13,7 @@ import copy
 import math
 import os
 import random
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -454,7 +455,42 @@ class StockEpisodes(gym.Wrapper):
         return obs, reward, terminated, truncated, info
 
 
-def make_env(env_id: str, seed: int, idx: int, episode_length: int, realistic: bool, fixed_length: bool = True):
+class FrameAfterStep(gym.Wrapper):
+    """Which frame scores which transition: the one rendered after its step (s_t+1), returned with the observation
+    (one round trip to an env process per vector step; the frame travels in the vector env's shared memory). A reset's
+    frame is blank: no reset frame ever scores a transition. A frame of another dtype or shape is said in one sentence
+    (utils.frame_problem)."""
+
+    def __init__(self, env: gym.Env, frame_shape: tuple):
+        super().__init__(env)
+        self.observation_space = gym.spaces.Tuple((env.observation_space, utils.FrameSpace(frame_shape)))
+        self.blank = np.zeros(frame_shape, np.uint8)
+
+    def reset(self, **kwargs):
+        obs, info = self.env.reset(**kwargs)
+        return (obs, self.blank), info
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        start = time.perf_counter()
+        frame = self.env.render()
+        info["render_s"] = time.perf_counter() - start  # the loop times one round trip: this much was rendering
+        problem = utils.frame_problem(self.env, frame, self.blank)
+        if problem:  # said by the trainer (utils.FramesInInfo): raised here, gymnasium would add its traceback
+            info["bad_frame"], frame = problem, self.blank
+        return (obs, frame), reward, terminated, truncated, info
+
+
+def env_settings(args: Args) -> dict:
+    """make_env's keywords from a run's flags: the env it trained in, to roll out and to score alike."""
+    return dict(episode_length=args.episode_length, realistic=args.realistic, fixed_length=args.episodes == "fixed")
+
+
+def make_env(env_id: str, seed: int, idx: int, episode_length: int, realistic: bool, fixed_length: bool = True,
+             frame_shape=None):  # fmt: skip
+    """CleanRL's thunk: fixed-length episodes (or the stock task's), rgb_array frames for the CLIP reward;
+    `frame_shape`: the training envs, whose step returns the frame after it (FrameAfterStep)."""
+
     def thunk():
         # no early termination: the time limit is the only end, so survival alone earns nothing
         if fixed_length:
@@ -464,7 +500,7 @@ def make_env(env_id: str, seed: int, idx: int, episode_length: int, realistic: b
             env = StockEpisodes(GymnasiumPixels(gym.make(env_id, render_mode="rgb_array")))
         env = RealisticMountainCar(env) if realistic and env_id == "MountainCar-v0" else env
         env.action_space.seed(seed + idx)
-        return env
+        return env if frame_shape is None else FrameAfterStep(env, frame_shape)
 
     return thunk
 
@@ -539,6 +575,22 @@ def greedy(q_network: QNetwork, device: torch.device):
     return lambda obs: q_network(torch.as_tensor(obs, device=device)).argmax(dim=1).cpu().numpy()
 
 
+def score(frames, reward_model: CLIPReward, timer) -> np.ndarray:
+    """The CLIP rewards of a chunk's frames, in the scoring thread."""
+    with timer("reward_model"):
+        return reward_model(frames)
+
+
+def evaluate_checkpoint(run: utils.Run, eval_envs: gym.vector.VectorEnv, seed: int) -> None:
+    """--evaluate: the checkpoint's greedy policy, its episodes saved under videos/<run_name>/."""
+    args, device = run.args, run.device
+    reward_model = make_reward_model(args, device) if args.reward == "clip" else None
+    q_network = QNetwork(eval_envs).to(device)
+    q_network.load_state_dict(run.checkpoint["q_network"])
+    episodes = utils.evaluate(greedy(q_network, device), eval_envs, reward_model, args.eval_episodes, seed)
+    utils.save_episodes(episodes, run.name)
+
+
 # ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
@@ -553,31 +605,26 @@ def main(args: Args) -> None:
     check_args(args)
     run = utils.Run(args, checkpoint)  # seeds, the device, CLIP's weights fetched before anything starts
     args, device = run.args, run.device
-    opts = (args.episode_length, args.realistic, args.episodes == "fixed")
+    env = partial(make_env, args.env_id, **env_settings(args))  # env(seed, idx): the env the flags describe
     eval_seed = args.seed + 10_000
-    eval_envs = gym.vector.SyncVectorEnv([make_env(args.env_id, eval_seed, 0, *opts)])
+    eval_envs = gym.vector.SyncVectorEnv([env(eval_seed, 0)])
     if run.checkpoint:  # its tensors fit networks built as below (on the CPU): one sentence before anything
         with torch.random.fork_rng(devices=[]):  # the run's random streams untouched (a random CLIP's too)
             q = QNetwork(eval_envs)
             fresh = dict(q_network=q, target_network=q, optimizer=optim.Adam(q.parameters()), schedule_steps=0)
             run.check_fits(eval_envs, fresh)
     if args.evaluate is not None:  # roll the checkpoint's policy out
-        reward_model = make_reward_model(args, device) if args.reward == "clip" else None
-        q_network = QNetwork(eval_envs).to(device)
-        q_network.load_state_dict(run.checkpoint["q_network"])
-        policy = greedy(q_network, device)
-        episodes = utils.evaluate(policy, eval_envs, reward_model, args.eval_episodes, eval_seed)
-        return run.save_episodes(episodes)
+        return evaluate_checkpoint(run, eval_envs, eval_seed)
 
     # each env renders the frame after its step and returns it with the step (with the ground truth: nothing)
     clip = args.reward == "clip"
     frame_shape = (400, 600, 3)  # pygame's 600x400
     vector_env = gym.vector.SyncVectorEnv  # pygame draws in a few ms: env processes would cost more
-    env_fns = [make_env(args.env_id, args.seed, i, *opts) for i in range(args.num_envs)]
+    env_fns = [env(args.seed, i, frame_shape=frame_shape if clip else None) for i in range(args.num_envs)]
     # autoreset off: the loop resets finished envs, so no reset observation or frame forms a transition
-    autoreset = gym.vector.AutoresetMode.DISABLED
-    envs = utils.make_vector_env(vector_env, env_fns, autoreset, frame_shape if clip else None)
-    with run.closing(envs):
+    envs = utils.make_vector_env(vector_env, env_fns, gym.vector.AutoresetMode.DISABLED, frames=clip)
+    scorer = ThreadPoolExecutor(1)  # CLIP scores a chunk of frames here while the envs step on
+    with run.closing(envs, scorer):
         reward_model = make_reward_model(args, device) if clip else None  # CUDA: after the envs fork
         obs_shape = envs.single_observation_space.shape
         q_network = QNetwork(envs).to(device)
@@ -588,25 +635,22 @@ def main(args: Args) -> None:
         # everything a gradient step changes, by name: checkpointed and restored together
         learner = dict(q_network=q_network, target_network=target_network, optimizer=optimizer)
         networks = lambda: {k: learner[k].state_dict() for k in ("q_network",)}  # noqa: E731
-        evaluation = partial(utils.evaluate, greedy(q_network, device), eval_envs, reward_model)
+        evaluation = lambda n: utils.evaluate(greedy(q_network, device), eval_envs, reward_model, n, eval_seed)  # noqa: E731
         # epsilon's schedule keeps the length of the run as first started, when --resume extends it
         schedule_steps = run.checkpoint["schedule_steps"] if run.checkpoint else args.total_timesteps
-        # charts/gt_success: CartPole, the share of the time limit spent upright; MountainCar, the flag
-        # reached
+        # charts/gt_success: CartPole, the share of the time limit spent upright; MountainCar, the flag reached
         time_limit = args.episode_length if args.episodes == "fixed" else gym.spec(args.env_id).max_episode_steps
         upright = lambda episode: episode["gt_return"] / time_limit  # noqa: E731
         gt_success = upright if args.env_id == "CartPole-v1" else (lambda episode: episode["success"])
         run.start(networks(), rb, reward_model, frame_shape, gt_success)
         chunk = args.reward_batch_size * max(1, len(args.reward_devices))  # frames CLIP scores at once
-        queue = run.reward_queue(reward_model, chunk)
+        waiting, scoring = [], deque()  # transitions without a reward; chunks being scored, oldest first
         recent = deque(maxlen=100)  # the paper ranks checkpoints by the mean CLIP return of the last 100
         components = []  # the env's own reward terms (e.g. reward_forward), logged as diagnostics
 
         obs, _ = envs.reset(seed=args.seed)
         if run.checkpoint:  # a resumed run as saved; its envs start new episodes from their saved generators
-            run.restore(learner, envs, rb)
-            obs, _ = envs.reset(options={"reset_mask": np.ones(args.num_envs, dtype=bool)})
-            recent.extend(run.checkpoint["episodes"]["recent"])
+            obs = run.restore(learner, envs, rb, recent)
         for iteration in run.iterations():
             global_step = iteration * args.num_envs
             epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_fraction * schedule_steps, global_step)
@@ -624,16 +668,26 @@ def main(args: Args) -> None:
             reached = infos.get("success", np.zeros(args.num_envs))  # the env's success (the flag, upright)
             gt = np.stack([gt_rewards, reached] + [infos[k] for k in components], axis=1)
             train_now = global_step >= args.learning_starts and iteration % args.train_frequency == 0
-            # every reward is in the buffer before the next gradient step, a checkpoint and the end
+
+            # the reward path: each frame goes to CLIP with its transition, a chunk at a time, in the background;
+            # the rewards reach the buffer oldest first, all of them before a gradient step, a checkpoint or the end
+            transition = dict(obs=obs, next_obs=next_obs, actions=actions, terminations=terminations, dones=dones, gt=gt)
+            waiting.append({**transition, "frames": infos["frames"]} if clip else transition)
             wait = train_now or due or iteration == run.last_iteration
-            transition = dict(obs=obs, next_obs=next_obs, actions=actions, terminations=terminations)
-            transition.update(dones=dones, gt=gt)
-            for batch, clip_rewards in queue.add(global_step, wait, infos.get("frames"), **transition):
-                rewards = clip_rewards if clip else batch["gt"][:, 0]
-                run.check_rewards(rewards, batch["step"], networks)
-                rb.add(batch["obs"], batch["next_obs"], batch["actions"], rewards, batch["terminations"])
-                ended = run.log_episodes(batch, rewards, clip_rewards, components)
-                recent.extend(episode["clip_return"] for episode in ended)
+            if wait or len(waiting) * args.num_envs >= chunk:
+                batch = {k: np.concatenate([t[k] for t in waiting]) for k in waiting[0]}
+                future = scorer.submit(score, batch.pop("frames"), reward_model, run.timer) if clip else None
+                scoring.append((batch, global_step, future))
+                waiting = []
+            with run.timer("reward_wait"):  # at most two chunks with CLIP: a slower CLIP holds the loop back
+                while scoring and (wait or len(scoring) > 2 or not clip or scoring[0][2].done()):
+                    batch, step, future = scoring.popleft()
+                    clip_rewards = future.result() if clip else np.zeros(len(batch["gt"]), np.float32)
+                    rewards = clip_rewards if clip else batch["gt"][:, 0]
+                    run.check_rewards(rewards, step, networks)  # the NaN guard: never a NaN in the buffer
+                    rb.add(batch["obs"], batch["next_obs"], batch["actions"], rewards, batch["terminations"])
+                    recent.extend(e["clip_return"] for e in run.log_episodes(batch, step, rewards, clip_rewards, components))
+
             if train_now:
                 with run.timer("learning"):
                     run.snapshot(networks, 1)
@@ -648,26 +702,21 @@ def main(args: Args) -> None:
                     loss.backward()
                     optimizer.step()
                 losses = {"td_loss": loss, "q_values": old_val.mean(), "charts/epsilon": epsilon}
-                run.check_losses(torch.isfinite(loss), losses, global_step, "--learning-rate")
-                run.log_losses(global_step, losses)
+                run.log_losses(global_step, losses, torch.isfinite(loss), "--learning-rate")
             if global_step >= args.learning_starts and iteration % args.target_network_frequency == 0:
                 for target_param, q_param in zip(target_network.parameters(), q_network.parameters()):
                     target_param.data.copy_(args.tau * q_param.data + (1.0 - args.tau) * target_param.data)
 
-            if run.video_due():
-                run.record_video(evaluation(1, eval_seed)[0])
-            if due:  # the best checkpoint has the highest mean CLIP return of the last 100 episodes
-                clip_return = np.mean(recent) if recent else math.nan
-                run.save(learner, envs, rb, networks, recent, clip_return, schedule_steps=schedule_steps)
-                if run.stopping:
-                    break
+            run.video(evaluation)
+            # the best checkpoint has the highest mean CLIP return of the last 100 episodes
+            clip_return = np.mean(recent) if recent and due else math.nan
+            if due and run.save(learner, envs, rb, networks, recent, clip_return, schedule_steps=schedule_steps):
+                break  # Ctrl-C or SIGTERM: saved, stopped
             if dones.any():  # reset finished envs: the reset observations start episodes, never a transition
                 reset_obs, _ = envs.reset(options={"reset_mask": dones})
                 next_obs = np.where(dones[:, None], reset_obs, next_obs)
             obs = next_obs
-        clip_return = np.mean(recent) if recent else math.nan
-        if run.finish(networks, clip_return):  # --save-model: the final policy's deterministic episodes
-            run.report_evaluation(evaluation(args.eval_episodes, eval_seed))
+        run.finish(networks, np.mean(recent) if recent else math.nan, evaluation)  # --save-model: + evaluation
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import hashlib
 import math
 import os
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -481,14 +482,87 @@ class RealisticMountainCar(gym.Wrapper):
         return np.frombuffer(pygame.image.tobytes(self.canvas, "RGB"), np.uint8).reshape(400, 600, 3).copy()
 
 
+class NoEarlyTermination(gym.Wrapper):
+    """Fixed-length episodes for any MuJoCo task: a fallen robot keeps being rendered and scored."""
+
+    def step(self, action):
+        obs, reward, _, truncated, info = self.env.step(action)
+        return obs, reward, False, truncated, info
+
+
+class MujocoRenderer(gym.Wrapper):
+    """A MuJoCo env's frames as CLIP sees them: quality "fast" turns shadows and reflections off; `tracking`
+    (a free camera, a body): that camera's distance and angles, looking at the body's centre of mass."""
+
+    def __init__(self, env: gym.Env, quality: str, tracking: Optional[tuple[dict, str]] = None) -> None:
+        super().__init__(env)
+        self.flags_set = quality == "high"  # high keeps MuJoCo's defaults (both on)
+        self.tracking = tracking
+
+    def render(self) -> np.ndarray:
+        base = self.env.unwrapped
+        if self.tracking:
+            camera, body = self.tracking
+            lookat = base.data.subtree_com[base.model.body(body).id].copy()
+            # the first render() creates the viewer from this configuration
+            if base.mujoco_renderer.viewer is None:
+                base.mujoco_renderer.default_cam_config = {**camera, "lookat": lookat}
+            else:
+                base.mujoco_renderer.viewer.cam.lookat[:] = lookat
+        frame = self.env.render()
+        # the viewer exists only after the first render(): set its flags, then render again
+        if not self.flags_set:
+            flags = base.mujoco_renderer.viewer.scn.flags
+            flags[mujoco.mjtRndFlag.mjRND_SHADOW] = flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
+            self.flags_set = True
+            frame = self.env.render()
+        return frame
+
+
+class FrameAfterStep(gym.Wrapper):
+    """Which frame scores which transition: the one rendered after its step (s_t+1), returned with the observation
+    (one round trip to an env process per vector step; the frame travels in the vector env's shared memory). A reset's
+    frame is blank: no reset frame ever scores a transition. --renderer warp: the state the trainer draws the frame from
+    (WarpFrames.state) instead. A frame of another dtype or shape is said in one sentence (utils.frame_problem)."""
+
+    def __init__(self, env: gym.Env, frame_shape: tuple):
+        super().__init__(env)
+        self.drawn_later = hasattr(env, "state")
+        frame_shape, dtype = (env.state_shape, np.float64) if self.drawn_later else (frame_shape, np.uint8)
+        self.observation_space = gym.spaces.Tuple((env.observation_space, utils.FrameSpace(frame_shape, dtype)))
+        self.blank = np.zeros(frame_shape, dtype)
+
+    def reset(self, **kwargs):
+        obs, info = self.env.reset(**kwargs)
+        return (obs, self.blank), info
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        start = time.perf_counter()
+        frame = self.env.state() if self.drawn_later else self.env.render()
+        info["render_s"] = time.perf_counter() - start  # the loop times one round trip: this much was rendering
+        problem = utils.frame_problem(self.env, frame, self.blank)
+        if problem:  # said by the trainer (utils.FramesInInfo): raised here, gymnasium would add its traceback
+            info["bad_frame"], frame = problem, self.blank
+        return (obs, frame), reward, terminated, truncated, info
+
+
+def env_settings(args: Args) -> dict:
+    """make_env's keywords from a run's flags: the env it trained in, to roll out and to score alike."""
+    look = dict(render_size=args.render_size, render_quality=args.render_quality, realistic=args.realistic)
+    look.update(camera=args.camera, renderer=args.renderer, supersample=args.supersample)
+    return dict(episode_length=args.episode_length, fixed_length=args.episodes == "fixed", **look)
+
+
 def frame_shape_of(args: Args) -> tuple[int, int, int]:
     """The frames CLIP scores: MountainCar draws its own 600x400, MuJoCo renders --render-size squares."""
     return (400, 600, 3) if args.env_id == "MountainCarContinuous-v0" else (*(args.render_size,) * 2, 3)
 
 
 def make_env(env_id, seed, idx, episode_length, render_size, render_quality, realistic, camera="paper",
-             fixed_length=True, renderer="egl", supersample=2):  # fmt: skip
-    """CleanRL's thunk: fixed-length episodes (or the stock task's), rgb_array frames for the CLIP reward."""
+             fixed_length=True, renderer="egl", supersample=2, frame_shape=None):  # fmt: skip
+    """CleanRL's thunk: fixed-length episodes (or the stock task's), rgb_array frames for the CLIP reward;
+    `frame_shape`: the training envs, whose step returns the frame after it (FrameAfterStep)."""
 
     def thunk() -> gym.Env:
         # gym.make's TimeLimit; stock: the task's
@@ -504,16 +578,16 @@ def make_env(env_id, seed, idx, episode_length, render_size, render_quality, rea
                 kwargs.update(terminate_when_unhealthy=not fixed_length, default_camera_config=HUMANOID_CAMERA)
                 kwargs.update({"xml_file": textured_humanoid_xml()} if realistic else {})
             env = gym.make(env_id, **kwargs)
-            env = utils.NoEarlyTermination(env) if fixed_length and not humanoid else env
+            env = NoEarlyTermination(env) if fixed_length and not humanoid else env
             if renderer == "warp":
                 look = dict(camera=camera, quality=render_quality)
                 env = utils.WarpFrames(env, partial(warp_renderer, realistic, render_size, supersample, **look))
             else:
                 tracking = (HUMANOID_CAMERA, "torso") if humanoid and camera == "tracking" else None
-                env = utils.MujocoRenderer(env, render_quality, tracking)
+                env = MujocoRenderer(env, render_quality, tracking)
             env.observation_space.seed(seed + idx)
         env.action_space.seed(seed + idx)
-        return env
+        return env if frame_shape is None else FrameAfterStep(env, frame_shape)
 
     return thunk
 
@@ -613,8 +687,8 @@ class ReplayBuffer:
         return tuple(torch.from_numpy(self.data[k][idx]).to(self.device) for k in keys)
 
 
-def make_learner(envs, args, device) -> tuple[dict, torch.Tensor]:
-    """Everything a gradient step changes, by name (checkpointed and restored together), and log alpha."""
+def make_learner(envs, args, device) -> dict:
+    """Everything a gradient step changes, by name: checkpointed and restored together."""
     actor = Actor(envs).to(device)
     qf1, qf2, qf1_target, qf2_target = (SoftQNetwork(envs).to(device) for _ in range(4))
     qf1_target.load_state_dict(qf1.state_dict())
@@ -625,12 +699,32 @@ def make_learner(envs, args, device) -> tuple[dict, torch.Tensor]:
     learner["q_optimizer"] = adam([*qf1.parameters(), *qf2.parameters()], lr=args.q_lr)
     learner["actor_optimizer"] = adam(actor.parameters(), lr=args.policy_lr)
     learner["ent_coef_optimizer"] = adam([log_ent_coef], lr=args.q_lr) if args.autotune else None
-    return learner, log_ent_coef
+    learner["log_ent_coef"] = log_ent_coef
+    return learner
 
 
 def deterministic(actor: Actor, device: torch.device):
     """The policy an evaluation rolls out (utils.evaluate): the mean action, in env units."""
     return lambda x: actor.get_action(torch.as_tensor(x, dtype=torch.float32, device=device))[2].cpu().numpy()
+
+
+def score(frames, reward_model: CLIPReward, draw, timer) -> np.ndarray:
+    """The CLIP rewards of a chunk's frames, in the scoring thread; --renderer warp: `draw` makes the frames from the
+    states the envs sent, on the reward's device."""
+    with timer("draw"):
+        frames = draw(frames) if draw else frames
+    with timer("reward_model"):
+        return reward_model(frames)
+
+
+def evaluate_checkpoint(run: utils.Run, eval_envs: gym.vector.VectorEnv, seed: int) -> None:
+    """--evaluate: the checkpoint's deterministic policy, its episodes saved under videos/<run_name>/."""
+    args, device = run.args, run.device
+    reward_model = make_reward_model(args, device) if args.reward == "clip" else None
+    actor = Actor(eval_envs).to(device)
+    actor.load_state_dict(run.checkpoint["actor"])
+    episodes = utils.evaluate(deterministic(actor, device), eval_envs, reward_model, args.eval_episodes, seed)
+    utils.save_episodes(episodes, run.name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -647,61 +741,52 @@ def main(args: Args) -> None:
     check_args(args)
     run = utils.Run(args, checkpoint)  # seeds, the device, CLIP's weights fetched before anything starts
     args, device = run.args, run.device
-    look = (args.render_size, args.render_quality, args.realistic, args.camera)
-    opts = (args.episode_length, *look, args.episodes == "fixed", args.renderer, args.supersample)
+    env = partial(make_env, args.env_id, **env_settings(args))  # env(seed, idx): the env the flags describe
     eval_seed = args.seed + 10_000
-    eval_envs = gym.vector.SyncVectorEnv([make_env(args.env_id, eval_seed, 0, *opts)])
+    eval_envs = gym.vector.SyncVectorEnv([env(eval_seed, 0)])
     if run.checkpoint:  # its tensors fit networks built as below (on the CPU): one sentence before anything
         with torch.random.fork_rng(devices=[]):  # the run's random streams untouched (a random CLIP's too)
-            learner, log_ent_coef = make_learner(eval_envs, args, torch.device("cpu"))
-            run.check_fits(eval_envs, dict(learner, log_ent_coef=log_ent_coef))
+            run.check_fits(eval_envs, make_learner(eval_envs, args, torch.device("cpu")))
     if args.evaluate is not None:  # roll the checkpoint's policy out
-        reward_model = make_reward_model(args, device) if args.reward == "clip" else None
-        actor = Actor(eval_envs).to(device)
-        actor.load_state_dict(run.checkpoint["actor"])
-        policy = deterministic(actor, device)
-        episodes = utils.evaluate(policy, eval_envs, reward_model, args.eval_episodes, eval_seed)
-        return run.save_episodes(episodes)
+        return evaluate_checkpoint(run, eval_envs, eval_seed)
 
     # each env renders the frame after its step and returns it with the step (with the ground truth: nothing)
     clip = args.reward == "clip"
     frame_shape = frame_shape_of(args)
     vector_env = gym.vector.AsyncVectorEnv if clip else gym.vector.SyncVectorEnv
-    env_fns = [make_env(args.env_id, args.seed, i, *opts) for i in range(args.num_envs)]
+    env_fns = [env(args.seed, i, frame_shape=frame_shape if clip else None) for i in range(args.num_envs)]
     # autoreset off: the loop resets finished envs, so no reset observation or frame forms a transition
-    autoreset = gym.vector.AutoresetMode.DISABLED
-    envs = utils.make_vector_env(vector_env, env_fns, autoreset, frame_shape if clip else None)
-    with run.closing(envs):
+    envs = utils.make_vector_env(vector_env, env_fns, gym.vector.AutoresetMode.DISABLED, frames=clip)
+    scorer = ThreadPoolExecutor(1)  # CLIP scores a chunk of frames here while the envs step on
+    with run.closing(envs, scorer):
         reward_model = make_reward_model(args, device) if clip else None  # CUDA: after the envs fork
-        learner, log_ent_coef = make_learner(envs, args, device)
-        actor, qf1, qf2, qf1_target, qf2_target = list(learner.values())[:5]
-        q_optimizer, actor_optimizer, ent_coef_optimizer = list(learner.values())[5:]
+        learner = make_learner(envs, args, device)
+        actor, qf1, qf2, log_ent_coef = learner["actor"], learner["qf1"], learner["qf2"], learner["log_ent_coef"]
+        qf1_target, qf2_target = learner["qf1_target"], learner["qf2_target"]
+        q_optimizer, actor_optimizer = learner["q_optimizer"], learner["actor_optimizer"]
         q_params = [*qf1.parameters(), *qf2.parameters()]
         target_params = [*qf1_target.parameters(), *qf2_target.parameters()]
         space = envs.single_action_space
         target_entropy = -float(np.prod(space.shape))
         rb = ReplayBuffer(args.buffer_size, envs.observation_space.shape[1:], space.shape, np.float32, device)
         networks = lambda: {k: learner[k].state_dict() for k in ("actor", "qf1", "qf2")}  # noqa: E731
-        evaluation = partial(utils.evaluate, deterministic(actor, device), eval_envs, reward_model)
+        evaluation = lambda n: utils.evaluate(deterministic(actor, device), eval_envs, reward_model, n, eval_seed)  # noqa: E731
         # the actor's action scale and bias, on the host: no device sync
         action_scale, action_bias = (space.high - space.low) / 2.0, (space.high + space.low) / 2.0
         gt_success = (lambda episode: episode["success"]) if args.env_id == "MountainCarContinuous-v0" else None
         run.start(networks(), rb, reward_model, frame_shape, gt_success)
-        chunk = args.reward_batch_size * max(1, len(args.reward_devices))  # frames CLIP scores at once
-        # --renderer warp: the envs return their states, which the scoring thread draws on the reward device
+        # --renderer warp: the envs return their states, drawn into frames on the reward's device just before CLIP
         look = (args.realistic, args.render_size, args.supersample, args.num_envs)
         warp = args.renderer == "warp" and clip
         draw = warp_renderer(*look, reward_model.device, args.camera, args.render_quality).draw if warp else None
-        queue = run.reward_queue(reward_model, chunk, draw)
+        chunk = args.reward_batch_size * max(1, len(args.reward_devices))  # frames CLIP scores at once
+        waiting, scoring = [], deque()  # transitions without a reward; chunks being scored, oldest first
         recent = deque(maxlen=100)  # the paper ranks checkpoints by the mean CLIP return of the last 100
         components = []  # the env's own reward terms (e.g. reward_forward), logged as diagnostics
 
         obs, _ = envs.reset(seed=args.seed)
         if run.checkpoint:  # a resumed run as saved; its envs start new episodes from their saved generators
-            run.restore(learner, envs, rb)
-            obs, _ = envs.reset(options={"reset_mask": np.ones(args.num_envs, dtype=bool)})
-            recent.extend(run.checkpoint["episodes"]["recent"])
-            log_ent_coef.data.copy_(run.checkpoint["log_ent_coef"])
+            obs = run.restore(learner, envs, rb, recent)
         ent_coef = log_ent_coef.exp().detach()  # a tensor: no host-device sync per gradient step
         for iteration in run.iterations():
             global_step = iteration * args.num_envs
@@ -720,16 +805,26 @@ def main(args: Args) -> None:
             reached = infos.get("success", np.zeros(args.num_envs))  # the env's success (the flag, upright)
             gt = np.stack([gt_rewards, reached] + [infos[k] for k in components], axis=1)
             train_now = global_step >= args.learning_starts and iteration % args.train_frequency == 0
-            # every reward is in the buffer before the next gradient step, a checkpoint and the end
+
+            # the reward path: each frame goes to CLIP with its transition, a chunk at a time, in the background;
+            # the rewards reach the buffer oldest first, all of them before a gradient step, a checkpoint or the end
+            transition = dict(obs=obs, next_obs=next_obs, actions=actions, terminations=terminations, dones=dones, gt=gt)
+            waiting.append({**transition, "frames": infos["frames"]} if clip else transition)
             wait = train_now or due or iteration == run.last_iteration
-            transition = dict(obs=obs, next_obs=next_obs, actions=actions, terminations=terminations)
-            transition.update(dones=dones, gt=gt)
-            for batch, clip_rewards in queue.add(global_step, wait, infos.get("frames"), **transition):
-                rewards = clip_rewards if clip else batch["gt"][:, 0]
-                run.check_rewards(rewards, batch["step"], networks)
-                rb.add(batch["obs"], batch["next_obs"], batch["actions"], rewards, batch["terminations"])
-                ended = run.log_episodes(batch, rewards, clip_rewards, components)
-                recent.extend(episode["clip_return"] for episode in ended)
+            if wait or len(waiting) * args.num_envs >= chunk:
+                batch = {k: np.concatenate([t[k] for t in waiting]) for k in waiting[0]}
+                future = scorer.submit(score, batch.pop("frames"), reward_model, draw, run.timer) if clip else None
+                scoring.append((batch, global_step, future))
+                waiting = []
+            with run.timer("reward_wait"):  # at most two chunks with CLIP: a slower CLIP holds the loop back
+                while scoring and (wait or len(scoring) > 2 or not clip or scoring[0][2].done()):
+                    batch, step, future = scoring.popleft()
+                    clip_rewards = future.result() if clip else np.zeros(len(batch["gt"]), np.float32)
+                    rewards = clip_rewards if clip else batch["gt"][:, 0]
+                    run.check_rewards(rewards, step, networks)  # the NaN guard: never a NaN in the buffer
+                    rb.add(batch["obs"], batch["next_obs"], batch["actions"], rewards, batch["terminations"])
+                    recent.extend(e["clip_return"] for e in run.log_episodes(batch, step, rewards, clip_rewards, components))
+
             if train_now:
                 with run.timer("learning"):
                     run.snapshot(networks, args.gradient_steps)
@@ -766,9 +861,9 @@ def main(args: Args) -> None:
 
                         if args.autotune:  # SB3's loss: the gradient flows through log alpha itself
                             ent_coef_loss = -(log_ent_coef * (log_pi.detach() + target_entropy)).mean()
-                            ent_coef_optimizer.zero_grad()
+                            learner["ent_coef_optimizer"].zero_grad()
                             ent_coef_loss.backward()
-                            ent_coef_optimizer.step()
+                            learner["ent_coef_optimizer"].step()
                             ent_coef = log_ent_coef.exp().detach()
 
                         with torch.no_grad():
@@ -777,23 +872,17 @@ def main(args: Args) -> None:
                 losses = dict(qf1_values=qf1_a_values.mean(), qf2_values=qf2_a_values.mean())
                 losses.update(qf1_loss=qf1_loss, qf2_loss=qf2_loss, qf_loss=qf_loss, actor_loss=actor_loss)
                 losses.update(ent_coef=ent_coef, **({"ent_coef_loss": ent_coef_loss} if args.autotune else {}))
-                run.check_losses(finite, losses, global_step, "--q-lr / --policy-lr / --ent-coef")
-                run.log_losses(global_step, losses)
+                run.log_losses(global_step, losses, finite, "--q-lr / --policy-lr / --ent-coef")
 
-            if run.video_due():
-                run.record_video(evaluation(1, eval_seed)[0])
-            if due:  # the best checkpoint has the highest mean CLIP return of the last 100 episodes
-                clip_return = np.mean(recent) if recent else math.nan
-                run.save(learner, envs, rb, networks, recent, clip_return, log_ent_coef=log_ent_coef.detach())
-                if run.stopping:
-                    break
+            run.video(evaluation)
+            # the best checkpoint has the highest mean CLIP return of the last 100 episodes
+            if due and run.save(learner, envs, rb, networks, recent, np.mean(recent) if recent else math.nan):
+                break  # Ctrl-C or SIGTERM: saved, stopped
             if dones.any():  # reset finished envs: the reset observations start episodes, never a transition
                 reset_obs, _ = envs.reset(options={"reset_mask": dones})
                 next_obs = np.where(dones[:, None], reset_obs, next_obs)
             obs = next_obs
-        clip_return = np.mean(recent) if recent else math.nan
-        if run.finish(networks, clip_return):  # --save-model: the final policy's deterministic episodes
-            run.report_evaluation(evaluation(args.eval_episodes, eval_seed))
+        run.finish(networks, np.mean(recent) if recent else math.nan, evaluation)  # --save-model: + evaluation
 
 
 if __name__ == "__main__":

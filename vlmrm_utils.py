@@ -54,6 +54,7 @@ class RunError(Exception):
 
 
 GIVEN: set[str] = set()  # the flags (as field names) on the command line that `cli` parsed
+GIVEN_ARGS: list = []  # the parsed flags, for the errors `cli` words
 
 
 def cli(main: Callable, args_class, argv: Optional[list] = None, interrupted: str = "interrupted") -> None:
@@ -71,10 +72,16 @@ def cli(main: Callable, args_class, argv: Optional[list] = None, interrupted: st
     flags = [a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--") and a != "--"]
     GIVEN.update(name.removeprefix("no_") for name in flags)  # --no-cuda gives cuda
     try:
-        main(tyro.cli(args_class, args=argv))
+        GIVEN_ARGS[:] = [tyro.cli(args_class, args=argv)]
+        main(GIVEN_ARGS[0])
     except (UserError, NonFiniteError, RunError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, UserError) else 1)
+    except torch.cuda.OutOfMemoryError:  # torch's message is 20 lines; the flag that sets the reward's memory is one
+        size = f" {GIVEN_ARGS[0].reward_batch_size}" if GIVEN_ARGS and hasattr(GIVEN_ARGS[0], "reward_batch_size") else ""
+        print(f"error: out of GPU memory; lower --reward-batch-size{size} (the frames CLIP scores at once on each device) "
+              "or --batch-size.", file=sys.stderr)  # fmt: skip
+        sys.exit(1)
     except KeyboardInterrupt as e:
         # another Ctrl-C ends the process at once: not a traceback from the exit's wait for a chunk being scored
         signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -688,16 +695,13 @@ def say_reward_model_cost(reward_model: nn.Module, args, frame_shape: tuple[int,
 # ----------------------------------------------------------------------------------------------
 # The envs: frames with the step, workers that end with the run
 # ----------------------------------------------------------------------------------------------
-def make_vector_env(
-    vector_env: type, env_fns: list, autoreset_mode, frame_shape: Optional[tuple] = None
-) -> gym.vector.VectorEnv:
-    """The training envs. With `frame_shape`, each step also returns the frame rendered after it, in infos["frames"]
-    (FrameAfterStep). Env processes ignore Ctrl-C and SIGTERM, so that the main process decides when to stop (and
-    closes them on every exit), and end with it."""
+def make_vector_env(vector_env: type, env_fns: list, autoreset_mode, frames: bool = False) -> gym.vector.VectorEnv:
+    """The training envs. `frames`: each env returns (observation, frame) (the script's FrameAfterStep), and the vector
+    env hands the frames over in infos["frames"] (FramesInInfo): they travel through its shared memory, never pickled.
+    Env processes ignore Ctrl-C and SIGTERM, so that the main process decides when to stop (and closes them on every
+    exit), and end with it."""
     import functools
 
-    if frame_shape is not None:
-        env_fns = [lambda fn=fn: FrameAfterStep(fn(), frame_shape) for fn in env_fns]
     if vector_env is gym.vector.AsyncVectorEnv and sys.platform == "linux":
         env_fns = [functools.partial(die_with_parent, fn, os.getpid()) for fn in env_fns]
     handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -706,7 +710,7 @@ def make_vector_env(
     finally:
         signal.signal(signal.SIGINT, handlers[0])
         signal.signal(signal.SIGTERM, handlers[1])
-    return envs if frame_shape is None else FramesInInfo(envs)
+    return FramesInInfo(envs) if frames else envs
 
 
 class FrameSpace(gym.spaces.Box):
@@ -728,43 +732,20 @@ def _batch_frame_space(space: FrameSpace, n: int = 1) -> FrameSpace:
     return FrameSpace((n, *space.shape), space.dtype)
 
 
-class FrameAfterStep(gym.Wrapper):
-    """An env whose step renders the frame after it and returns it with the observation: one round trip to an env
-    process per vector step, and the frame travels through the vector env's shared memory, never pickled. A reset's
-    frame is blank: no reset frame ever scores a transition. An env drawn by the trainer (WarpFrames) returns the state
-    the frame is drawn from instead. A frame of another dtype or shape is checked here, where it is made (the shared
-    memory would cast floats in [0, 1] to black), and said by FramesInInfo."""
-
-    def __init__(self, env: gym.Env, frame_shape: tuple):
-        super().__init__(env)
-        self.drawn_later = isinstance(env, WarpFrames)
-        frame_shape, dtype = (env.state_shape, np.float64) if self.drawn_later else (frame_shape, np.uint8)
-        self.observation_space = gym.spaces.Tuple((env.observation_space, FrameSpace(frame_shape, dtype)))
-        self.blank = np.zeros(frame_shape, dtype)
-
-    def reset(self, **kwargs):
-        obs, info = self.env.reset(**kwargs)
-        return (obs, self.blank), info
-
-    def step(self, action):
-        obs, reward, terminated, truncated, info = self.env.step(action)
-        start = time.perf_counter()
-        frame = self.env.state() if self.drawn_later else self.env.render()
-        info["render_s"] = time.perf_counter() - start  # the loop times one round trip: this says how much was rendering
-        if getattr(frame, "dtype", None) != self.blank.dtype or frame.shape != self.blank.shape:
-            info["bad_frame"], frame = self.frame_problem(frame), self.blank
-        return (obs, frame), reward, terminated, truncated, info
-
-    def frame_problem(self, frame) -> str:
-        name = self.env.spec.id if self.env.spec is not None else type(self.env.unwrapped).__name__
-        what = "None" if frame is None else f"a {type(frame).__name__}"
-        if isinstance(frame, np.ndarray):
-            what = f"a {frame.dtype} array of shape {frame.shape}"
-            floats = frame.dtype.kind == "f" and frame.size
-            what += f" (values {np.nanmin(frame):g} to {np.nanmax(frame):g})" if floats else ""
-        hint = ", e.g. (frame * 255).astype(np.uint8)" if isinstance(frame, np.ndarray) and frame.dtype.kind == "f" else ""
-        needed = f"uint8 frames of shape {self.blank.shape}"
-        return f"{name} rendered {what}, but the reward model needs {needed}; make its render() return those{hint}"
+def frame_problem(env: gym.Env, frame, blank: np.ndarray) -> Optional[str]:
+    """What is wrong with a frame an env rendered for the reward model (dtype and shape of `blank`), or None. Checked in
+    the env, where the frame is made: the vector env's shared memory would cast floats in [0, 1] to black."""
+    if getattr(frame, "dtype", None) == blank.dtype and frame.shape == blank.shape:
+        return None
+    name = env.spec.id if env.spec is not None else type(env.unwrapped).__name__
+    what = "None" if frame is None else f"a {type(frame).__name__}"
+    if isinstance(frame, np.ndarray):
+        what = f"a {frame.dtype} array of shape {frame.shape}"
+        floats = frame.dtype.kind == "f" and frame.size
+        what += f" (values {np.nanmin(frame):g} to {np.nanmax(frame):g})" if floats else ""
+    hint = ", e.g. (frame * 255).astype(np.uint8)" if isinstance(frame, np.ndarray) and frame.dtype.kind == "f" else ""
+    needed = f"uint8 frames of shape {blank.shape}"
+    return f"{name} rendered {what}, but the reward model needs {needed}; make its render() return those{hint}"
 
 
 class FramesInInfo(gym.vector.VectorWrapper):
@@ -790,45 +771,6 @@ class FramesInInfo(gym.vector.VectorWrapper):
 
     def __getattr__(self, name: str):  # call, get_attr, set_attr: the wrapped vector env's
         return getattr(self.env, name)
-
-
-class NoEarlyTermination(gym.Wrapper):
-    """Fixed-length episodes for any MuJoCo task: a fallen robot keeps being rendered and scored."""
-
-    def step(self, action):
-        obs, reward, _, truncated, info = self.env.step(action)
-        return obs, reward, False, truncated, info
-
-
-class MujocoRenderer(gym.Wrapper):
-    """A MuJoCo env's frames as the reward sees them: quality "fast" turns shadows and reflections off; `tracking`
-    (a free camera, a body): that camera's distance and angles, looking at the body's centre of mass."""
-
-    def __init__(self, env: gym.Env, quality: str, tracking: Optional[tuple[dict, str]] = None) -> None:
-        super().__init__(env)
-        self.flags_set = quality == "high"  # high keeps MuJoCo's defaults (both on)
-        self.tracking = tracking
-
-    def render(self) -> np.ndarray:
-        import mujoco
-
-        base = self.env.unwrapped
-        if self.tracking:
-            camera, body = self.tracking
-            lookat = base.data.subtree_com[base.model.body(body).id].copy()
-            # the first render() creates the viewer from this configuration
-            if base.mujoco_renderer.viewer is None:
-                base.mujoco_renderer.default_cam_config = {**camera, "lookat": lookat}
-            else:
-                base.mujoco_renderer.viewer.cam.lookat[:] = lookat
-        frame = self.env.render()
-        # the viewer exists only after the first render(): set its flags, then render again
-        if not self.flags_set:
-            flags = base.mujoco_renderer.viewer.scn.flags
-            flags[mujoco.mjtRndFlag.mjRND_SHADOW] = flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
-            self.flags_set = True
-            frame = self.env.render()
-        return frame
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1171,7 +1113,7 @@ class Run:
         self.stop = {"requested": False}
         self.stopping = self.periodic = False
         self.dones = np.ones(args.num_envs, dtype=bool)  # as they stay when no step is left
-        self.writer = self.envs = self.queue = None
+        self.writer = self.envs = self.scorer = None
 
     def check_fits(self, envs: gym.vector.VectorEnv, learner: dict) -> None:
         """--resume and --evaluate, before anything starts: the checkpoint's entries fit the `learner` built as this run
@@ -1207,11 +1149,11 @@ class Run:
                 )
 
     @contextlib.contextmanager
-    def closing(self, envs: gym.vector.VectorEnv):
-        """Every exit drops the chunks still queued for the reward model, closes TensorBoard and the env processes
-        (they ignore SIGTERM: a process exiting under them would hang) and frees the run for a --resume, also on an
-        error, a second Ctrl-C or an env worker's death (one sentence naming it, not the broken pipe)."""
-        self.envs = envs
+    def closing(self, envs: gym.vector.VectorEnv, scorer: Optional[ThreadPoolExecutor] = None):
+        """Every exit drops the chunks still queued for the reward model (`scorer`'s), closes TensorBoard and the env
+        processes (they ignore SIGTERM: a process exiting under them would hang) and frees the run for a --resume, also
+        on an error, a second Ctrl-C or an env worker's death (one sentence naming it, not the broken pipe)."""
+        self.envs, self.scorer = envs, scorer
         try:
             yield
         except (EOFError, ConnectionError):  # a pipe to an env worker broke: which one died, and how?
@@ -1225,8 +1167,8 @@ class Run:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             try:
-                if self.queue is not None:
-                    self.queue.close()
+                if self.scorer is not None:  # the chunk being scored ends in the background, the queued ones never start
+                    self.scorer.shutdown(wait=False, cancel_futures=True)
                 if self.writer is not None:
                     self.writer.close()  # may fail (a full disk): the envs are closed all the same
             finally:
@@ -1271,18 +1213,14 @@ class Run:
         self.progress = Progress(args.total_timesteps, start_step, args.reward == "clip", max(10, args.num_envs))
         self.stop = install_stop_handlers()
 
-    def reward_queue(self, reward_model, chunk: int, draw: Optional[Callable] = None) -> "RewardQueue":
-        """The rewards in flight, timed with the loop's parts; on every exit its queued chunks are dropped (closing).
-        `draw`: --renderer warp's batch renderer, which turns the envs' states into frames in the scoring thread."""
-        self.queue = RewardQueue(reward_model, chunk, self.timing, draw=draw)
-        return self.queue
-
-    def restore(self, learner: dict, envs: gym.vector.VectorEnv, rb) -> None:
-        """A resumed run as saved: the learner, the replay buffer (with --save-buffer), every random stream, and the
-        envs' generators, so that their next reset starts the episodes the run would have started. Stock episodes were
-        in flight when saved: they restart, so their partial sums are dropped."""
+    def restore(self, learner: dict, envs: gym.vector.VectorEnv, rb, recent: deque) -> np.ndarray:
+        """A resumed run as saved: the learner, the replay buffer (with --save-buffer), every random stream, the recent
+        CLIP returns, and the envs' generators, so that their reset (returned) starts the episodes the run would have
+        started. Stock episodes were in flight when saved: they restart, so their partial sums are dropped."""
         for name, module in learner.items():
-            if module is not None:  # e.g. no entropy-coefficient optimiser without --autotune
+            if torch.is_tensor(module):  # e.g. SAC's log entropy coefficient
+                module.data.copy_(self.checkpoint[name])
+            elif module is not None:  # e.g. no entropy-coefficient optimiser without --autotune
                 module.load_state_dict(self.checkpoint[name])
         if self.checkpoint["replay_buffer"] is not None:
             rb.load_state_dict(self.checkpoint["replay_buffer"])
@@ -1295,6 +1233,8 @@ class Run:
             torch.cuda.set_rng_state_all(self.checkpoint["rng"]["cuda"])
         if self.args.episodes == "stock":
             self.episode_log.restart()
+        recent.extend(self.checkpoint["episodes"]["recent"])
+        return envs.reset(options={"reset_mask": np.ones(self.args.num_envs, dtype=bool)})[0]
 
     def iterations(self):
         """The vector steps left, from a resumed run's own; the progress line after each."""
@@ -1306,7 +1246,7 @@ class Run:
     def timer(self, part: str):
         start = time.perf_counter()
         yield
-        self.timing[part] += time.perf_counter() - start
+        self.timing[part] = self.timing.get(part, 0.0) + time.perf_counter() - start
 
     def check_rewards(self, rewards: np.ndarray, step: int, networks: Callable[[], dict]) -> None:
         """The NaN guard's first line: a NaN or inf reward never reaches the buffer, where it would poison every
@@ -1323,22 +1263,14 @@ class Run:
         """Before a training phase: a finite copy of the networks, about every 100 gradient steps."""
         self.last_finite.snapshot(networks, gradient_steps)
 
-    def check_losses(self, finite: torch.Tensor, losses: dict, step: int, flags: str) -> None:
-        """After a training phase (one host-device sync): a NaN or inf loss stops the run (exit 1), the last finite
-        networks saved beside the checkpoint."""
+    def log_losses(self, step: int, losses: dict, finite: torch.Tensor, flags: str) -> None:
+        """After a training phase: a NaN or inf loss stops the run (exit 1; reading `finite` is one host-device sync),
+        the last finite networks saved beside the checkpoint; losses/<name>, charts/SPS and time/<part>_s every 10th
+        phase (reading the losses is another)."""
         if not finite:
             values = ", ".join(f"{name} {torch.as_tensor(value).item()}" for name, value in losses.items())
             self.last_finite.stop(f"a loss ({values}) is not finite in the training phase at step {step}",
                                   hint=f"; lower {flags} or check the rewards")  # fmt: skip
-
-    def log_episodes(self, batch: dict, rewards: np.ndarray, clip_rewards: np.ndarray, components=()) -> list[dict]:
-        """The scored batch's ended episodes, each logged at the step it ended; returned, oldest first."""
-        args = self.args
-        return self.episode_log.log(args, self.writer, self.progress, batch, rewards, clip_rewards, components)
-
-    def log_losses(self, step: int, losses: dict) -> None:
-        """losses/<name>, charts/SPS and time/<part>_s every 10th training phase: reading the losses is one
-        host-device sync."""
         if self.iteration % (10 * self.args.train_frequency) == 0:
             scalars = {name if "/" in name else f"losses/{name}": value for name, value in losses.items()}
             scalars = {tag: torch.as_tensor(value).item() for tag, value in scalars.items()}
@@ -1347,21 +1279,26 @@ class Run:
             for tag, value in scalars.items():
                 self.writer.add_scalar(tag, value, step)
 
+    def log_episodes(self, batch: dict, step: int, rewards: np.ndarray, clip_rewards: np.ndarray, components=()) -> list[dict]:
+        """The scored batch's (whose last vector step is `step`) ended episodes, each logged at the step it ended;
+        returned, oldest first."""
+        args = self.args
+        return self.episode_log.log(args, self.writer, self.progress, batch, step, rewards, clip_rewards, components)
+
     def times(self) -> dict:
         """Seconds in each part of the loop; the envs' rendering (inside their step) apart from the step."""
         render = getattr(self.envs, "render_s", 0.0)
         return {**self.timing, "env": self.timing["env"] - render, "render": render}
 
-    def video_due(self) -> bool:
-        """--capture-video: every --video-frequency steps and at the end."""
+    def video(self, evaluation: Callable[[int], list[dict]]) -> None:
+        """--capture-video, every --video-frequency steps and at the end: one episode of `evaluation` (the script's
+        deterministic policy) as videos/<run_name>/step-<N>.mp4, its returns in TensorBoard."""
         args = self.args
         step, next_step = self.iteration * args.num_envs, (self.iteration + 1) * args.num_envs
         new_period = step // args.video_frequency != next_step // args.video_frequency
-        return args.capture_video and (new_period or self.iteration == self.last_iteration)
-
-    def record_video(self, result: dict) -> None:
-        """One evaluation episode as videos/<run_name>/step-<N>.mp4, its returns in TensorBoard."""
-        step = (self.iteration + 1) * self.args.num_envs
+        if not (args.capture_video and (new_period or self.iteration == self.last_iteration)):
+            return
+        result, step = evaluation(1)[0], next_step
         save_video(result["frames"], f"videos/{self.name}/step-{step}.mp4", result["fps"])
         self.writer.add_scalar("eval/gt_return", result["gt_return"], step)
         if math.isfinite(result["clip_return"]):
@@ -1382,10 +1319,10 @@ class Run:
         last = args.save_model and (self.iteration == self.last_iteration or fixed_end)
         return boundary and (self.stopping or self.periodic or last)
 
-    def save(self, learner: dict, envs, rb, networks: Callable[[], dict], recent, clip_return: float, **state) -> None:
+    def save(self, learner: dict, envs, rb, networks: Callable[[], dict], recent, clip_return: float, **state) -> bool:
         """checkpoint.pt: the whole run state (what --resume reads); when periodic, also the paper's
         checkpoints/step-<N>.pt, the networks with the training-time CLIP return that ranks them; on a stop signal,
-        how to continue."""
+        how to continue, and True: the loop stops."""
         args = self.args
         step = (self.iteration + 1) * args.num_envs
         state.update(run_name=self.name, iteration=self.iteration + 1, global_step=step, args=asdict(args))
@@ -1400,12 +1337,14 @@ class Run:
         self.last_save = step
         if self.stopping:
             print(f"stopped; continue with: python {self.script} --resume runs/{self.name}/checkpoint.pt")
+        return self.stopping
 
-    def finish(self, networks: Callable[[], dict], clip_return: float) -> bool:
+    def finish(self, networks: Callable[[], dict], clip_return: float, evaluation: Callable[[int], list[dict]]) -> None:
         """The last progress line, where the time went, the end of W&B tracking. With --save-model: the final networks
         as checkpoints/step-<N>.pt where the run ended mid-episode (fixed-length episodes: no resumable state there;
-        checkpoint.pt keeps the last one, that of the last episode end, which a larger --total-timesteps extends), and
-        True: the script evaluates the final policy (`report_evaluation`)."""
+        checkpoint.pt keeps the last one, that of the last episode end, which a larger --total-timesteps extends), then
+        --eval-episodes of `evaluation` (the final policy's, deterministic: eval/gt_return, as CleanRL's dqn.py) and how
+        to roll it out."""
         args, step = self.args, (self.iteration + 1) * self.args.num_envs
         self.progress.update(step, final=True)
         elapsed, steps = time.time() - self.progress.start, step - self.progress.start_step
@@ -1414,84 +1353,15 @@ class Run:
         if args.track and wandb_id() is not None:
             sys.modules["wandb"].finish()
         if not args.save_model or self.stop["requested"]:
-            return False
-        self.final = f"runs/{self.name}/checkpoint.pt"
+            return
+        final = f"runs/{self.name}/checkpoint.pt"
         if args.episodes == "fixed" and not self.dones.all():
             save_step_checkpoint(self.name, step, networks(), args, clip_return, self.source)
-            self.final = f"runs/{self.name}/checkpoints/step-{step}.pt"
-        return True
-
-    def report_evaluation(self, results: list[dict]) -> None:
-        """The final policy's evaluation episodes (eval/gt_return, as CleanRL's dqn.py) and how to roll it out."""
-        step = (self.iteration + 1) * self.args.num_envs
-        for i, result in enumerate(results):
+            final = f"runs/{self.name}/checkpoints/step-{step}.pt"
+        for i, result in enumerate(evaluation(args.eval_episodes)):
             print(f"eval episode {i}: {returns_text(result)}")
             self.writer.add_scalar("eval/gt_return", result["gt_return"], step)
-        print(f"roll the policy out with: python {self.script} --evaluate {self.final}")
-
-    def save_episodes(self, results: list[dict]) -> None:
-        """--evaluate: the episodes under the trained run's videos/<run_name>/."""
-        save_episodes(results, self.name)
-
-
-class RewardQueue:
-    """Transitions wait here for the CLIP score of their frame (the one rendered after their step). A full chunk per
-    reward device is scored in a background thread while the envs step on (torch's kernels release the GIL, CUDA's
-    run asynchronously); `add` hands chunks back oldest first once scored, and every one when `wait` is set, so that the
-    replay buffer receives what a serial loop gives it, in the same order. At most `in_flight` chunks are with the
-    reward model: when it is the slower side, the loop waits for the oldest rather than piling frames up."""
-
-    def __init__(self, reward_model, chunk: int, timing: dict, in_flight: int = 2, draw: Optional[Callable] = None):
-        self.reward_model, self.chunk, self.timing, self.in_flight = reward_model, chunk, timing, in_flight
-        self.draw = draw  # --renderer warp: the envs sent their states; drawn here, in the scoring thread, then scored
-        self.pending: dict[str, list] = {}
-        self.scoring: deque = deque()  # (transitions, step, future of their CLIP rewards or None), oldest first
-        self.pool = ThreadPoolExecutor(1) if reward_model is not None else None
-
-    def add(self, step: int, wait: bool, frames=None, **transition) -> list[tuple[dict, np.ndarray]]:
-        """One vector step's transitions (and frames, with the CLIP reward); the scored chunks ready to store."""
-        for key, value in {**transition, **({} if frames is None else {"frames": frames})}.items():
-            self.pending.setdefault(key, []).append(value)
-        if wait or len(self.pending["obs"]) * len(transition["obs"]) >= self.chunk:
-            batch = {key: np.concatenate(values) for key, values in self.pending.items()}
-            frames = batch.pop("frames", None)
-            self.scoring.append((batch, step, self.pool.submit(self.score, frames) if self.pool else None))
-            self.pending = {}
-        ready, start = [], time.perf_counter()
-        while self.scoring and (wait or len(self.scoring) > self.in_flight or self.done(self.scoring[0][2])):
-            batch, step, future = self.scoring.popleft()
-            try:
-                clip_rewards = future.result() if future else np.zeros(len(batch["gt"]), np.float32)
-            except torch.cuda.OutOfMemoryError:  # torch's message is 20 lines; the flag that sets the memory is one
-                size = getattr(self.reward_model, "batch_size", None)
-                raise RunError(
-                    f"the reward model ran out of GPU memory scoring {len(batch['gt'])} frames; lower --reward-batch-size"
-                    + (f" {size} (the frames it scores at once on each device)" if size else "")
-                    + "."
-                ) from None
-            ready.append(({**batch, "step": step}, clip_rewards))
-        self.timing["reward_wait"] += time.perf_counter() - start
-        return ready
-
-    def score(self, frames: np.ndarray) -> np.ndarray:  # in the scoring thread: the reward model's own time
-        start = time.perf_counter()
-        if self.draw is not None:
-            frames = self.draw(frames)
-            self.timing["draw"] = self.timing.get("draw", 0.0) + time.perf_counter() - start
-            start = time.perf_counter()
-        rewards = self.reward_model(frames)
-        self.timing["reward_model"] += time.perf_counter() - start
-        return rewards
-
-    @staticmethod
-    def done(future) -> bool:
-        return future is None or future.done()
-
-    def close(self) -> None:
-        """On every exit of the run (an interrupt, an error): the queued chunks are dropped, never scored first; the one
-        being scored ends in the background."""
-        if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
+        print(f"roll the policy out with: python {self.script} --evaluate {final}")
 
 
 class EpisodeLog:
@@ -1520,9 +1390,9 @@ class EpisodeLog:
                     v[i] = 0
         return ended
 
-    def log(self, args, writer, progress: "Progress", batch: dict, rewards, clip_rewards, components=()) -> list[dict]:
-        """Adds a scored batch (rows are step-major: env i of step t is row t * num_envs + i, the last step is
-        batch["step"]), logs each episode that ended at the step it ended at, and returns them in order."""
+    def log(self, args, writer, progress: "Progress", batch: dict, step: int, rewards, clip_rewards, components=()):
+        """Adds a scored batch (rows are step-major: env i of step t is row t * num_envs + i, the last step is `step`),
+        logs each episode that ended at the step it ended at, and returns them in order."""
         steps = len(rewards) // args.num_envs
         gt = batch["gt"].reshape(steps, args.num_envs, -1)
         sums = {"return": rewards, "gt_return": gt[..., 0], "clip_return": clip_rewards}
@@ -1530,7 +1400,7 @@ class EpisodeLog:
         sums = {k: np.reshape(v, (steps, args.num_envs)) for k, v in sums.items()}
         ended = self.add(sums, {"success": gt[..., 1]}, batch["dones"].reshape(steps, args.num_envs))
         for ep in ended:
-            ended_at = batch["step"] - (steps - 1 - ep["t"]) * args.num_envs
+            ended_at = step - (steps - 1 - ep["t"]) * args.num_envs
             progress.episode(ep["gt_return"], ep["clip_return"])
             if args.log_episodes:
                 print(f"global_step={ended_at}, episodic_return={ep['return']:.2f}, gt_return={ep['gt_return']:.1f}")
@@ -1675,7 +1545,9 @@ def wandb_id() -> Optional[str]:
 
 def run_state(learner: dict, **extra) -> dict:
     """A checkpoint: every module and optimiser of the learner by name, the random streams and whatever `extra` holds."""
-    return {**{name: module.state_dict() for name, module in learner.items() if module is not None}, **extra}
+    state = {name: module.detach() if torch.is_tensor(module) else module.state_dict() for name, module in learner.items()
+             if module is not None}  # fmt: skip
+    return {**state, **extra}
 
 
 def rng_state(envs: gym.vector.VectorEnv) -> dict:

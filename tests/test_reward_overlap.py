@@ -99,23 +99,34 @@ def test_a_failing_reward_model_stops_the_run_with_its_error(name, in_tmp, monke
     assert len(list((in_tmp / "runs").iterdir())) == 1
 
 
-def test_the_reward_queue_hands_chunks_back_in_order_and_bounds_what_is_in_flight():
-    release, calls = threading.Event(), []
+@pytest.mark.parametrize("name", SMALL)
+def test_the_loop_keeps_at_most_two_chunks_with_a_slow_reward_model_and_stores_them_in_order(name, in_tmp, monkeypatch):
+    """The overlap in main(): a chunk is submitted, and the oldest is waited for once two are with the reward model,
+    rather than frames piling up; the chunks reach the buffer in the order they were made."""
+    script = importlib.import_module(name)
+    submitted, stored, score = [], [], script.score
 
-    def reward_model(frames):  # waits until released: a device that is still busy
-        calls.append(len(frames))
-        release.wait(10)
-        return frames[:, 0, 0, 0].astype(np.float32)
+    class CountingPool(script.ThreadPoolExecutor):
+        def submit(self, fn, frames, *a):
+            assert len(submitted) - len(stored) < 3, "a third chunk was sent while two were with the reward model"
+            submitted.append(frames[:, 0, 0, 0].copy())
+            return super().submit(fn, frames, *a)
 
-    timing = {"reward_model": 0.0, "reward_wait": 0.0}
-    queue = vlmrm_utils.RewardQueue(reward_model, chunk=4, timing=timing, in_flight=2)
-    transition = lambda t: dict(obs=np.full((2, 1), t), frames=np.full((2, 1, 1, 1), t, np.uint8), gt=np.zeros((2, 2)))  # noqa: E731
-    out = [queue.add(t, False, **transition(t)) for t in range(5)]  # 2 chunks in flight (steps 0-1, 2-3), the device busy
-    assert out == [[]] * 5  # nothing is handed back before it is scored
-    threading.Timer(0.2, release.set).start()
-    third = queue.add(5, False, **transition(5))  # a 3rd chunk: the loop waits for the oldest
-    assert third[0][0]["step"] == 1 and len(queue.scoring) <= 2 and timing["reward_wait"] >= 0.1
-    rest = queue.add(6, True, **transition(6))  # wait: everything, oldest first
-    assert [b["step"] for b, _ in third + rest] == [1, 3, 5, 6]
-    np.testing.assert_array_equal(np.concatenate([r for _, r in third + rest]), np.repeat(np.arange(7), 2))
-    assert calls == [4, 4, 4, 2] and timing["reward_model"] > 0
+    def slow_score(frames, *a):
+        time.sleep(DELAY)
+        return score(frames, *a)
+
+    def stamped_forward(self, frames):  # the reward is the frame's own stamp: each chunk's order is visible
+        return np.asarray(frames)[:, 0, 0, 0].astype(np.float32)
+
+    add = script.ReplayBuffer.add
+    monkeypatch.setattr(script, "ThreadPoolExecutor", CountingPool)
+    monkeypatch.setattr(script, "score", slow_score)
+    monkeypatch.setattr(script.CLIPReward, "forward", stamped_forward)
+    monkeypatch.setattr(script.ReplayBuffer, "add", lambda self, obs, n, a, rewards, *r: stored.append(rewards) or add(
+        self, obs, n, a, rewards, *r))  # fmt: skip
+    monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
+    script.main(script.Args(clip_model=TINY_CLIP, clip_pretrained="none", reward_batch_size=6, **SMALL[name]))
+    assert len(submitted) == len(stored) > 10
+    for frames, rewards in zip(submitted, stored):  # the chunks stored oldest first, each with its own rewards
+        np.testing.assert_array_equal(rewards, frames.astype(np.float32))

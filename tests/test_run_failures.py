@@ -4,6 +4,7 @@ slow, the reward model out of GPU memory, the NaN guard's step, and a MuJoCo Ope
 import ctypes.util
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -110,13 +111,13 @@ def test_a_frame_of_the_wrong_dtype_or_shape_is_one_sentence_naming_the_env(in_t
 
 
 def test_a_wrong_frame_from_an_env_worker_is_one_sentence(in_tmp, monkeypatch):
-    step = vlmrm_utils.FrameAfterStep.step
+    step = sac.FrameAfterStep.step
 
     def float_frames(self, action):  # runs in the env workers (forked after the patch)
         self.env.render = lambda render=self.env.render: render() / 255.0
         return step(self, action)
 
-    monkeypatch.setattr(vlmrm_utils.FrameAfterStep, "step", float_frames)
+    monkeypatch.setattr(sac.FrameAfterStep, "step", float_frames)
     monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
     args = sac.Args(**CAR, clip_model=TINY_CLIP, clip_pretrained="none", total_timesteps=200)
     with pytest.raises(vlmrm_utils.RunError, match=r"MountainCarContinuous-v0 rendered a float64 array of shape \(400, 600"):
@@ -134,41 +135,44 @@ def test_the_nan_guard_names_the_step_of_the_first_bad_frame():
         run.check_rewards(rewards, 108, lambda: None)
 
 
-def test_cuda_out_of_memory_in_the_scorer_is_one_sentence_naming_the_batch_size(monkeypatch):
-    def reward_model(frames):
+def test_cuda_out_of_memory_in_the_scorer_is_one_sentence_naming_the_batch_size(in_tmp, monkeypatch, capsys):
+    def out_of_memory(self, frames):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 20 lines follow)")
 
-    reward_model.batch_size = 64
-    queue = vlmrm_utils.RewardQueue(reward_model, chunk=4, timing={"reward_model": 0.0, "reward_wait": 0.0})
-    transition = dict(obs=np.zeros((4, 1)), frames=np.zeros((4, 1, 1, 3), np.uint8), gt=np.zeros((4, 2)))
-    with pytest.raises(vlmrm_utils.RunError, match=r"out of GPU memory .* lower --reward-batch-size 64") as error:
-        queue.add(0, True, **transition)
-    assert "\n" not in str(error.value)
-    queue.close()
+    cost = vlmrm_utils.say_reward_model_cost
+    monkeypatch.setattr(classic.CLIPReward, "forward", out_of_memory)
+    monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
+    flags = [*TINY_CLIP_FLAGS, *"--total-timesteps 300 --learning-starts 100 --reward-batch-size 64".split()]
+    with pytest.raises(SystemExit) as exit:
+        vlmrm_utils.cli(classic.main, classic.Args, flags)
+    err = capsys.readouterr().err
+    assert exit.value.code == 1 and err.count("\n") == 1, err
+    assert re.match(r"error: out of GPU memory; lower --reward-batch-size 64 ", err), err
     # at start-up, where the reward model's peak memory is measured on a full chunk: refused as a flag would be
+    reward_model = lambda frames: out_of_memory(None, frames)  # noqa: E731
     reward_model.device, reward_model.replicas = torch.device("cuda"), [(None, torch.device("cuda", 0))]
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: None)
     with pytest.raises(vlmrm_utils.UserError, match=r"scoring --reward-batch-size 64 frames .*; lower --reward-batch-size"):
-        vlmrm_utils.say_reward_model_cost(reward_model, SimpleNamespace(reward_batch_size=64), (8, 8, 3))
+        cost(reward_model, SimpleNamespace(reward_batch_size=64), (8, 8, 3))
 
 
 def test_an_interrupt_drops_the_chunks_still_queued_for_the_scorer(in_tmp, monkeypatch):
     """Ctrl-C (or an error) with chunks queued behind the one being scored: the queued ones are never scored."""
-    scored, calls, add = [], [], vlmrm_utils.RewardQueue.add
+    scored, calls, due = [], [], vlmrm_utils.Run.checkpoint_due
 
     def slow(self, frames):  # a busy device
         time.sleep(0.4)
         scored.append(len(frames))
         return np.zeros(len(frames), np.float32)
 
-    def add_then_ctrl_c(self, *a, **k):
+    def step_then_ctrl_c(self, *a, **k):  # once per vector step
         calls.append(1)
         if len(calls) == 52:  # chunks of 16 steps: the 1st scored, the 2nd being scored, the 3rd queued
             raise KeyboardInterrupt
-        return add(self, *a, **k)
+        return due(self, *a, **k)
 
     monkeypatch.setattr(classic.CLIPReward, "forward", slow)
-    monkeypatch.setattr(vlmrm_utils.RewardQueue, "add", add_then_ctrl_c)
+    monkeypatch.setattr(vlmrm_utils.Run, "checkpoint_due", step_then_ctrl_c)
     monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
     args = classic.Args(clip_model=TINY_CLIP, clip_pretrained="none", total_timesteps=2000, learning_starts=1000,
                         reward_batch_size=16)  # fmt: skip

@@ -42,7 +42,7 @@ def added(monkeypatch):
 
 def test_reward_belongs_to_the_frame_after_the_step_across_subprocess_autoresets(in_tmp, monkeypatch, added):
     # the env subprocesses are forked after this patch, so they render stamped frames
-    monkeypatch.setattr(vlmrm_utils.MujocoRenderer, "render", stamped_render)
+    monkeypatch.setattr(sac.MujocoRenderer, "render", stamped_render)
     monkeypatch.setattr(sac.CLIPReward, "forward", decoding_forward)
     monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
     small = dict(num_envs=3, episode_length=20, render_size=32, total_timesteps=300, learning_starts=60, train_frequency=10)

@@ -241,7 +241,7 @@ def test_the_plumbing_is_written_once_and_imports_no_training_script():
     import vlmrm_utils
 
     modules = [importlib.import_module(script) for script in SCRIPTS]
-    for name in "UserError read_checkpoint save_checkpoint load_clip check_clip_args Progress Run RewardQueue".split():
+    for name in "UserError read_checkpoint save_checkpoint load_clip check_clip_args Progress Run FramesInInfo".split():
         assert all(getattr(m, name, getattr(vlmrm_utils, name)) is getattr(vlmrm_utils, name) for m in modules), name
     tree = ast.parse(inspect.getsource(vlmrm_utils))
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

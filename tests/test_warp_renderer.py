@@ -205,8 +205,8 @@ import sys, gymnasium as gym, numpy as np
 import vlmrm_sac_humanoid as sac, vlmrm_utils, reward_shape, epic_eval, success_eval
 args = sac.Args(reward="gt", num_envs=1)
 sac.check_args(args)
-fn = sac.make_env("Humanoid-v5", 0, 0, 10, 32, "fast", True)
-envs = vlmrm_utils.make_vector_env(gym.vector.SyncVectorEnv, [fn], gym.vector.AutoresetMode.DISABLED, (32, 32, 3))
+fn = sac.make_env("Humanoid-v5", 0, 0, 10, 32, "fast", True, frame_shape=(32, 32, 3))
+envs = vlmrm_utils.make_vector_env(gym.vector.SyncVectorEnv, [fn], gym.vector.AutoresetMode.DISABLED, frames=True)
 envs.reset(seed=0)
 frames = envs.step(np.zeros((1, 17)))[4]["frames"]
 assert frames.shape == (1, 32, 32, 3) and frames.dtype == np.uint8 and frames.any()
