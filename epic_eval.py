@@ -260,7 +260,7 @@ def check_collect_args(args: Collect) -> Optional[dict]:
                 f"--policy {args.policy}: its {name} holds NaN or infinite weights, so it cannot act; pass a checkpoint "
                 "saved before its run diverged."
             )
-        import_script(checkpoint, f"--policy {args.policy}")  # its networks: those of the script that wrote it, as it was
+        import_script(checkpoint, f"--policy {args.policy}", args.policy)  # its networks: the script that wrote it
         trained_on = checkpoint["args"].get("env_id")
         if args.env_id is not None and args.env_id != trained_on:
             raise UserError(f"--policy {args.policy} was trained on {trained_on}, not --env-id {args.env_id}.")
@@ -282,7 +282,7 @@ def check_collect_args(args: Collect) -> Optional[dict]:
 
 def load_policy(checkpoint: dict, envs: gym.vector.VectorEnv, args: Collect, device: torch.device) -> Callable:
     """observations -> actions on the device: greedy for the Q-network, the actor's deterministic action (as in evaluation)."""
-    script = import_script(checkpoint, f"--policy {args.policy}")  # a copy of a training script: its own networks
+    script = import_script(checkpoint, f"--policy {args.policy}", args.policy)  # a copy of a training script: its own networks
     name, network = ("q_network", script.QNetwork(envs)) if "q_network" in checkpoint else ("actor", script.Actor(envs))
     try:
         network.to(device).load_state_dict(checkpoint[name])

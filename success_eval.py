@@ -174,7 +174,7 @@ def load_checkpoint(path: str) -> tuple[dict, object, object]:
             f"{path}: its {name} holds NaN or infinite weights, so it cannot act; pass a checkpoint saved before its run "
             "diverged (e.g. runs/<run>/checkpoints/step-<N>.pt)."
         )
-    script = import_script(checkpoint, path)  # the script that wrote it, as it was: a copy's own reward, env, networks
+    script = import_script(checkpoint, path, path)  # the script that wrote it, as it was: a copy's own reward, env, networks
     known = {f.name for f in fields(script.Args)}
     args = script.Args(**{"episodes": "fixed", **{k: v for k, v in checkpoint["args"].items() if k in known}})
     if name == "actor" and args.episode_length is None:

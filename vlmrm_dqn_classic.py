@@ -14,6 +14,7 @@ import math
 import os
 import random
 import time
+import sys
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,7 +31,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
 
-import vlmrm_utils as utils
+try:
+    import vlmrm_utils as utils
+except ModuleNotFoundError as e:  # the checkout the editable install points at has moved or gone: one sentence
+    if e.name != "vlmrm_utils":
+        raise
+    print("error: vlmrm_utils is not importable: run `pip install -e <checkout>` with your VLM-RM checkout.", file=sys.stderr)
+    sys.exit(2)
 
 
 @dataclass

@@ -11,6 +11,7 @@ import copy
 import hashlib
 import math
 import os
+import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
@@ -28,7 +29,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
 
-import vlmrm_utils as utils
+try:
+    import vlmrm_utils as utils
+except ModuleNotFoundError as e:  # the checkout the editable install points at has moved or gone: one sentence
+    if e.name != "vlmrm_utils":
+        raise
+    print("error: vlmrm_utils is not importable: run `pip install -e <checkout>` with your VLM-RM checkout.", file=sys.stderr)
+    sys.exit(2)
 
 mujoco = utils.import_mujoco()  # on headless EGL unless MUJOCO_GL says otherwise; gym.envs.mujoco with it
 

@@ -9,10 +9,12 @@ reads only the flags both training scripts share; the tools' own file handling i
 
 import contextlib
 import copy
+import difflib
 import errno
 import fcntl
 import hashlib
 import importlib.util
+import linecache
 import logging
 import math
 import os
@@ -23,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import zipfile
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +58,7 @@ class RunError(Exception):
 
 GIVEN: set[str] = set()  # the flags (as field names) on the command line that `cli` parsed
 GIVEN_ARGS: list = []  # the parsed flags, for the errors `cli` words
+NOTED: set[str] = set()  # the notes already printed (`note`)
 
 
 def cli(main: Callable, args_class, argv: Optional[list] = None, interrupted: str = "interrupted") -> None:
@@ -384,14 +388,16 @@ def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict
     saved = checkpoint.get("args") if isinstance(checkpoint, dict) else None
     if not isinstance(saved, dict) or not set(saved) <= {f.name for f in fields(args_class)}:
         raise UserError(f"{flag} {path} was written by another script; pass a checkpoint.pt of {script}.")
-    # the reward, env and networks are the code of the script that wrote it: this file, unchanged, or a refusal
+    # the reward, env and networks are the code of the script that wrote it: this file (edited since: said), or a refusal
     record, own = checkpoint_script(checkpoint, f"{flag} {path}"), script_record(sys.modules[args_class.__module__].__file__)
-    if (record["file"], record["sha256"]) != (own["file"], own["sha256"]):
-        changed = "another version of " if record["file"] == own["file"] else ""
+    same_file = record["file"] == own["file"] or os.path.realpath(record["path"]) == os.path.realpath(own["path"])
+    if record["sha256"] != own["sha256"] and not same_file:  # equal hashes: the same code under another name (a link)
         raise UserError(
-            f"{flag} {path} was written by {changed}{record['file']} (sha256 {record['sha256'][:12]}), whose reward, env "
-            f"and networks this {script} (sha256 {own['sha256'][:12]}) may not share; run it with that script as it was."
+            f"{flag} {path} was written by {record['file']} (sha256 {record['sha256'][:12]}), whose reward, env and "
+            f"networks this {script} (sha256 {own['sha256'][:12]}) may not share; run it with {record['file']}."
         )
+    if record["sha256"] != own["sha256"]:  # the research loop: fix a bug, add a log line, go on
+        note(f"note: {script} changed since {path} was written ({script_changes(record, own)}): {flag} uses it as it is now")
     if flag == "--resume" and not {"iteration", "rng"} <= set(checkpoint):
         raise UserError(f"--resume {path} holds no resumable training state; pass a checkpoint.pt saved during training.")
     if flag == "--resume":
@@ -408,9 +414,31 @@ def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict
 
 
 def script_record(path: str) -> dict:
-    """What a checkpoint says of the script that wrote it: its file name and a hash of its source."""
+    """What a checkpoint says of the script that wrote it: its file name, where it ran, a hash of its source, and the
+    source itself (tens of kB): the tools run a checkpoint with the code that wrote it after the file is edited."""
     with open(path, "rb") as f:
-        return {"file": os.path.basename(path), "path": os.path.abspath(path), "sha256": hashlib.sha256(f.read()).hexdigest()}
+        source = f.read()
+    sha256 = hashlib.sha256(source).hexdigest()
+    return {"file": os.path.basename(path), "path": os.path.abspath(path), "sha256": sha256, "source": source}
+
+
+def script_changes(record: dict, now: dict) -> str:
+    """How the script `now` differs from the one that wrote a checkpoint: both hashes, and the lines that differ where
+    the checkpoint keeps its source."""
+    changes = f"sha256 {record['sha256'][:12]} -> {now['sha256'][:12]}"
+    if isinstance(record.get("source"), bytes):
+        then, current = (r["source"].decode(errors="replace").splitlines() for r in (record, now))
+        blocks = difflib.SequenceMatcher(None, then, current, autojunk=False).get_opcodes()
+        n = sum(max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in blocks if tag != "equal")
+        changes += f"; {n} line{' differs' if n == 1 else 's differ'}"
+    return changes
+
+
+def note(line: str) -> None:
+    """Prints a note once a process: a checkpoint is read twice (--evaluate: for its flags, then by the checks)."""
+    if line not in NOTED:
+        NOTED.add(line)
+        print(line)
 
 
 def checkpoint_script(checkpoint: dict, name: str) -> dict:
@@ -425,33 +453,52 @@ def checkpoint_script(checkpoint: dict, name: str) -> dict:
     return record
 
 
-def import_script(checkpoint: dict, name: str):
-    """The module of the script that wrote `checkpoint`, as it was (the tools roll a copy's checkpoint out with the
-    copy's reward, env and networks), found where it ran or beside this file; or one sentence naming the script."""
+def import_script(checkpoint: dict, name: str, path: Optional[str] = None):
+    """The module of the script that wrote `checkpoint` (the tools roll a copy's checkpoint out with the copy's reward,
+    env and networks): the file, unchanged, where it ran, beside the run folder holding `path` (an experiment folder
+    renamed) or beside this file; else the script as it was, kept in the checkpoint, or (an older checkpoint keeps none)
+    the file as edited since, either said in a note; or one sentence naming the script."""
     record = checkpoint_script(checkpoint, name)
-    for module in list(sys.modules.values()):  # already imported (the training scripts, or a copy loaded before)
-        file = getattr(module, "__file__", None) or ""
-        if (
-            os.path.basename(file) == record["file"]
+    for module in list(sys.modules.values()):  # already imported (the training scripts, or a script loaded before)
+        file, loaded = getattr(module, "__file__", None) or "", getattr(module, "__script_sha256__", None)
+        if loaded == record["sha256"] or (  # one loaded here is its record's code, whatever its file holds now
+            loaded is None
+            and os.path.basename(file) == record["file"]
             and os.path.isfile(file)
             and script_record(file)["sha256"] == record["sha256"]
         ):
             return module
-    for path in dict.fromkeys([record["path"], os.path.join(os.path.dirname(os.path.abspath(__file__)), record["file"])]):
-        if os.path.isfile(path) and script_record(path)["sha256"] == record["sha256"]:
-            break
+    runs = next((p for p in Path(os.path.abspath(path)).parents if p.name == "runs"), None) if path else None
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), record["file"])
+    places = [record["path"], *([str(runs.parent / record["file"])] if runs else []), here]
+    found = {p: script_record(p) for p in dict.fromkeys(places) if os.path.isfile(p)}
+    file = next((p for p, r in found.items() if r["sha256"] == record["sha256"]), None)
+    edited = next(iter(found), None)  # else the file of that name, changed since
+    changed = f"changed since {name} was written ({script_changes(record, found[edited])})" if edited else ""
+    if file:
+        source, code_name = found[file]["source"], file
+    elif "source" in record:  # the code that wrote it, not the edited file; tracebacks show its own lines
+        changed = changed or f"is no longer at {record['path']}"
+        print(f"note: {record['file']} {changed}; using the script as it was, kept in the checkpoint")
+        file, source = edited or record["path"], record["source"]
+        code_name = f"{record['path']} (as kept in {name})"
+        linecache.cache[code_name] = (len(source), None, source.decode(errors="replace").splitlines(True), code_name)
+    elif edited:
+        print(f"note: {record['file']} {changed}; using it as it is now (the checkpoint, by older tools, keeps no copy)")
+        file, source, code_name = edited, found[edited]["source"], edited
     else:
         raise UserError(
-            f"{name} was written by {record['file']} (sha256 {record['sha256'][:12]}), which is not at {record['path']} "
-            "or has changed since; put that version of it back there to use this checkpoint."
+            f"{name} was written by {record['file']} (sha256 {record['sha256'][:12]}), which is no longer at "
+            f"{record['path']}{' or beside the run' if runs else ''}, and the checkpoint (written by older tools) keeps "
+            "no copy of it; put the script back there to use this checkpoint."
         )
-    module_name = Path(path).stem
+    module_name = Path(file).stem
     if module_name in sys.modules:  # another file of that name is loaded: this one under a name of its own
         module_name += "_" + record["sha256"][:12]
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
+    module = types.ModuleType(module_name)
+    module.__file__, module.__script_sha256__ = file, record["sha256"]  # checkpoints of that sha256 use this module
     sys.modules[module_name] = module  # its dataclasses look their module up while it is executed
-    spec.loader.exec_module(module)
+    exec(compile(source, code_name, "exec"), module.__dict__)
     return module
 
 

@@ -39,11 +39,16 @@ def edit(path, change) -> dict:
     return checkpoint
 
 
+def forget():
+    """The copies' modules, as in a new process (the tools load a script again)."""
+    for name in [name for name in sys.modules if name.startswith(("my_reward", "mine"))]:
+        del sys.modules[name]
+
+
 @pytest.fixture
 def forget_copies():
     yield
-    for name in [name for name in sys.modules if name.startswith("my_reward")]:  # the copy's module goes with the test
-        del sys.modules[name]
+    forget()  # the copy's module goes with the test
 
 
 def test_a_copied_scripts_checkpoint_is_used_with_its_own_script_or_refused(in_tmp, forget_copies):
@@ -62,14 +67,97 @@ def test_a_copied_scripts_checkpoint_is_used_with_its_own_script_or_refused(in_t
     runs = [("a.pt", {}, classic, classic.Args(reward="clip")), ("b.pt", {}, mine, mine.Args(reward="clip"))]
     with pytest.raises(vlmrm_utils.UserError, match="b.pt was written by my_reward.py and a.pt by vlmrm_dqn_classic.py"):
         success_eval.check_like_with_like(runs)  # `best`: returns under two rewards do not compare
-    # the copy changed since: refused by the copy itself, and by the tools, naming it
-    copy.write_text(copy.read_text() + "MY_REWARD = 20\n")
-    assert_refused(mine, ["--evaluate", checkpoint], "another version of my_reward.py")
-    with pytest.raises(vlmrm_utils.UserError, match="my_reward.py.*has changed since"):
-        success_eval.load_checkpoint(checkpoint)
-    copy.unlink()  # gone
-    with pytest.raises(vlmrm_utils.UserError, match="written by my_reward.py"):
-        epic_eval.check_collect_args(epic_eval.Collect(policy=checkpoint, out=str(in_tmp / "states")))
+
+
+def train_copy(folder, text: str):
+    """A copy of the DQN script (`text` added to it) in `folder`, and its checkpoint.pt of a 100-step run there."""
+    copy = folder / "my_reward.py"
+    copy.write_text((ROOT / "vlmrm_dqn_classic.py").read_text() + text)
+    mine = vlmrm_utils.import_script({"script": vlmrm_utils.script_record(str(copy))}, "my_reward.py")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(folder)
+        mine.main(mine.Args(**dict(RUN, save_buffer=False), total_timesteps=100, checkpoint_frequency=100, eval_episodes=1))
+    return copy, mine, only_run(folder) / "checkpoint.pt"
+
+
+def test_an_edited_copy_resumes_and_evaluates_with_a_note_and_the_tools_use_the_code_it_was_written_by(
+    in_tmp, forget_copies, capsys
+):
+    """Issue 45: fix a bug, add a log line, resume. A checkpoint of its own script edited since is read with one line
+    saying so; the tools roll it out with the script as it was, kept in the checkpoint."""
+    copy, mine, checkpoint = train_copy(in_tmp, "\nMY_REWARD = 10  # the user's own reward\n")
+    step = str(checkpoint.parent / "checkpoints" / "step-100.pt")
+    old = vlmrm_utils.script_record(str(copy))["sha256"][:12]
+    copy.write_text(copy.read_text().replace("the user's own reward", "reworded") + "MY_REWARD = 20\n")
+    new = vlmrm_utils.script_record(str(copy))["sha256"][:12]
+    changed = f"note: my_reward.py changed since {checkpoint} was written (sha256 {old} -> {new}; 2 lines differ)"
+    capsys.readouterr()
+    mine.main(mine.Args(evaluate=str(checkpoint), eval_episodes=1))
+    out = capsys.readouterr().out
+    assert out.count(changed) == 1 and "--evaluate uses it as it is now" in out, out
+    mine.main(mine.Args(resume=str(checkpoint), total_timesteps=200))
+    assert f"{changed}: --resume uses it as it is now" in capsys.readouterr().out
+    assert torch.load(checkpoint, weights_only=False)["script"]["sha256"][:12] == new  # the resumed run's script
+    # the tools: step-100.pt was written before the edit, so with MY_REWARD = 10, from the checkpoint's own copy
+    forget()
+    _, script, _ = success_eval.load_checkpoint(step)
+    out = capsys.readouterr().out
+    assert script.MY_REWARD == 10 and script.__file__ == str(copy) and script.__name__ == "my_reward"
+    assert f"note: my_reward.py changed since {step} was written (sha256 {old} -> {new}; 2 lines differ)" in out
+    assert "using the script as it was, kept in the checkpoint" in out
+    assert success_eval.load_checkpoint(step)[1] is script and not capsys.readouterr().out  # loaded once, said once
+    _, now, _ = success_eval.load_checkpoint(str(checkpoint))  # written by the edited copy: the file itself
+    assert now.MY_REWARD == 20 and now is not script and not capsys.readouterr().out
+    # the copy gone: still the checkpoint's own copy; a checkpoint that keeps none (older tools) uses the edited file
+    forget()
+    copy.rename(in_tmp / "elsewhere.py")
+    assert success_eval.load_checkpoint(step)[1].MY_REWARD == 10
+    assert f"note: my_reward.py is no longer at {copy}; using the script as it was" in capsys.readouterr().out
+    (in_tmp / "elsewhere.py").rename(copy)
+    forget()
+    edit(step, lambda c: c["script"].pop("source"))
+    assert epic_eval.check_collect_args(epic_eval.Collect(policy=step, out=str(in_tmp / "states")))
+    assert f"sha256 {old} -> {new}); using it as it is now" in capsys.readouterr().out
+    forget()
+    copy.unlink()
+    with pytest.raises(vlmrm_utils.UserError, match=f"written by my_reward.py .*no longer at {copy}"):
+        epic_eval.check_collect_args(epic_eval.Collect(policy=step, out=str(in_tmp / "states2")))
+    # another script is still refused, in one sentence naming both
+    assert_refused(classic, ["--resume", str(checkpoint)], "written by my_reward.py", "vlmrm_dqn_classic.py")
+
+
+def test_the_same_script_under_a_symlinked_name_reads_its_checkpoints(in_tmp, forget_copies, capsys):
+    """Issue 46 item 9: a checkpoint of `mine.py`, a link to the script, is the script's own (it was refused with two
+    equal hashes); edited through the link's target, it is read with the note."""
+    (in_tmp / "mine.py").symlink_to(ROOT / "vlmrm_dqn_classic.py")
+    mine = vlmrm_utils.import_script({"script": vlmrm_utils.script_record(str(in_tmp / "mine.py"))}, "mine.py")
+    mine.main(mine.Args(**dict(RUN, save_buffer=False), total_timesteps=100, checkpoint_frequency=100, eval_episodes=1))
+    checkpoint = str(only_run(in_tmp) / "checkpoint.pt")
+    assert torch.load(checkpoint, weights_only=False)["script"]["file"] == "mine.py"
+    classic.main(classic.Args(evaluate=checkpoint, eval_episodes=1))
+    assert "note:" not in capsys.readouterr().out
+    target = in_tmp / "my_reward.py"
+    target.write_text((ROOT / "vlmrm_dqn_classic.py").read_text())
+    (in_tmp / "mine.py").unlink()
+    (in_tmp / "mine.py").symlink_to(target)
+    target.write_text(target.read_text() + "# edited\n")
+    edited = vlmrm_utils.import_script({"script": vlmrm_utils.script_record(str(target))}, "my_reward.py")
+    edited.main(edited.Args(evaluate=checkpoint, eval_episodes=1))
+    assert f"note: my_reward.py changed since {checkpoint} was written" in capsys.readouterr().out
+
+
+def test_the_tools_find_a_copy_beside_its_run_in_a_renamed_folder(tmp_path, forget_copies, capsys):
+    """Issue 46 item 10: exp/ renamed to exp2/: `rollout` loads exp2/my_reward.py, the copy beside the run (it asked to
+    put the script back at exp/my_reward.py)."""
+    (tmp_path / "exp").mkdir()
+    _, mine, checkpoint = train_copy(tmp_path / "exp", "\nMY_REWARD = 10\n")
+    forget()
+    (tmp_path / "exp").rename(tmp_path / "exp2")
+    moved = tmp_path / "exp2" / checkpoint.relative_to(tmp_path / "exp")
+    capsys.readouterr()
+    _, script, _ = success_eval.load_checkpoint(str(moved))
+    assert script.__file__ == str(tmp_path / "exp2" / "my_reward.py") and script.MY_REWARD == 10
+    assert not capsys.readouterr().out  # the file itself, unchanged: no note
 
 
 def test_an_older_or_misfitting_checkpoint_is_one_sentence_before_anything_starts(run):

@@ -73,6 +73,17 @@ def test_a_copy_of_the_script_runs_in_any_folder(module, tmp_path):
 
 
 @pytest.mark.parametrize("module", SCRIPTS, ids=["dqn", "sac"])
+def test_a_copy_without_the_install_says_to_reinstall(module, tmp_path):
+    """Issue 46 item 11: the checkout moved or deleted after `pip install -e`: one sentence, not a ModuleNotFoundError."""
+    copy = tmp_path / "my_reward.py"
+    copy.write_bytes((ROOT / SCRIPTS[module]).read_bytes())
+    gone = f"import runpy, sys; sys.modules['vlmrm_utils'] = None; runpy.run_path({str(copy)!r}, run_name='__main__')"
+    result = subprocess.run([sys.executable, "-c", gone], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-2000:]
+    assert result.stderr.startswith("error: vlmrm_utils is not importable") and "pip install -e" in result.stderr
+
+
+@pytest.mark.parametrize("module", SCRIPTS, ids=["dqn", "sac"])
 def test_short_run_prints_a_few_lines_with_progress_and_episode_lines_on_request(module, tmp_path):
     quiet = run_script(SCRIPTS[module], *SHORT_RUNS[module], cwd=tmp_path)
     assert quiet.returncode == 0, quiet.stderr[-2000:]
