@@ -13,8 +13,8 @@ import copy
 import math
 import os
 import random
-import time
 import sys
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
