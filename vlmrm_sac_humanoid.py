@@ -718,8 +718,9 @@ def deterministic(actor: Actor, device: torch.device):
 def score(frames, reward_model: CLIPReward, draw, timer) -> np.ndarray:
     """The CLIP rewards of a chunk's frames, in the scoring thread; --renderer warp: `draw` makes the frames from the
     states the envs sent, on the reward's device."""
-    with timer("draw"):
-        frames = draw(frames) if draw else frames
+    if draw is not None:
+        with timer("draw"):
+            frames = draw(frames)
     with timer("reward_model"):
         return reward_model(frames)
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 import tyro
-from conftest import ROOT, TINY_CLIP, assert_refused, run_script
+from conftest import ROOT, TINY_CLIP, TINY_CLIP_FLAGS, assert_refused, run_script
 
 import vlmrm_dqn_classic as classic
 import vlmrm_sac_humanoid as sac
@@ -70,6 +70,52 @@ def test_a_copy_of_the_script_runs_in_any_folder(module, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     (run_dir,) = (experiment / "runs").iterdir()
     assert "__my_reward__" in run_dir.name  # the copy's own experiment name
+
+
+def test_an_edited_copy_trains_with_its_own_camera_and_episode_length_and_the_original_is_unchanged(tmp_path):
+    """Issue 45: what CLIP sees and how long an episode lasts are lines of the training script, so a researcher changes
+    them by editing their copy only: the copy trains and evaluates with its camera and episode length."""
+    import importlib.util
+
+    import imageio.v2 as imageio
+    import numpy as np
+
+    original = (ROOT / "vlmrm_sac_humanoid.py").read_text()
+    length = "args.episode_length = 200 if mountain_car else "
+    edits = [('HUMANOID_CAMERA = {"distance": 3.5,', 'HUMANOID_CAMERA = {"distance": 6.0,'), (length + "100", length + "30")]
+    edited = original
+    for old, new in edits:
+        assert original.count(old) == 1, old
+        edited = edited.replace(old, new)
+    copy = tmp_path / "my_reward.py"
+    copy.write_text(edited)
+    flags = [*TINY_CLIP_FLAGS, *"--num-envs 1 --render-size 32 --render-quality fast --total-timesteps 90".split()]
+    flags += "--learning-starts 30 --batch-size 16 --train-frequency 30 --gradient-steps 1 --buffer-size 1000".split()
+    flags += ["--log-episodes"]
+    train = subprocess.run([sys.executable, str(copy), *flags, "--save-model"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)  # fmt: skip
+    assert train.returncode == 0, train.stderr[-2000:]
+    ended = [int(m) for m in re.findall(r"^global_step=(\d+),", train.stdout, re.M)]
+    assert ended == [29, 59, 89], train.stdout  # the copy's 30-step episodes (steps count from 0)
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    rollout = [sys.executable, str(copy), "--evaluate", f"runs/{run_dir.name}/checkpoint.pt", "--eval-episodes", "1"]
+    evaluation = subprocess.run(rollout, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert evaluation.returncode == 0, evaluation.stderr[-2000:]
+    frames = sorted((tmp_path / "videos" / run_dir.name / "eval-episode-0").glob("frame-*.png"))
+    assert len(frames) == 31  # the reset frame and 30 steps
+
+    def reset_frame(path: str, name: str) -> np.ndarray:  # the evaluation's first frame, drawn by that file's make_env
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        env = module.make_env("Humanoid-v5", 10_001, 0, 30, 32, "fast", True)()
+        env.reset(seed=10_001)
+        return env.render()
+
+    drawn = imageio.imread(frames[0])
+    np.testing.assert_array_equal(drawn, reset_frame(str(copy), "my_reward"))  # the copy's camera, 6 m away
+    assert not np.array_equal(drawn, reset_frame(str(ROOT / "vlmrm_sac_humanoid.py"), "original"))
+    assert (ROOT / "vlmrm_sac_humanoid.py").read_text() == original and sac.HUMANOID_CAMERA["distance"] == 3.5
 
 
 @pytest.mark.parametrize("module", SCRIPTS, ids=["dqn", "sac"])
