@@ -33,10 +33,10 @@ import torch.optim as optim
 
 try:
     import vlmrm_utils as utils
-except ModuleNotFoundError as e:  # the checkout the editable install points at has moved or gone: one sentence
+except ModuleNotFoundError as e:  # the checkout that `pip install -e` pointed at moved or was deleted
     if e.name != "vlmrm_utils":
         raise
-    print("error: vlmrm_utils is not importable: run `pip install -e <checkout>` with your VLM-RM checkout.", file=sys.stderr)
+    print("error: vlmrm_utils is not importable: `pip install -e` the VLM-RM checkout.", file=sys.stderr)
     sys.exit(2)
 
 
@@ -188,7 +188,7 @@ def vlm_reward(image_embeddings, goal_embeddings, baseline_embeddings, alpha: fl
     if alpha != 0:
         # g = b: no direction (e.g. prompts cut at 77 tokens); real pairs are > 0.1 apart, round-off ~1e-6
         if (g - b).norm() < 1e-4:
-            raise ValueError("goal and baseline have one embedding: d = g - b is 0, alpha > 0 has no direction")
+            raise ValueError("goal and baseline have one embedding: d = g - b = 0, no direction for alpha")
         d = (g - b) / (g - b).norm()
         u = alpha * (u @ d)[:, None] * d + (1 - alpha) * u  # u P, without the D x D matrix
     return 1 - 0.5 * u.pow(2).sum(-1)
@@ -203,7 +203,8 @@ def softmax_problem(temperature: float, threshold: float) -> Optional[str]:
     return None
 
 
-def softmax_reward(image_embeddings, goal_embeddings, negative_embeddings, temperature: float, threshold: float, soft=False):
+def softmax_reward(image_embeddings, goal_embeddings, negative_embeddings, temperature, threshold,
+                   soft=False):  # fmt: skip
     """R(s) = 1 if p > threshold else 0 (p if soft), p = the goal's softmax(cos(s, e_k) / temperature)."""
     problem = softmax_problem(temperature, threshold)
     problem = problem or ("no negative prompts" if len(negative_embeddings) == 0 else None)
@@ -233,7 +234,7 @@ class CLIPReward(nn.Module):
         import open_clip
 
         if family not in ("projection", "softmax") or (family == "softmax" and not negatives):
-            raise ValueError(f"unknown reward family {family!r}, or the softmax family without negative prompts")
+            raise ValueError(f"unknown reward family {family!r}, or softmax without negative prompts")
         self.model, self.device, self.batch_size, self.family = model, device, batch_size, family
         self.alpha, self.temperature, self.threshold, self.soft = alpha, temperature, threshold, soft
         self.antialias = antialias
@@ -266,7 +267,8 @@ class CLIPReward(nn.Module):
         x = torch.from_numpy(x.numpy().astype(np.float32)) if x.device.type == "cpu" else x.float()
         x = x.permute(0, 3, 1, 2).div_(255)
         # bicubic overshoots [0, 1] a little near edges: the reference kept it (no clamp), and so do we
-        x = F.interpolate(x, size=self.image_size, mode="bicubic", align_corners=False, antialias=self.antialias)
+        size, antialias = self.image_size, self.antialias
+        x = F.interpolate(x, size=size, mode="bicubic", align_corners=False, antialias=antialias)
         return (x - self.mean.to(device)) / self.std.to(device)
 
     @torch.no_grad()
@@ -352,7 +354,8 @@ class FixedLengthCartPole(gym.Wrapper):
             x_dot = 0.0
         cartpole.state = np.array([x, x_dot, theta, theta_dot])
         cartpole.steps_beyond_terminated = None  # we keep stepping on purpose: silence gym's warning
-        info["success"] = bool(abs(theta) < cartpole.theta_threshold_radians and abs(x) < cartpole.x_threshold)
+        upright = abs(theta) < cartpole.theta_threshold_radians and abs(x) < cartpole.x_threshold
+        info["success"] = bool(upright)
         return cartpole.state.astype(np.float32), float(info["success"]), False, truncated, info
 
 
@@ -415,7 +418,8 @@ class RealisticMountainCar(gym.Wrapper):
         self.background = pygame.surfarray.make_surface(pixels)
         x, y = (int(v) for v in self.pixel(MOUNTAINCAR_GOAL))
         pygame.draw.line(self.background, (60, 60, 60), (x, y - 4), (x, y - 64), 3)
-        pygame.draw.polygon(self.background, (250, 210, 20), [(x + 2, y - 64), (x + 32, y - 54), (x + 2, y - 44)])
+        flag = [(x + 2, y - 64), (x + 32, y - 54), (x + 2, y - 44)]
+        pygame.draw.polygon(self.background, (250, 210, 20), flag)
         self.car = pygame.Surface((56, 34), pygame.SRCALPHA)  # red body, cabin, two windows, two wheels
         for color, rect in [((200, 30, 35), (0, 12, 56, 14)), ((175, 25, 30), (12, 2, 30, 14))]:
             pygame.draw.rect(self.car, color, rect, border_radius=5)
@@ -438,7 +442,8 @@ class RealisticMountainCar(gym.Wrapper):
         car = pygame.transform.rotozoom(self.car, math.degrees(slope), 1.0)
         column, row = self.pixel(x)  # the car's centre stands 10 px above the road, along its normal
         self.canvas.blit(self.background, (0, 0))
-        self.canvas.blit(car, car.get_rect(center=(column - 10 * math.sin(slope), row - 10 * math.cos(slope))))
+        centre = (column - 10 * math.sin(slope), row - 10 * math.cos(slope))
+        self.canvas.blit(car, car.get_rect(center=centre))
         # row-major RGB bytes, 3x faster than surfarray.array3d(...).transpose(1, 0, 2) (copied: writable)
         return np.frombuffer(pygame.image.tobytes(self.canvas, "RGB"), np.uint8).reshape(400, 600, 3).copy()
 
@@ -456,17 +461,18 @@ class StockEpisodes(gym.Wrapper):
         obs, reward, terminated, truncated, info = self.env.step(action)
         env = self.env.unwrapped
         if env.spec.id == "CartPole-v1":
-            info["success"] = bool(abs(obs[2]) < env.theta_threshold_radians and abs(obs[0]) < env.x_threshold)
+            upright = abs(obs[2]) < env.theta_threshold_radians and abs(obs[0]) < env.x_threshold
+            info["success"] = bool(upright)
         else:
             self.reached_goal = info["success"] = self.reached_goal or bool(obs[0] >= MOUNTAINCAR_GOAL)
         return obs, reward, terminated, truncated, info
 
 
 class FrameAfterStep(gym.Wrapper):
-    """Which frame scores which transition: the one rendered after its step (s_t+1), returned with the observation
-    (one round trip to an env process per vector step; the frame travels in the vector env's shared memory). A reset's
-    frame is blank: no reset frame ever scores a transition. A frame of another dtype or shape is said in one sentence
-    (utils.frame_problem)."""
+    """Which frame scores which transition: the one rendered after its step (s_t+1), returned with the
+    observation (one round trip to an env process per vector step; the frame travels in the vector env's
+    shared memory). A reset's frame is blank: no reset frame ever scores a transition. A wrong frame: one
+    sentence (utils.frame_problem)."""
 
     def __init__(self, env: gym.Env, frame_shape: tuple):
         super().__init__(env)
@@ -481,19 +487,20 @@ class FrameAfterStep(gym.Wrapper):
         obs, reward, terminated, truncated, info = self.env.step(action)
         start = time.perf_counter()
         frame = self.env.render()
-        info["render_s"] = time.perf_counter() - start  # the loop times one round trip: this much was rendering
+        info["render_s"] = time.perf_counter() - start  # of the round trip the loop times, the rendering
         problem = utils.frame_problem(self.env, frame, self.blank)
-        if problem:  # said by the trainer (utils.FramesInInfo): raised here, gymnasium would add its traceback
+        if problem:  # said by the trainer (utils.FramesInInfo): raised here, gymnasium adds its traceback
             info["bad_frame"], frame = problem, self.blank
         return (obs, frame), reward, terminated, truncated, info
 
 
 def env_settings(args: Args) -> dict:
     """make_env's keywords from a run's flags: the env it trained in, to roll out and to score alike."""
-    return dict(episode_length=args.episode_length, realistic=args.realistic, fixed_length=args.episodes == "fixed")
+    fixed_length = args.episodes == "fixed"
+    return dict(episode_length=args.episode_length, realistic=args.realistic, fixed_length=fixed_length)
 
 
-def make_env(env_id: str, seed: int, idx: int, episode_length: int, realistic: bool, fixed_length: bool = True,
+def make_env(env_id: str, seed: int, idx: int, episode_length: int, realistic: bool, fixed_length=True,
              frame_shape=None):  # fmt: skip
     """CleanRL's thunk: fixed-length episodes (or the stock task's), rgb_array frames for the CLIP reward;
     `frame_shape`: the training envs, whose step returns the frame after it (FrameAfterStep)."""
@@ -618,7 +625,8 @@ def main(args: Args) -> None:
     if run.checkpoint:  # its tensors fit networks built as below (on the CPU): one sentence before anything
         with torch.random.fork_rng(devices=[]):  # the run's random streams untouched (a random CLIP's too)
             q = QNetwork(eval_envs)
-            fresh = dict(q_network=q, target_network=q, optimizer=optim.Adam(q.parameters()), schedule_steps=0)
+            optimizer = optim.Adam(q.parameters())
+            fresh = dict(q_network=q, target_network=q, optimizer=optimizer, schedule_steps=0)
             run.check_fits(eval_envs, fresh)
     if args.evaluate is not None:  # roll the checkpoint's policy out
         return evaluate_checkpoint(run, eval_envs, eval_seed)
@@ -642,11 +650,13 @@ def main(args: Args) -> None:
         # everything a gradient step changes, by name: checkpointed and restored together
         learner = dict(q_network=q_network, target_network=target_network, optimizer=optimizer)
         networks = lambda: {k: learner[k].state_dict() for k in ("q_network",)}  # noqa: E731
-        evaluation = lambda n: utils.evaluate(greedy(q_network, device), eval_envs, reward_model, n, eval_seed)  # noqa: E731
+        policy = greedy(q_network, device)  # its evaluation episodes: videos and the final report
+        evaluation = partial(utils.evaluate, policy, eval_envs, reward_model, seed=eval_seed)
         # epsilon's schedule keeps the length of the run as first started, when --resume extends it
         schedule_steps = run.checkpoint["schedule_steps"] if run.checkpoint else args.total_timesteps
-        # charts/gt_success: CartPole, the share of the time limit spent upright; MountainCar, the flag reached
-        time_limit = args.episode_length if args.episodes == "fixed" else gym.spec(args.env_id).max_episode_steps
+        # charts/gt_success: CartPole, the share of the time limit spent upright; MountainCar, the flag
+        fixed = args.episodes == "fixed"
+        time_limit = args.episode_length if fixed else gym.spec(args.env_id).max_episode_steps
         upright = lambda episode: episode["gt_return"] / time_limit  # noqa: E731
         gt_success = upright if args.env_id == "CartPole-v1" else (lambda episode: episode["success"])
         run.start(networks(), rb, reward_model, frame_shape, gt_success)
@@ -660,7 +670,8 @@ def main(args: Args) -> None:
             obs = run.restore(learner, envs, rb, recent)
         for iteration in run.iterations():
             global_step = iteration * args.num_envs
-            epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_fraction * schedule_steps, global_step)
+            duration = args.exploration_fraction * schedule_steps
+            epsilon = linear_schedule(args.start_e, args.end_e, duration, global_step)
             if random.random() < epsilon:  # random actions, from the seeded, checkpointed RNG
                 actions = np.random.randint(envs.single_action_space.n, size=args.num_envs)
             else:
@@ -675,10 +686,10 @@ def main(args: Args) -> None:
             reached = infos.get("success", np.zeros(args.num_envs))  # the env's success (the flag, upright)
             gt = np.stack([gt_rewards, reached] + [infos[k] for k in components], axis=1)
             train_now = global_step >= args.learning_starts and iteration % args.train_frequency == 0
-
-            # the reward path: each frame goes to CLIP with its transition, a chunk at a time, in the background;
-            # the rewards reach the buffer oldest first, all of them before a gradient step, a checkpoint or the end
-            transition = dict(obs=obs, next_obs=next_obs, actions=actions, terminations=terminations, dones=dones, gt=gt)
+            # the reward path: frames go to CLIP a chunk at a time, in the background; their rewards reach the
+            # buffer oldest first, all of them before a gradient step, a checkpoint or the end
+            transition = dict(obs=obs, next_obs=next_obs, actions=actions, terminations=terminations)
+            transition.update(dones=dones, gt=gt)
             waiting.append({**transition, "frames": infos["frames"]} if clip else transition)
             wait = train_now or due or iteration == run.last_iteration
             if wait or len(waiting) * args.num_envs >= chunk:
@@ -693,8 +704,8 @@ def main(args: Args) -> None:
                     rewards = clip_rewards if clip else batch["gt"][:, 0]
                     run.check_rewards(rewards, step, networks)  # the NaN guard: never a NaN in the buffer
                     rb.add(batch["obs"], batch["next_obs"], batch["actions"], rewards, batch["terminations"])
-                    recent.extend(e["clip_return"] for e in run.log_episodes(batch, step, rewards, clip_rewards, components))
-
+                    ended = run.log_episodes(batch, step, rewards, clip_rewards, components)
+                    recent.extend(episode["clip_return"] for episode in ended)
             if train_now:
                 with run.timer("learning"):
                     run.snapshot(networks, 1)
@@ -717,13 +728,14 @@ def main(args: Args) -> None:
             run.video(evaluation)
             # the best checkpoint has the highest mean CLIP return of the last 100 episodes
             clip_return = np.mean(recent) if recent and due else math.nan
-            if due and run.save(learner, envs, rb, networks, recent, clip_return, schedule_steps=schedule_steps):
+            if due and run.save(learner, envs, rb, networks, recent, clip_return,
+                                schedule_steps=schedule_steps):  # fmt: skip
                 break  # Ctrl-C or SIGTERM: saved, stopped
             if dones.any():  # reset finished envs: the reset observations start episodes, never a transition
                 reset_obs, _ = envs.reset(options={"reset_mask": dones})
                 next_obs = np.where(dones[:, None], reset_obs, next_obs)
             obs = next_obs
-        run.finish(networks, np.mean(recent) if recent else math.nan, evaluation)  # --save-model: + evaluation
+        run.finish(networks, np.mean(recent) if recent else math.nan, evaluation)  # --save-model: evaluated
 
 
 if __name__ == "__main__":

@@ -31,10 +31,10 @@ import torch.optim as optim
 
 try:
     import vlmrm_utils as utils
-except ModuleNotFoundError as e:  # the checkout the editable install points at has moved or gone: one sentence
+except ModuleNotFoundError as e:  # the checkout that `pip install -e` pointed at moved or was deleted
     if e.name != "vlmrm_utils":
         raise
-    print("error: vlmrm_utils is not importable: run `pip install -e <checkout>` with your VLM-RM checkout.", file=sys.stderr)
+    print("error: vlmrm_utils is not importable: `pip install -e` the VLM-RM checkout.", file=sys.stderr)
     sys.exit(2)
 
 mujoco = utils.import_mujoco()  # on headless EGL unless MUJOCO_GL says otherwise; gym.envs.mujoco with it
@@ -141,14 +141,15 @@ def check_args(args: Args) -> None:
     """The defaults of --env-id, then bad flags refused, in one sentence each, before anything costly."""
     mountain_car = args.env_id == "MountainCarContinuous-v0"
     entry_point = str(getattr(gym.registry.get(args.env_id), "entry_point", ""))  # "" when not registered
+    size = args.render_size
     for failed, message in [
-        (not 16 <= args.render_size <= 2048, f"--render-size must be between 16 and 2048 pixels, got {args.render_size}."),
-        (not entry_point, f"--env-id {args.env_id} is not a Gymnasium environment; use e.g. Humanoid-v5 or Hopper-v5."),
+        (not 16 <= size <= 2048, f"--render-size must be between 16 and 2048 pixels, got {size}."),
+        (not entry_point, f"--env-id {args.env_id} is not a Gymnasium environment; use e.g. Humanoid-v5."),
         (
             "mujoco" not in entry_point and not mountain_car,
             f"--env-id {args.env_id} is no MuJoCo task or MountainCarContinuous-v0.",
         ),
-        (args.env_id == "Humanoid-v4", "--env-id Humanoid-v4 takes neither our scene nor our camera; use Humanoid-v5."),
+        (args.env_id == "Humanoid-v4", "--env-id Humanoid-v4 takes neither our scene nor camera: use v5."),
     ]:
         if failed:
             raise utils.UserError(message)
@@ -216,7 +217,7 @@ def vlm_reward(image_embeddings, goal_embeddings, baseline_embeddings, alpha: fl
     if alpha != 0:
         # g = b: no direction (e.g. prompts cut at 77 tokens); real pairs are > 0.1 apart, round-off ~1e-6
         if (g - b).norm() < 1e-4:
-            raise ValueError("goal and baseline have one embedding: d = g - b is 0, alpha > 0 has no direction")
+            raise ValueError("goal and baseline have one embedding: d = g - b = 0, no direction for alpha")
         d = (g - b) / (g - b).norm()
         u = alpha * (u @ d)[:, None] * d + (1 - alpha) * u  # u P, without the D x D matrix
     return 1 - 0.5 * u.pow(2).sum(-1)
@@ -231,7 +232,8 @@ def softmax_problem(temperature: float, threshold: float) -> Optional[str]:
     return None
 
 
-def softmax_reward(image_embeddings, goal_embeddings, negative_embeddings, temperature: float, threshold: float, soft=False):
+def softmax_reward(image_embeddings, goal_embeddings, negative_embeddings, temperature, threshold,
+                   soft=False):  # fmt: skip
     """R(s) = 1 if p > threshold else 0 (p if soft), p = the goal's softmax(cos(s, e_k) / temperature)."""
     problem = softmax_problem(temperature, threshold)
     problem = problem or ("no negative prompts" if len(negative_embeddings) == 0 else None)
@@ -261,7 +263,7 @@ class CLIPReward(nn.Module):
         import open_clip
 
         if family not in ("projection", "softmax") or (family == "softmax" and not negatives):
-            raise ValueError(f"unknown reward family {family!r}, or the softmax family without negative prompts")
+            raise ValueError(f"unknown reward family {family!r}, or softmax without negative prompts")
         self.model, self.device, self.batch_size, self.family = model, device, batch_size, family
         self.alpha, self.temperature, self.threshold, self.soft = alpha, temperature, threshold, soft
         self.antialias = antialias
@@ -294,7 +296,8 @@ class CLIPReward(nn.Module):
         x = torch.from_numpy(x.numpy().astype(np.float32)) if x.device.type == "cpu" else x.float()
         x = x.permute(0, 3, 1, 2).div_(255)
         # bicubic overshoots [0, 1] a little near edges: the reference kept it (no clamp), and so do we
-        x = F.interpolate(x, size=self.image_size, mode="bicubic", align_corners=False, antialias=self.antialias)
+        size, antialias = self.image_size, self.antialias
+        x = F.interpolate(x, size=size, mode="bicubic", align_corners=False, antialias=antialias)
         return (x - self.mean.to(device)) / self.std.to(device)
 
     @torch.no_grad()
@@ -385,7 +388,8 @@ def textured_humanoid_xml() -> str:
     root.find("asset").clear()
     root.find("asset").extend(ET.fromstring(look))
     # one light from above, as in the paper; MuJoCo's default headlight stays (nothing brighter added)
-    root.find("worldbody/light").attrib.update(diffuse="1 1 1", pos="0 0 1", dir="0 0 -1.5", specular="0.5 0.5 0.5")
+    light = dict(diffuse="1 1 1", pos="0 0 1", dir="0 0 -1.5", specular="0.5 0.5 0.5")
+    root.find("worldbody/light").attrib.update(light)
     ET.ElementTree(root).write(xml_path + tmp)
     os.replace(xml_path + tmp, xml_path)
     return xml_path
@@ -461,7 +465,8 @@ class RealisticMountainCar(gym.Wrapper):
         self.background = pygame.surfarray.make_surface(pixels)
         x, y = (int(v) for v in self.pixel(MOUNTAINCAR_GOAL))
         pygame.draw.line(self.background, (60, 60, 60), (x, y - 4), (x, y - 64), 3)
-        pygame.draw.polygon(self.background, (250, 210, 20), [(x + 2, y - 64), (x + 32, y - 54), (x + 2, y - 44)])
+        flag = [(x + 2, y - 64), (x + 32, y - 54), (x + 2, y - 44)]
+        pygame.draw.polygon(self.background, (250, 210, 20), flag)
         self.car = pygame.Surface((56, 34), pygame.SRCALPHA)  # red body, cabin, two windows, two wheels
         for color, rect in [((200, 30, 35), (0, 12, 56, 14)), ((175, 25, 30), (12, 2, 30, 14))]:
             pygame.draw.rect(self.car, color, rect, border_radius=5)
@@ -484,7 +489,8 @@ class RealisticMountainCar(gym.Wrapper):
         car = pygame.transform.rotozoom(self.car, math.degrees(slope), 1.0)
         column, row = self.pixel(x)  # the car's centre stands 10 px above the road, along its normal
         self.canvas.blit(self.background, (0, 0))
-        self.canvas.blit(car, car.get_rect(center=(column - 10 * math.sin(slope), row - 10 * math.cos(slope))))
+        centre = (column - 10 * math.sin(slope), row - 10 * math.cos(slope))
+        self.canvas.blit(car, car.get_rect(center=centre))
         # row-major RGB bytes, 3x faster than surfarray.array3d(...).transpose(1, 0, 2) (copied: writable)
         return np.frombuffer(pygame.image.tobytes(self.canvas, "RGB"), np.uint8).reshape(400, 600, 3).copy()
 
@@ -527,16 +533,17 @@ class MujocoRenderer(gym.Wrapper):
 
 
 class FrameAfterStep(gym.Wrapper):
-    """Which frame scores which transition: the one rendered after its step (s_t+1), returned with the observation
-    (one round trip to an env process per vector step; the frame travels in the vector env's shared memory). A reset's
-    frame is blank: no reset frame ever scores a transition. --renderer warp: the state the trainer draws the frame from
-    (WarpFrames.state) instead. A frame of another dtype or shape is said in one sentence (utils.frame_problem)."""
+    """Which frame scores which transition: the one rendered after its step (s_t+1), returned with the
+    observation (one round trip to an env process per vector step; the frame travels in the vector env's
+    shared memory). A reset's frame is blank: no reset frame ever scores a transition. --renderer warp: the
+    state the trainer draws the frame from (WarpFrames.state). utils.frame_problem says a wrong frame."""
 
     def __init__(self, env: gym.Env, frame_shape: tuple):
         super().__init__(env)
         self.drawn_later = hasattr(env, "state")
         frame_shape, dtype = (env.state_shape, np.float64) if self.drawn_later else (frame_shape, np.uint8)
-        self.observation_space = gym.spaces.Tuple((env.observation_space, utils.FrameSpace(frame_shape, dtype)))
+        frames = utils.FrameSpace(frame_shape, dtype)
+        self.observation_space = gym.spaces.Tuple((env.observation_space, frames))
         self.blank = np.zeros(frame_shape, dtype)
 
     def reset(self, **kwargs):
@@ -547,9 +554,9 @@ class FrameAfterStep(gym.Wrapper):
         obs, reward, terminated, truncated, info = self.env.step(action)
         start = time.perf_counter()
         frame = self.env.state() if self.drawn_later else self.env.render()
-        info["render_s"] = time.perf_counter() - start  # the loop times one round trip: this much was rendering
+        info["render_s"] = time.perf_counter() - start  # of the round trip the loop times, the rendering
         problem = utils.frame_problem(self.env, frame, self.blank)
-        if problem:  # said by the trainer (utils.FramesInInfo): raised here, gymnasium would add its traceback
+        if problem:  # said by the trainer (utils.FramesInInfo): raised here, gymnasium adds its traceback
             info["bad_frame"], frame = problem, self.blank
         return (obs, frame), reward, terminated, truncated, info
 
@@ -582,7 +589,8 @@ def make_env(env_id, seed, idx, episode_length, render_size, render_quality, rea
             humanoid = env_id.startswith("Humanoid-")  # not HumanoidStandup: its own model and arguments
             kwargs = dict(render_mode="rgb_array", width=render_size, height=render_size, **limit)
             if humanoid:  # fixed length: a fallen humanoid keeps being rendered and rewarded until the end
-                kwargs.update(terminate_when_unhealthy=not fixed_length, default_camera_config=HUMANOID_CAMERA)
+                kwargs.update(default_camera_config=HUMANOID_CAMERA)
+                kwargs.update(terminate_when_unhealthy=not fixed_length)
                 kwargs.update({"xml_file": textured_humanoid_xml()} if realistic else {})
             env = gym.make(env_id, **kwargs)
             env = NoEarlyTermination(env) if fixed_length and not humanoid else env
@@ -716,8 +724,8 @@ def deterministic(actor: Actor, device: torch.device):
 
 
 def score(frames, reward_model: CLIPReward, draw, timer) -> np.ndarray:
-    """The CLIP rewards of a chunk's frames, in the scoring thread; --renderer warp: `draw` makes the frames from the
-    states the envs sent, on the reward's device."""
+    """The CLIP rewards of a chunk's frames, in the scoring thread; --renderer warp: `draw` makes the frames
+    from the states the envs sent, on the reward's device."""
     if draw is not None:
         with timer("draw"):
             frames = draw(frames)
@@ -769,8 +777,8 @@ def main(args: Args) -> None:
     with run.closing(envs, scorer):
         reward_model = make_reward_model(args, device) if clip else None  # CUDA: after the envs fork
         learner = make_learner(envs, args, device)
-        actor, qf1, qf2, log_ent_coef = learner["actor"], learner["qf1"], learner["qf2"], learner["log_ent_coef"]
-        qf1_target, qf2_target = learner["qf1_target"], learner["qf2_target"]
+        actor, qf1, qf2, qf1_target = learner["actor"], learner["qf1"], learner["qf2"], learner["qf1_target"]
+        qf2_target, log_ent_coef = learner["qf2_target"], learner["log_ent_coef"]
         q_optimizer, actor_optimizer = learner["q_optimizer"], learner["actor_optimizer"]
         q_params = [*qf1.parameters(), *qf2.parameters()]
         target_params = [*qf1_target.parameters(), *qf2_target.parameters()]
@@ -778,15 +786,16 @@ def main(args: Args) -> None:
         target_entropy = -float(np.prod(space.shape))
         rb = ReplayBuffer(args.buffer_size, envs.observation_space.shape[1:], space.shape, np.float32, device)
         networks = lambda: {k: learner[k].state_dict() for k in ("actor", "qf1", "qf2")}  # noqa: E731
-        evaluation = lambda n: utils.evaluate(deterministic(actor, device), eval_envs, reward_model, n, eval_seed)  # noqa: E731
+        policy = deterministic(actor, device)  # its evaluation episodes: videos and the final report
+        evaluation = partial(utils.evaluate, policy, eval_envs, reward_model, seed=eval_seed)
         # the actor's action scale and bias, on the host: no device sync
         action_scale, action_bias = (space.high - space.low) / 2.0, (space.high + space.low) / 2.0
-        gt_success = (lambda episode: episode["success"]) if args.env_id == "MountainCarContinuous-v0" else None
+        gt_success = (lambda ep: ep["success"]) if args.env_id == "MountainCarContinuous-v0" else None
         run.start(networks(), rb, reward_model, frame_shape, gt_success)
-        # --renderer warp: the envs return their states, drawn into frames on the reward's device just before CLIP
-        look = (args.realistic, args.render_size, args.supersample, args.num_envs)
-        warp = args.renderer == "warp" and clip
-        draw = warp_renderer(*look, reward_model.device, args.camera, args.render_quality).draw if warp else None
+        draw = None  # --renderer warp: the envs return states, drawn on the reward's device before CLIP
+        if args.renderer == "warp" and clip:
+            look = (args.realistic, args.render_size, args.supersample, args.num_envs, reward_model.device)
+            draw = warp_renderer(*look, args.camera, args.render_quality).draw
         chunk = args.reward_batch_size * max(1, len(args.reward_devices))  # frames CLIP scores at once
         waiting, scoring = [], deque()  # transitions without a reward; chunks being scored, oldest first
         recent = deque(maxlen=100)  # the paper ranks checkpoints by the mean CLIP return of the last 100
@@ -813,15 +822,16 @@ def main(args: Args) -> None:
             reached = infos.get("success", np.zeros(args.num_envs))  # the env's success (the flag, upright)
             gt = np.stack([gt_rewards, reached] + [infos[k] for k in components], axis=1)
             train_now = global_step >= args.learning_starts and iteration % args.train_frequency == 0
-
-            # the reward path: each frame goes to CLIP with its transition, a chunk at a time, in the background;
-            # the rewards reach the buffer oldest first, all of them before a gradient step, a checkpoint or the end
-            transition = dict(obs=obs, next_obs=next_obs, actions=actions, terminations=terminations, dones=dones, gt=gt)
+            # the reward path: frames go to CLIP a chunk at a time, in the background; their rewards reach the
+            # buffer oldest first, all of them before a gradient step, a checkpoint or the end
+            transition = dict(obs=obs, next_obs=next_obs, actions=actions, terminations=terminations)
+            transition.update(dones=dones, gt=gt)
             waiting.append({**transition, "frames": infos["frames"]} if clip else transition)
             wait = train_now or due or iteration == run.last_iteration
             if wait or len(waiting) * args.num_envs >= chunk:
                 batch = {k: np.concatenate([t[k] for t in waiting]) for k in waiting[0]}
-                future = scorer.submit(score, batch.pop("frames"), reward_model, draw, run.timer) if clip else None
+                frames = batch.pop("frames", None)
+                future = scorer.submit(score, frames, reward_model, draw, run.timer) if clip else None
                 scoring.append((batch, global_step, future))
                 waiting = []
             with run.timer("reward_wait"):  # at most two chunks with CLIP: a slower CLIP holds the loop back
@@ -831,8 +841,8 @@ def main(args: Args) -> None:
                     rewards = clip_rewards if clip else batch["gt"][:, 0]
                     run.check_rewards(rewards, step, networks)  # the NaN guard: never a NaN in the buffer
                     rb.add(batch["obs"], batch["next_obs"], batch["actions"], rewards, batch["terminations"])
-                    recent.extend(e["clip_return"] for e in run.log_episodes(batch, step, rewards, clip_rewards, components))
-
+                    ended = run.log_episodes(batch, step, rewards, clip_rewards, components)
+                    recent.extend(episode["clip_return"] for episode in ended)
             if train_now:
                 with run.timer("learning"):
                     run.snapshot(networks, args.gradient_steps)
@@ -879,7 +889,8 @@ def main(args: Args) -> None:
                                 target_param.lerp_(param, args.tau)
                 losses = dict(qf1_values=qf1_a_values.mean(), qf2_values=qf2_a_values.mean())
                 losses.update(qf1_loss=qf1_loss, qf2_loss=qf2_loss, qf_loss=qf_loss, actor_loss=actor_loss)
-                losses.update(ent_coef=ent_coef, **({"ent_coef_loss": ent_coef_loss} if args.autotune else {}))
+                losses.update(ent_coef=ent_coef)
+                losses.update({"ent_coef_loss": ent_coef_loss} if args.autotune else {})
                 run.log_losses(global_step, losses, finite, "--q-lr / --policy-lr / --ent-coef")
 
             run.video(evaluation)
@@ -890,7 +901,7 @@ def main(args: Args) -> None:
                 reset_obs, _ = envs.reset(options={"reset_mask": dones})
                 next_obs = np.where(dones[:, None], reset_obs, next_obs)
             obs = next_obs
-        run.finish(networks, np.mean(recent) if recent else math.nan, evaluation)  # --save-model: + evaluation
+        run.finish(networks, np.mean(recent) if recent else math.nan, evaluation)  # --save-model: evaluated
 
 
 if __name__ == "__main__":
