@@ -1084,18 +1084,25 @@ def dead_worker(envs: gym.vector.VectorEnv, wait: float = 2.0) -> Optional[str]:
     return None
 
 
-def close_envs(envs: gym.vector.VectorEnv) -> None:
-    """Close the envs. Gymnasium tells its workers to close over their pipes: a dead worker's pipe raises before the
-    others are told, and at exit multiprocessing would join them for ever (they ignore SIGTERM, which it sends). So
-    when a worker has died, or dies meanwhile, every worker still running is killed instead."""
+def close_envs(envs: gym.vector.VectorEnv, clean: bool = True) -> None:
+    """Close the envs. Gymnasium tells its workers to close over their pipes and waits, without a bound, for each to
+    answer. It can never answer: after a second Ctrl-C inside a step whose first replies were read (gymnasium's close
+    then waits for those again), or once a worker died (its pipe raises before the others are told, and at exit
+    multiprocessing would join them for ever: they ignore SIGTERM). So a clean close is only tried after a normal end
+    with no call pending (`clean`: no error or interrupt); otherwise, or if it fails or is interrupted, every worker
+    is killed: the process ends at once."""
     base = envs.unwrapped
-    processes = getattr(base, "processes", [])
-    if all(process.exitcode is None for process in processes):
+    processes = getattr(base, "processes", None)
+    if processes is None:  # envs in process: nothing to wait for
+        return envs.close()
+    interrupted = None
+    if clean and base._state == gym.vector.async_vector_env.AsyncState.DEFAULT and all(p.exitcode is None for p in processes):
         try:
             return envs.close()
         except (EOFError, OSError):  # a worker died while it was told to close
-            if not processes:
-                raise
+            pass
+        except BaseException as e:  # a Ctrl-C while waiting for the workers: kill them, then end as asked
+            interrupted = e
     for process in processes:
         process.kill()
         process.join()
@@ -1103,6 +1110,8 @@ def close_envs(envs: gym.vector.VectorEnv) -> None:
         if pipe is not None:
             pipe.close()
     base.closed = True  # gymnasium's own close would wait on the dead pipes again
+    if interrupted is not None:
+        raise interrupted
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1211,9 +1220,10 @@ class Run:
         """Every exit drops the chunks still queued for the reward model, closes TensorBoard and the env processes
         (they ignore SIGTERM: a process exiting under them would hang) and frees the run for a --resume, also on an
         error, a second Ctrl-C or an env worker's death (one sentence naming it, not the broken pipe)."""
-        self.envs = envs
+        self.envs, clean = envs, False
         try:
             yield
+            clean = True  # a normal end (a first Ctrl-C's too): the workers close their envs; any other exit kills them
         except (EOFError, ConnectionError):  # a pipe to an env worker broke: which one died, and how?
             died = dead_worker(envs)
             if died is None:
@@ -1230,7 +1240,7 @@ class Run:
                 if self.writer is not None:
                     self.writer.close()  # may fail (a full disk): the envs are closed all the same
             finally:
-                close_envs(envs)
+                close_envs(envs, clean)
                 for fd in RUN_LOCKS.values():
                     os.close(fd)
                 RUN_LOCKS.clear()
