@@ -1086,7 +1086,7 @@ def dead_worker(envs: gym.vector.VectorEnv, wait: float = 2.0) -> Optional[str]:
 
 def close_envs(envs: gym.vector.VectorEnv, clean: bool = True) -> None:
     """Close the envs. Gymnasium tells its workers to close over their pipes and waits, without a bound, for each to
-    answer. It can never answer: after a second Ctrl-C inside a step whose first replies were read (gymnasium's close
+    answer. An answer may never come: after a second Ctrl-C inside a step whose first replies were read (gymnasium's close
     then waits for those again), or once a worker died (its pipe raises before the others are told, and at exit
     multiprocessing would join them for ever: they ignore SIGTERM). So a clean close is only tried after a normal end
     with no call pending (`clean`: no error or interrupt); otherwise, or if it fails or is interrupted, every worker
