@@ -69,6 +69,7 @@ from vlmrm_sac_humanoid import make_env as make_sac_env  # MountainCarContinuous
 from vlmrm_sac_humanoid import mujoco  # imported there on MUJOCO_GL's backend (a missing library: one sentence)
 from vlmrm_tools import write_folder
 from vlmrm_utils import (
+    GIVEN,
     UserError,
     available_memory,
     check_one_word_prompts,
@@ -132,6 +133,11 @@ def check_args(args: Args) -> list[ClipArgs]:
     check_renderer_args(args)
     check_reward_args(args)
     if args.env_id == HUMANOID:
+        if args.num_points != Args.num_points or "num_points" in GIVEN:  # CartPole refuses 0; the probe ran with it
+            raise UserError(
+                f"--num-points is for the envs whose state axis is swept ({', '.join(SWEEPS)}); {HUMANOID} scores a "
+                f"gallery of {len(POSES)} poses, so drop it."
+            )
         check_probe_args(args)
     elif args.prompts or args.expect:
         raise UserError(f"--prompts and --expect are for the {HUMANOID} pose probe; {args.env_id} sweeps one state axis.")
@@ -516,8 +522,16 @@ def plot_poses(path: Union[Path, io.BytesIO], frames: np.ndarray, columns: list[
     names is boxed in its prompt's columns."""
     names, several = list(POSES), len({c.model for c in columns}) > 1
     row, width, thumb, name_w, head = 0.72, 0.62, 0.72, 1.25, 1.5  # inches
-    fig_w, fig_h = name_w + thumb + width * len(columns) + 0.3, head + row * len(names) + 1.0
-    fig = plt.figure(figsize=(max(fig_w, 6.5), fig_h))
+    fig_w = max(name_w + thumb + width * len(columns) + 0.3, 6.5)
+    baseline = (
+        f"baseline: {' | '.join(args.baseline)}" if args.baseline and any(c.curve.startswith("alpha") for c in columns) else ""
+    )
+    look = f"{HUMANOID}, {frames.shape[1]} px, {drawn_by(args)}, {args.camera} camera"
+    models = ", ".join(dict.fromkeys(c.model for c in columns))
+    # wrapped to the figure's width (it was cut at the edge: "... paper camera; baseline: a humano"), above the plot
+    header = textwrap.wrap(f"{models}; {look}" + (f"; {baseline}" if baseline else ""), int(fig_w * 15))
+    head += 0.15 * (len(header) - 1)
+    fig = plt.figure(figsize=(fig_w, head + row * len(names) + 1.0))
     fw, fh = fig.get_size_inches()
     bottom = 1.0 / fh
     ax = fig.add_axes([(name_w + thumb) / fw, bottom, width * len(columns) / fw, row * len(names) / fh])
@@ -560,12 +574,7 @@ def plot_poses(path: Union[Path, io.BytesIO], frames: np.ndarray, columns: list[
                 fontsize=8, clip_on=False)  # fmt: skip
         if js[0] > 0:
             ax.axvline(js[0], color="white", linewidth=3)
-    baseline = (
-        f"baseline: {' | '.join(args.baseline)}" if args.baseline and any(c.curve.startswith("alpha") for c in columns) else ""
-    )
-    look = f"{HUMANOID}, {size} px, {drawn_by(args)}, {args.camera} camera"
-    models = ", ".join(dict.fromkeys(c.model for c in columns))
-    fig.text(0.01, 1 - 0.12 / fh, f"{models}; {look}" + (f"; {baseline}" if baseline else ""), fontsize=8, va="top")
+    fig.text(0.01, 1 - 0.12 / fh, "\n".join(header), fontsize=8, va="top")
     note = "colour: the reward scaled within each column; number: the pose's rank in its column (1 = highest); below it: "
     note += "its reward minus the column's best (the best: its margin over the second)"
     note += "; red box: the pose --expect names" if expected else ""

@@ -16,6 +16,7 @@
 import csv
 import errno
 import glob
+import hashlib
 import io
 import json
 import logging
@@ -257,6 +258,16 @@ def run_episode(envs, act, seed: int, device: torch.device) -> tuple[list[np.nda
     return frames, states, gt_return
 
 
+def policy_sha256(checkpoint: dict) -> str:
+    """The policy's identity: the sha256 of its network's weights, the same in any copy of the checkpoint and in the
+    checkpoint.pt and step-<N>.pt of one step, another once training has gone on."""
+    digest = hashlib.sha256()
+    for key, tensor in checkpoint["q_network" if "q_network" in checkpoint else "actor"].items():
+        digest.update(f"{key} {tuple(tensor.shape)} {tensor.dtype}".encode())
+        digest.update(tensor.detach().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
 def clip_return(reward_model, frames: list[np.ndarray]) -> float:
     # the reset frame scores no transition: the reward of step t is the score of the frame after it
     return float(reward_model(np.stack(frames[1:])).sum())
@@ -361,6 +372,7 @@ def rollout(args: Rollout) -> str:
                 {
                     "checkpoint": os.path.abspath(args.checkpoint),
                     "script": Path(script.__file__).name,
+                    "policy_sha256": policy_sha256(checkpoint),
                     "mode": mode,
                     "seed": seed,
                     "episodes": args.episodes,
@@ -585,10 +597,33 @@ def check_each_once(paths: tuple[str, ...], flag: str, what: str) -> None:
         seen[key] = path
 
 
+def check_new_episodes(folder: str, where: str, seen: dict) -> None:
+    """Refuse episodes of `folder` (named by `where`: a flag, a row) that `seen` holds already: two rollouts of one
+    checkpoint with one seed, or a copy of a rollouts folder, hold the same episodes, and would count twice. An episode is
+    its policy (the sha256 of its weights; for a folder written before `rollout` recorded it, the checkpoint's path and
+    the episode's own numbers), its mode and its env's seed, and for stochastic episodes the rollout's first seed too
+    (the policy's random draws run on from episode to episode)."""
+    policy, rows = read_rollouts(folder)
+    first = policy.get("seed") if policy["mode"] == "stochastic" else None
+    for row in rows:
+        own = (policy.get("checkpoint"), row["steps"], row["clip_return"], row["gt_return"])
+        key = (str(policy.get("policy_sha256", own)), policy["mode"], str(first), row["seed"])
+        if key in seen:
+            other, video = seen[key]
+            raise UserError(
+                f"{where} and {other} hold the same episodes ({os.path.join(folder, 'videos', row['video'])} is {video}: "
+                f"one policy, {policy['mode']}, seed {row['seed']}), so they would count twice; keep one of the two."
+            )
+        seen[key] = where, os.path.join(folder, "videos", row["video"])
+
+
 def report(args: Report) -> list[dict]:
     if not args.rollouts:
         raise UserError("--rollouts needs at least one folder written by `success_eval.py rollout`.")
     check_each_once(args.rollouts, "--rollouts", "folder")
+    seen = {}
+    for folder in args.rollouts:
+        check_new_episodes(folder, f"--rollouts {folder}", seen)
     for ext in (".csv", ".md"):
         check_output_file(args.out + ext, "--out")
     table = [judge_folder(folder, args.judge) for folder in args.rollouts]
@@ -779,7 +814,7 @@ def model_parameters(names: set[str], given: tuple[str, ...], configs: tuple[str
 def read_csvs(paths: tuple[str, ...], needed: list[str], flag: str, check: dict) -> list[dict]:
     """The rows of the --epic or --success files; `check`: column -> (test of its text, what it must be), each value
     checked so that a hand edit (a word, nan, inf, a count above n) is one sentence naming the file and line."""
-    rows, counted = [], {}
+    rows, counted, episodes = [], {}, {}
     for path in paths:
         for line, row in read_csv(path, needed, flag):
             folder = row.get("rollouts", "").strip()  # `report` names each row's rollouts folder
@@ -791,6 +826,8 @@ def read_csvs(paths: tuple[str, ...], needed: list[str], flag: str, check: dict)
                         "would count twice; keep one of the two rows."
                     )
                 counted[key] = f"{flag} {path} line {line}"
+                if os.path.isfile(os.path.join(folder, "policy.json")):  # a copy of it, or another rollout of one seed
+                    check_new_episodes(folder, counted[key], episodes)
             if row.get("family", "projection") != "projection" or row["model"] == "gt":
                 continue  # the softmax family has no alpha; a --reward gt run has no CLIP model
             bad = next((column for column, (test, _) in check.items() if not test(row)), None)

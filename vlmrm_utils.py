@@ -1073,18 +1073,25 @@ def dead_worker(envs: gym.vector.VectorEnv, wait: float = 2.0) -> Optional[str]:
     return None
 
 
-def close_envs(envs: gym.vector.VectorEnv) -> None:
-    """Close the envs. Gymnasium tells its workers to close over their pipes: a dead worker's pipe raises before the
-    others are told, and at exit multiprocessing would join them for ever (they ignore SIGTERM, which it sends). So
-    when a worker has died, or dies meanwhile, every worker still running is killed instead."""
+def close_envs(envs: gym.vector.VectorEnv, clean: bool = True) -> None:
+    """Close the envs. Gymnasium tells its workers to close over their pipes and waits, without a bound, for each to
+    answer. An answer may never come: after a second Ctrl-C inside a step whose first replies were read (gymnasium's close
+    then waits for those again), or once a worker died (its pipe raises before the others are told, and at exit
+    multiprocessing would join them for ever: they ignore SIGTERM). So a clean close is only tried after a normal end
+    with no call pending (`clean`: no error or interrupt); otherwise, or if it fails or is interrupted, every worker
+    is killed: the process ends at once."""
     base = envs.unwrapped
-    processes = getattr(base, "processes", [])
-    if all(process.exitcode is None for process in processes):
+    processes = getattr(base, "processes", None)
+    if processes is None:  # envs in process: nothing to wait for
+        return envs.close()
+    interrupted = None
+    if clean and base._state == gym.vector.async_vector_env.AsyncState.DEFAULT and all(p.exitcode is None for p in processes):
         try:
             return envs.close()
         except (EOFError, OSError):  # a worker died while it was told to close
-            if not processes:
-                raise
+            pass
+        except BaseException as e:  # a Ctrl-C while waiting for the workers: kill them, then end as asked
+            interrupted = e
     for process in processes:
         process.kill()
         process.join()
@@ -1092,6 +1099,8 @@ def close_envs(envs: gym.vector.VectorEnv) -> None:
         if pipe is not None:
             pipe.close()
     base.closed = True  # gymnasium's own close would wait on the dead pipes again
+    if interrupted is not None:
+        raise interrupted
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1200,9 +1209,10 @@ class Run:
         """Every exit drops the chunks still queued for the reward model (`scorer`'s), closes TensorBoard and the env
         processes (they ignore SIGTERM: a process exiting under them would hang) and frees the run for a --resume, also
         on an error, a second Ctrl-C or an env worker's death (one sentence naming it, not the broken pipe)."""
-        self.envs, self.scorer = envs, scorer
+        self.envs, self.scorer, clean = envs, scorer, False
         try:
             yield
+            clean = True  # a normal end (a first Ctrl-C's too): the workers close their envs; any other exit kills them
         except (EOFError, ConnectionError):  # a pipe to an env worker broke: which one died, and how?
             died = dead_worker(envs)
             if died is None:
@@ -1219,7 +1229,7 @@ class Run:
                 if self.writer is not None:
                     self.writer.close()  # may fail (a full disk): the envs are closed all the same
             finally:
-                close_envs(envs)
+                close_envs(envs, clean)
                 for fd in RUN_LOCKS.values():
                     os.close(fd)
                 RUN_LOCKS.clear()
@@ -1709,13 +1719,34 @@ def save_video(frames: list[np.ndarray], path: str, fps: int) -> None:
         wandb.log({f"videos/{Path(path).stem}": wandb.Video(path, format="mp4")})
 
 
+def check_frame(frame, where: str, shape: Optional[tuple] = None) -> None:
+    """A frame the reward model and the videos take: a uint8 array of height x width x 3 (of `shape` when given), or
+    one sentence naming the env (`where`) and what came (float frames were a PIL traceback after an earlier evaluation
+    had been deleted)."""
+    if isinstance(frame, np.ndarray) and frame.dtype == np.uint8 and frame.ndim == 3 and frame.shape[-1] == 3:
+        if shape is None or frame.shape == tuple(shape):
+            return
+    what = "None" if frame is None else f"a {type(frame).__name__}"
+    floats = isinstance(frame, np.ndarray) and frame.dtype.kind == "f"
+    if isinstance(frame, np.ndarray):
+        what = f"a {frame.dtype} array of shape {frame.shape}"
+        what += f" (values {np.nanmin(frame):g} to {np.nanmax(frame):g})" if floats and frame.size else ""
+    needed = f"uint8 frames of shape {tuple(shape) if shape else '(height, width, 3)'}"
+    raise RunError(
+        f"{where} rendered {what}, but the reward model and the videos need {needed}; make its render() return those"
+        + (", e.g. (frame * 255).astype(np.uint8)." if floats else ".")
+    )
+
+
 def evaluate(policy: Callable, eval_envs: gym.vector.VectorEnv, reward_model, episodes: int, seed: int) -> list[dict]:
     """Episodes of `policy` (the script's: observations -> actions) in a one-env vector env: the frames and their rate,
-    the ground-truth and CLIP return of each; as CleanRL keeps its evaluations in cleanrl_utils."""
-    results = []
+    the ground-truth and CLIP return of each; as CleanRL keeps its evaluations in cleanrl_utils. Every frame is checked
+    as training checks its frames, before any is scored or saved."""
+    results, name = [], eval_envs.envs[0].spec.id if eval_envs.envs[0].spec else type(eval_envs.envs[0].unwrapped).__name__
     for episode in range(episodes):
         obs, _ = eval_envs.reset(seed=seed + episode)
         frames = [eval_envs.call("render")[0]]
+        check_frame(frames[0], name)
         gt_return = 0.0
         done = False
         while not done:  # fixed length: --episode-length steps; stock: until the env terminates or truncates
@@ -1725,6 +1756,7 @@ def evaluate(policy: Callable, eval_envs: gym.vector.VectorEnv, reward_model, ep
             done = bool(terminations[0] or truncations[0])
             gt_return += float(gt_rewards[0])
             frames.append(eval_envs.call("render")[0])
+            check_frame(frames[-1], name, frames[0].shape)  # one video, one batch for the reward model: one shape
         # the reset frame scores no transition: the reward of step t is the score of frame t + 1
         clip_return = float(reward_model(np.stack(frames[1:])).sum()) if reward_model is not None else math.nan
         fps = eval_envs.metadata["render_fps"]
@@ -1734,19 +1766,27 @@ def evaluate(policy: Callable, eval_envs: gym.vector.VectorEnv, reward_model, ep
 
 def save_episodes(results: list[dict], run_name: str) -> None:
     """--evaluate: each episode as an MP4 and its frames as PNGs under videos/<run_name>/eval-episode-<i>, the trained
-    run's folder; an earlier evaluation there is replaced whole (a longer one would leave frames past this one's end)."""
-    stale = sorted(Path(f"videos/{run_name}").glob("eval-episode-*"))
-    for path in stale:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    run's folder. Written beside an earlier evaluation there, in a hidden folder, which replaces it (whole: a longer one
+    would leave frames past this one's end) only once complete: a failure or Ctrl-C meanwhile leaves the earlier one."""
+    os.makedirs(f"videos/{run_name}", exist_ok=True)
+    partial = tempfile.mkdtemp(prefix=".eval-partial-", dir=f"videos/{run_name}")
+    try:
+        for i, result in enumerate(results):
+            save_video(result["frames"], f"{partial}/eval-episode-{i}.mp4", result["fps"])
+            os.makedirs(f"{partial}/eval-episode-{i}")
+            for t, frame in enumerate(result["frames"]):
+                imageio.imwrite(f"{partial}/eval-episode-{i}/frame-{t:04d}.png", frame)
+        stale = sorted(Path(f"videos/{run_name}").glob("eval-episode-*"))
+        for path in stale:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        for name in sorted(os.listdir(partial)):
+            os.rename(f"{partial}/{name}", f"videos/{run_name}/{name}")
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     if stale:
-        print(f"replacing the earlier evaluation in videos/{run_name}/")
+        print(f"replaced the earlier evaluation in videos/{run_name}/")
     for i, result in enumerate(results):
-        folder = f"videos/{run_name}/eval-episode-{i}"
-        save_video(result["frames"], folder + ".mp4", result["fps"])
-        os.makedirs(folder, exist_ok=True)
-        for t, frame in enumerate(result["frames"]):
-            imageio.imwrite(f"{folder}/frame-{t:04d}.png", frame)
-        print(f"eval episode {i}: {returns_text(result)} -> {folder}.mp4")
+        print(f"eval episode {i}: {returns_text(result)} -> videos/{run_name}/eval-episode-{i}.mp4")
 
 
 def returns_text(result: dict) -> str:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 
+import numpy as np
 import pytest
 import torch
 from conftest import ROOT, TINY_CLIP, assert_clean_error, assert_refused, only_run, read_scalars, run_script
@@ -139,5 +140,57 @@ def test_evaluate_writes_beside_the_trained_runs_videos_and_replaces_an_earlier_
     assert sorted(p.name for p in videos.iterdir()) == ["eval-episode-0", "eval-episode-0.mp4"]  # nothing left of the first
     assert len(list((videos / "eval-episode-0").glob("*.png"))) == 11  # not 31: no frames of the longer episode behind
     out = capsys.readouterr().out
-    assert f"replacing the earlier evaluation in videos/{run.name}/" in out
+    assert f"replaced the earlier evaluation in videos/{run.name}/" in out
     assert "eval episode 0: gt_return=" in out and "clip_return" not in out  # --reward gt: no clip_return=nan
+
+
+def files_under(folder) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "frame, said",
+    [
+        (lambda f: np.full((1, 1, 3), 0.5, np.float32), "a float32 array of shape (1, 1, 3) (values 0.5 to 0.5)"),
+        (lambda f: f[:200], "a uint8 array of shape (200, 600, 3), but the reward model and the videos need uint8 frames of "
+         "shape (400, 600, 3)"),
+    ],
+    ids=["float", "shape"],
+)  # fmt: skip
+def test_evaluate_checks_the_frames_and_keeps_the_earlier_evaluation(in_tmp, monkeypatch, frame, said):
+    """Issue 46: float frames deleted the earlier evaluation, then PIL's TypeError traceback, a broken MP4 and an empty
+    frames folder; a frame of another shape mid-episode was a traceback of imageio's."""
+    classic.main(classic.Args(**dict(GT_RUN, episode_length=30), total_timesteps=300, checkpoint_frequency=300))
+    run = only_run(in_tmp)
+    classic.main(classic.Args(evaluate=str(run / "checkpoint.pt"), eval_episodes=1))
+    videos = in_tmp / "videos" / run.name
+    before, render, calls = files_under(videos), classic.GymnasiumPixels.render, []
+
+    def bad_from_the_4th_frame(self):
+        calls.append(1)
+        return frame(render(self)) if len(calls) >= 4 else render(self)
+
+    monkeypatch.setattr(classic.GymnasiumPixels, "render", bad_from_the_4th_frame)
+    with pytest.raises(vlmrm_utils.RunError) as error:
+        classic.main(classic.Args(evaluate=str(run / "checkpoint.pt"), eval_episodes=1))
+    assert str(error.value).startswith(f"CartPole-v1 rendered {said}"), error.value
+    assert files_under(videos) == before and [p.name for p in videos.iterdir() if p.name.startswith(".")] == []
+
+
+def test_evaluate_replaces_the_earlier_evaluation_only_once_the_new_one_is_complete(in_tmp, monkeypatch):
+    classic.main(classic.Args(**dict(GT_RUN, episode_length=30), total_timesteps=300, checkpoint_frequency=300))
+    run = only_run(in_tmp)
+    classic.main(classic.Args(evaluate=str(run / "checkpoint.pt"), eval_episodes=2))
+    videos = in_tmp / "videos" / run.name
+    before, write, calls = files_under(videos), vlmrm_utils.imageio.imwrite, []
+
+    def full_disk_at_the_40th_png(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 40:
+            raise OSError(28, "No space left on device")
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(vlmrm_utils.imageio, "imwrite", full_disk_at_the_40th_png)
+    with pytest.raises(OSError, match="No space left"):
+        classic.main(classic.Args(evaluate=str(run / "checkpoint.pt"), eval_episodes=2, episode_length=20))
+    assert files_under(videos) == before and sorted(p.name for p in videos.iterdir())[0] == "eval-episode-0"

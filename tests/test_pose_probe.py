@@ -5,6 +5,7 @@ script's env, and the ranking and verdict logic with an instrumented encoder tha
 the true ranking is known. The proof that a trained CLIP's reward picks the right pose is tests/test_pose_probe_clip.py.
 """
 
+import io
 import os
 import runpy
 import shutil
@@ -293,6 +294,23 @@ def test_cli_tiny_model(monkeypatch, in_tmp, capsys):
     assert f"rendered 13 Humanoid-v5 poses at {SIZE} px (high quality, paper camera)" in out
 
 
+def test_the_heat_maps_header_fits_the_figure(monkeypatch):
+    """Issue 46: the header line ran past the figure's edge and was cut ("... paper camera; baseline: a humano")."""
+    figures = []
+    monkeypatch.setattr(reward_shape.plt, "close", figures.append)
+    args = reward_shape.Args(env_id="Humanoid-v5", renderer="warp", goal=("a humanoid robot kneeling",),
+                             baseline=("a humanoid robot",))  # fmt: skip
+    rewards = np.linspace(0, 1, len(reward_shape.POSES))
+    columns = [reward_shape.Column("ViT-bigG-14/laion2b_s39b_b160k", 0, f"alpha={a}", rewards) for a in args.alphas]
+    reward_shape.plot_poses(io.BytesIO(), np.zeros((13, SIZE, SIZE, 3), np.uint8), columns, {}, args)
+    (fig,) = figures
+    renderer = fig.canvas.get_renderer()
+    for text in [*fig.texts, *fig.axes[0].texts]:
+        box = text.get_window_extent(renderer)
+        assert 0 <= box.x0 and box.x1 <= fig.bbox.x1 and box.y1 <= fig.bbox.y1, text.get_text()
+    assert "baseline: a humanoid robot" in " ".join(fig.texts[0].get_text().split())
+
+
 @pytest.fixture
 def nothing_expensive(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
@@ -330,6 +348,7 @@ HUMANOID = ["--env-id", "Humanoid-v5"]
             ["--prompts", "1,005 columns", "at most 100"],
         ),
         ([*HUMANOID, "--realistic"], ["--realistic only changes MountainCar"]),
+        ([*HUMANOID, "--num-points", "0"], ["--num-points is for the envs whose state axis is swept", "13 poses"]),
         (["--env-id", "CartPole-v1", "--prompts", "a pole"], ["--prompts and --expect are for the Humanoid-v5 pose probe"]),
         (["--expect", "a pole=upright"], ["--prompts and --expect are for the Humanoid-v5 pose probe"]),
     ],

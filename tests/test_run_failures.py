@@ -227,6 +227,64 @@ def test_a_second_ctrl_c_while_the_scorer_is_slow_quits_without_scoring_the_queu
     assert proc.returncode in (130, -signal.SIGINT), (proc.returncode, err[-3000:])
 
 
+def test_a_second_interrupt_inside_a_step_ends_at_once_however_the_workers_reply(tmp_path):
+    """A second Ctrl-C or SIGTERM inside a step whose first worker had replied hung for ever (1 in 6 tries with 8 envs,
+    3 in 3 with a slow env): gymnasium's close waited for replies already read. A fast env beside one whose step takes
+    2 s makes the race certain; each try runs the run's own exit (`Run.closing`), INT, INT or TERM, TERM."""
+    tries = 12
+    script = f"""
+        import signal, sys, threading, os, time
+        sys.path.insert(0, {str(ROOT)!r})
+        import gymnasium as gym, numpy as np
+        import vlmrm_utils as utils
+
+        class Env(gym.Env):
+            observation_space, action_space = gym.spaces.Box(-1, 1, (1,)), gym.spaces.Discrete(2)
+            def __init__(self, delay):
+                self.delay = delay
+            def reset(self, seed=None, options=None):
+                return np.zeros(1, np.float32), {{}}
+            def step(self, action):
+                time.sleep(self.delay)
+                return np.zeros(1, np.float32), 0.0, False, False, {{}}
+
+        run = object.__new__(utils.Run)
+        run.queue = run.writer = None
+        run.name = "run"
+        for i in range({tries}):
+            sig = (signal.SIGINT, signal.SIGTERM)[i % 2]
+            fns = [lambda: Env(0.0), lambda: Env(2.0)]
+            envs = utils.make_vector_env(gym.vector.AsyncVectorEnv, fns, gym.vector.AutoresetMode.DISABLED)
+            workers = [p.pid for p in envs.unwrapped.processes]
+            utils.install_stop_handlers()
+            envs.reset(seed=i)
+            sent = []
+            for after in (0.2, 0.4):  # the first asks for a checkpoint, the second quits: env 0 has replied by then
+                threading.Timer(after, lambda: sent.append(time.monotonic()) or os.kill(os.getpid(), sig)).start()
+            try:
+                with run.closing(envs):
+                    envs.step(np.zeros(2, np.int64))
+            except KeyboardInterrupt:
+                took = time.monotonic() - sent[1]
+            else:
+                raise SystemExit("the step ended before the second interrupt")
+            print(f"{{took:.2f}}", *[os.path.exists(f"/proc/{{p}}") for p in workers], flush=True)
+    """
+    (tmp_path / "tries.py").write_text(textwrap.dedent(script))
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "tries.py")], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=40)  # 12 tries take about 8 s
+    except subprocess.TimeoutExpired:  # the hang: its workers end with it (die_with_parent)
+        proc.kill()
+        out, err = proc.communicate()
+    rows = [line.split() for line in out.splitlines() if line.strip() and not line.endswith("(again: quit now)")]
+    assert proc.returncode == 0, f"{len(rows)} of {tries} tries ended, then it hung:\n{out}{err[-2000:]}"
+    assert len(rows) == tries, out
+    for seconds, *alive in rows:
+        assert float(seconds) < 1.0 and alive == ["False", "False"], out  # the slow env's 2 s step was not waited for
+
+
 @pytest.mark.skipif(ctypes.util.find_library("OSMesa") is not None, reason="libOSMesa is installed here: nothing is missing")
 def test_mujoco_gl_osmesa_without_osmesa_is_one_sentence(tmp_path):
     result = run_script(

@@ -442,6 +442,40 @@ def test_study_plots_epic_and_success_against_model_size(tmp_path):
         se.study(se.Study(epic=(epic,), model_params=("RN50:1e8",), out=str(tmp_path / "s3")))
 
 
+def test_study_refuses_the_same_episodes_in_two_rows(runs, tmp_path):
+    """Issue 46: two rollouts of one checkpoint with the default seed are the same episodes (identical episodes.csv);
+    `study` over their two reports gave n = 6 from 3 episodes (Wilson upper bound 0.39 instead of 0.56), exit 0. So did
+    a `cp -r` copy of a rollouts folder. Other seeds are other episodes; a copy of the checkpoint is the same policy."""
+
+    def rollout_and_report(name: str, checkpoint: str = runs["dqn"], **flags) -> str:
+        folder = se.rollout(se.Rollout(checkpoint=checkpoint, episodes=3, out=str(tmp_path / name), cuda=False, **flags))
+        se.report(se.Report(rollouts=(folder,), out=str(tmp_path / f"success-{name}")))
+        return str(tmp_path / f"success-{name}.csv")
+
+    def study(*reports: str) -> list[dict]:
+        return se.study(se.Study(success=reports, model_configs=(TINY_CLIP,), out=str(tmp_path / "study")))
+
+    first, again = rollout_and_report("first"), rollout_and_report("again")
+    assert read_episodes(tmp_path / "first") == read_episodes(tmp_path / "again")
+    same = f"--success {again} line 2 and --success {first} line 2 hold the same episodes"
+    with pytest.raises(UserError, match=f"^{same} .*{tmp_path}/again/videos/episode-000.mp4 is .*first/videos/episode-000"):
+        study(first, again)
+    shutil.copytree(tmp_path / "first", tmp_path / "copy")
+    copy = tmp_path / "success-copy.csv"
+    copy.write_text((tmp_path / "success-first.csv").read_text().replace(f"{tmp_path}/first", f"{tmp_path}/copy"))
+    with pytest.raises(UserError, match=f"^--success {copy} line 2 and --success {first} line 2 hold the same episodes"):
+        study(first, str(copy))
+    with pytest.raises(UserError, match=r"^--rollouts .*copy and --rollouts .*first hold the same episodes"):
+        se.report(se.Report(rollouts=(str(tmp_path / "first"), str(tmp_path / "copy")), out=str(tmp_path / "both")))
+    shutil.copy(runs["dqn"], tmp_path / "copied.pt")  # the same policy under another name
+    copied = rollout_and_report("copied", str(tmp_path / "copied.pt"))
+    with pytest.raises(UserError, match="hold the same episodes"):
+        study(first, copied)
+    other_seed = rollout_and_report("other", seed=0)
+    (row,) = [r for r in study(first, other_seed) if r["metric"] == "success_rate"]
+    assert row["n"] == 6  # 3 episodes each: seeds 10001-10003 and 0-2
+
+
 # ---------------------------------------------------------------------------------------------- label page
 # the page and server themselves (one template, refusals, a full disk): tests/test_label_server.py
 

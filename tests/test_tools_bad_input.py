@@ -240,6 +240,21 @@ CASES = {  # id: (command, the edit that breaks a good file, words the one sente
         both(write("success.csv", SUCCESS_OF_R), write("again.csv", SUCCESS_OF_R.replace(",r\n", ",./r/\n"))),
         ["--success again.csv line 2 and --success success.csv line 2 both count the rollouts ./r/"],
     ),
+    # issue 46: a copy of a rollouts folder (or a second rollout of one checkpoint and seed) holds the same episodes
+    "report-a-copy-of-a-rollouts-folder": (
+        REPORT[:4] + ["copy"] + REPORT[4:],
+        lambda root: shutil.copytree(root / "r", root / "copy"),
+        ["--rollouts copy and --rollouts r hold the same episodes", "copy/videos/episode-000.mp4 is r/videos/episode-000"],
+    ),
+    "study-reports-of-a-rollouts-folder-and-its-copy": (
+        STUDY[:6] + ["again.csv"] + STUDY[6:],
+        both(
+            lambda root: shutil.copytree(root / "r", root / "copy"),
+            write("success.csv", SUCCESS_OF_R),
+            write("again.csv", SUCCESS_OF_R.replace(",r\n", ",copy\n")),
+        ),
+        ["--success again.csv line 2 and --success success.csv line 2 hold the same episodes", "count twice"],
+    ),
     "study-same-epic-file-via-a-link": (
         STUDY[:3] + ["epic.csv", "epic-link.csv"] + STUDY[4:],
         lambda root: os.symlink("epic.csv", root / "epic-link.csv"),
