@@ -10,7 +10,6 @@ reads only the flags both training scripts share; the tools' own file handling i
 import contextlib
 import copy
 import errno
-import fcntl
 import hashlib
 import importlib.util
 import logging
@@ -30,6 +29,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Callable, Optional
 
+import filelock
 import gymnasium as gym
 import imageio.v2 as imageio
 import numpy as np
@@ -495,7 +495,7 @@ def check_intact(path: str, name: str, advice: str) -> None:
         raise UserError(f"{name} is damaged: its bytes do not match the checksums saved in it (a bad disk or copy); {advice}.")
 
 
-RUN_LOCKS: dict[str, int] = {}  # runs/<run>/run.lock of the run this process trains -> its open file
+RUN_LOCKS: dict[str, filelock.UnixFileLock] = {}  # runs/<run>/run.lock of the run this process trains -> its lock
 
 
 def lock_run(run_name: str, keep: bool = True) -> None:
@@ -504,21 +504,28 @@ def lock_run(run_name: str, keep: bool = True) -> None:
     path = os.path.abspath(f"runs/{run_name}/run.lock")
     if path in RUN_LOCKS or not (keep or os.path.exists(path)):
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    lock = filelock.UnixFileLock(path, timeout=0)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
+        lock.acquire()
+    except filelock.Timeout:
+        holder = Path(path).read_text(errors="replace").strip() or "?"
         raise UserError(f"runs/{run_name} is being trained by another process (pid {holder}); wait for it to end.") from None
     if not keep:
-        return os.close(fd)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    RUN_LOCKS[path] = fd
+        return lock.release()
+    Path(path).write_text(str(os.getpid()))  # who holds it, for the refusal above (unlock_runs empties it)
+    RUN_LOCKS[path] = lock
     for tmp in Path(f"runs/{run_name}").glob("**/*.pt.*.tmp"):  # save_checkpoint's, of a writer killed mid-write
         tmp.unlink()
         print(f"removed {tmp}, left half-written by a run that was killed")
+
+
+def unlock_runs() -> None:
+    """The run is free for a --resume; its run.lock stays (filelock's choice: a waiter may hold the file open), empty."""
+    for path, lock in RUN_LOCKS.items():
+        with contextlib.suppress(OSError):  # the folder removed meanwhile: nothing to empty
+            os.truncate(path, 0)
+        lock.release()
+    RUN_LOCKS.clear()
 
 
 def resumed_args(args, checkpoint: dict):
@@ -1231,9 +1238,7 @@ class Run:
                     self.writer.close()  # may fail (a full disk): the envs are closed all the same
             finally:
                 close_envs(envs)
-                for fd in RUN_LOCKS.values():
-                    os.close(fd)
-                RUN_LOCKS.clear()
+                unlock_runs()
 
     def start(self, networks: dict, rb, reward_model, frame_shape: tuple, success: Optional[Callable]) -> None:
         """Before the first step: the checkpoints' disk and the reward model's cost said, then the run folder (new, or

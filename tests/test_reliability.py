@@ -554,6 +554,16 @@ def test_a_run_still_training_is_not_resumed_twice_and_a_killed_writers_temp_fil
         other.write("4242")
         other.flush()
         assert_refused(classic, ["--resume", str(checkpoint), "--total-timesteps", "600"], "being trained", "pid 4242")
+    # a real other process that trains the run (its lock_run): refused naming it; killed by SIGKILL, it holds nothing
+    hold = "import sys, time, vlmrm_utils; vlmrm_utils.lock_run(sys.argv[1]); print('held', flush=True); time.sleep(300)"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    other = subprocess.Popen([sys.executable, "-c", hold, checkpoint.parent.name], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert other.stdout.readline() == "held\n"
+        assert_refused(classic, ["--resume", str(checkpoint), "--total-timesteps", "600"], f"(pid {other.pid})")
+    finally:
+        other.kill()
+        other.wait()
     # a SIGKILL mid-write leaves save_checkpoint's temporary file: the next process that holds the run removes it
     orphans = [checkpoint.parent / "checkpoint.pt.k1ll3d.tmp", checkpoint.parent / "checkpoints" / "step-200.pt.x9.tmp"]
     for orphan in orphans:
@@ -562,6 +572,7 @@ def test_a_run_still_training_is_not_resumed_twice_and_a_killed_writers_temp_fil
     classic.main(classic.Args(resume=str(checkpoint), total_timesteps=600))
     assert not any(orphan.exists() for orphan in orphans)
     assert f"removed runs/{checkpoint.parent.name}/checkpoint.pt.k1ll3d.tmp, left half-written" in capsys.readouterr().out
+    assert (checkpoint.parent / "run.lock").read_text() == ""  # a finished run leaves no pid behind (issue 46)
 
 
 def estimate(module, flags: list[str]) -> int:
