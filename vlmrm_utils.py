@@ -33,6 +33,7 @@ import filelock
 import gymnasium as gym
 import imageio.v2 as imageio
 import numpy as np
+import psutil
 import torch
 import torch.nn as nn
 
@@ -327,12 +328,8 @@ def clip_parameters(model: str) -> int:
 
 
 def available_memory() -> int:
-    """Bytes of memory available to a new allocation (Linux MemAvailable), 0 when unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return 0
+    """Bytes of memory available to a new allocation (Linux: MemAvailable)."""
+    return psutil.virtual_memory().available
 
 
 def check_checkpoint_disk(args, networks: dict[str, dict], rb) -> None:
