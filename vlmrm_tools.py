@@ -7,11 +7,10 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 from typing import Callable
 
-from vlmrm_utils import UserError, check_writable, new_file_mode
+from vlmrm_utils import UserError, check_writable
 
 PARTIAL_FOLDER = re.compile(r"^\..+\.partial-(\d+)-\d+$")  # .<out>.partial-<pid>-<ns>: a folder being written
 
@@ -148,17 +147,16 @@ def write_folder(out: str, files: dict[str, bytes], flag: str) -> None:
 
 def write_atomic(path: str, write: Callable) -> None:
     """`write(file)` into a temporary file beside `path`, on disk, then renamed onto it: never half a file at `path`."""
-    tmp = None
+    folder, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{name}.{os.urandom(6).hex()}")
     try:
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.")
-        os.fchmod(fd, new_file_mode())
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:  # the mode any new file gets (mkstemp's 0600 would stay on the renamed file)
             write(f)
             f.flush()
             os.fsync(f.fileno())  # the data is on disk before the rename makes it the file
         os.replace(tmp, path)
     except BaseException as e:
-        if tmp is not None and os.path.exists(tmp):
+        if os.path.exists(tmp):
             os.unlink(tmp)
         if isinstance(e, OSError):
             raise UserError(f"could not write {path} ({e.strerror}); nothing was written there.") from None

@@ -19,7 +19,6 @@ import random
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import zipfile
@@ -1752,17 +1751,16 @@ def all_finite(state) -> bool:
 # ----------------------------------------------------------------------------------------------
 def save_checkpoint(path: str, state: dict) -> None:
     """Atomic and durable: a crash, power cut or full disk mid-write never replaces a good checkpoint with half of one."""
-    folder = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")  # own temp file per write
+    folder, tmp = os.path.dirname(path) or ".", f"{path}.{os.urandom(6).hex()}.tmp"  # its own temp file per write
     try:
-        os.fchmod(fd, new_file_mode())
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:  # the mode any new file gets (mkstemp's 0600 stayed on the renamed checkpoint)
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())  # the data is on disk before the rename makes it the checkpoint
         os.replace(tmp, path)
     except BaseException as e:
-        os.unlink(tmp)
+        with contextlib.suppress(FileNotFoundError):  # not made at all (a read-only folder)
+            os.unlink(tmp)
         cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__  # torch wraps a full disk in a RuntimeError
         if isinstance(e, (OSError, RuntimeError)):  # the machine's failure, not the input's: exit code 1 (see cli)
             why = getattr(cause, "strerror", None) or str(e).splitlines()[0][:120]
@@ -1771,17 +1769,6 @@ def save_checkpoint(path: str, state: dict) -> None:
     dir_fd = os.open(folder, os.O_RDONLY)
     os.fsync(dir_fd)  # the rename itself survives a power cut
     os.close(dir_fd)
-
-
-def new_file_mode() -> int:
-    """The mode open() gives a new file, 0o666 less the umask: mkstemp's 0o600 would stay on the renamed output."""
-    try:
-        with open("/proc/self/status") as f:  # read, not set: os.umask() changes it for every thread meanwhile
-            return 0o666 & ~next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
-    except (OSError, StopIteration):
-        mask = os.umask(0o022)
-        os.umask(mask)
-        return 0o666 & ~mask
 
 
 def save_video(frames: list[np.ndarray], path: str, fps: int) -> None:
