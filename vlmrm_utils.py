@@ -1259,7 +1259,7 @@ class Run:
         purge_step = self.start_iteration * args.num_envs if self.checkpoint else None
         from torch.utils.tensorboard import SummaryWriter  # here: half a second to import, which a refused flag needs not
 
-        self.writer = name_write_errors(SummaryWriter(f"runs/{self.name}", purge_step=purge_step))
+        self.writer = quiet_writer_thread(SummaryWriter(f"runs/{self.name}", purge_step=purge_step))
         if self.checkpoint is None:
             table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
             self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
@@ -1635,26 +1635,13 @@ def install_stop_handlers() -> dict:
     return stop
 
 
-def name_write_errors(writer: "torch.utils.tensorboard.SummaryWriter") -> "torch.utils.tensorboard.SummaryWriter":
-    """TensorBoard writes from a thread: a full disk there printed the thread's traceback, then surfaced at a later
-    add_scalar naming no file. The thread is quiet now (its error still surfaces) and the error names the event file."""
+def quiet_writer_thread(writer: "torch.utils.tensorboard.SummaryWriter") -> "torch.utils.tensorboard.SummaryWriter":
+    """TensorBoard writes from a thread: a full disk there printed the thread's traceback, and TensorBoard raises the
+    same error at the next add_scalar, flush or close (one sentence, see cli). The thread's own print is dropped."""
     threading.excepthook = lambda hook: (
         None if type(hook.thread).__name__ == "_AsyncWriterThread" and isinstance(hook.exc_value, OSError)
         else threading.__excepthook__(hook)
     )  # fmt: skip
-    event_writer = writer.file_writer.event_writer
-    path, queue = event_writer._file_name, event_writer._async_writer  # the private parts of tensorboard 2.x's writer
-
-    def named(call: Callable) -> Callable:
-        def call_named(*args):
-            try:
-                return call(*args)
-            except OSError as e:
-                raise OSError(f"could not write {os.path.relpath(path)} ({e.strerror or e}); free some disk space") from None
-
-        return call_named
-
-    queue._check_worker_status, queue.close = named(queue._check_worker_status), named(queue.close)
     return writer
 
 

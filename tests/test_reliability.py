@@ -687,8 +687,10 @@ def can_mount() -> bool:
 
 
 @pytest.mark.skipif(not can_mount(), reason="needs `unshare -rm` (a private mount namespace) for a small tmpfs")
-def test_a_full_disk_under_tensorboard_is_one_sentence_naming_the_file_and_exit_1(tmp_path):
-    # a 48 KiB tmpfs fills up with TensorBoard's events after a few hundred episodes: a real ENOSPC in its writer thread
+def test_a_full_disk_under_tensorboard_is_one_sentence_and_exit_1(tmp_path):
+    # a 48 KiB tmpfs fills up with TensorBoard's events after a few hundred episodes: a real ENOSPC in its writer thread,
+    # which printed its traceback; TensorBoard raises it again in the main thread (naming the event file took a patch of
+    # its private writer, dropped for issue 45)
     (tmp_path / "disk").mkdir()
     mount = 'mount -t tmpfs -o size=48k tmpfs "$0" && cd "$0" && exec "$@"'
     flags = "--reward gt --total-timesteps 20000 --learning-starts 1000".split()
@@ -699,7 +701,7 @@ def test_a_full_disk_under_tensorboard_is_one_sentence_naming_the_file_and_exit_
         timeout=300,
     )
     assert result.returncode == 1, result.stdout[-1000:] + result.stderr[-3000:]  # the machine's failure: exit code 1
-    assert_clean_error(result, "could not write runs/CartPole-v1__", "/events.out.tfevents.", "No space left on device")
+    assert_clean_error(result, "No space left on device")
 
 
 def test_a_sigkilled_sac_run_takes_its_env_workers_along_without_tracebacks(tmp_path):
