@@ -593,6 +593,7 @@ def load_clip(args, device: torch.device) -> tuple[nn.Module, object]:
 
 def fetch_clip_weights(args) -> bool:
     """Download the --clip-pretrained weights into the cache unless there, saying so first; True when cached."""
+    import huggingface_hub
     import huggingface_hub.constants as hub
     import open_clip
 
@@ -612,7 +613,12 @@ def fetch_clip_weights(args) -> bool:
     size = f" ({params / 1e6:,.0f}M parameters, about {params * 4 / 1e9:.1f} GB as float32)" if params else ""
     where = cache or "the Hugging Face cache"
     print(f"fetching the {name}/{args.clip_pretrained} CLIP weights{size} from {hub.ENDPOINT} into {where}", flush=True)
-    why = "HF_HUB_OFFLINE is set and they are not in the cache" if offline else can_reach(hub.ENDPOINT)
+    why = "HF_HUB_OFFLINE is set and they are not in the cache" if offline else None
+    try:  # the hub's own client, once: open_clip's download retries a network that is down for a minute (46 s here)
+        if not offline:
+            huggingface_hub.get_session().head(hub.ENDPOINT, timeout=5)
+    except Exception as e:  # noqa: BLE001 - a name, a connection or a proxy that fails: said in seconds
+        why = f"{hub.ENDPOINT} cannot be reached: {(str(e).splitlines() or [type(e).__name__])[0]}"
     if why is None:
         try:
             open_clip.download_pretrained(cfg, cache_dir=cache)
@@ -623,21 +629,6 @@ def fetch_clip_weights(args) -> bool:
         f"could not download the {name}/{args.clip_pretrained} CLIP weights ({why}); check the network connection, "
         "point --clip-cache-dir at a folder that holds them, or pass a weights file with --clip-checkpoint."
     )
-
-
-def can_reach(url: str, timeout: float = 5.0) -> Optional[str]:
-    """None when the URL's host (or the HTTPS proxy in use) accepts a connection within seconds, else why not."""
-    import socket
-    import urllib.request
-    from urllib.parse import urlparse
-
-    proxy = urllib.request.getproxies().get("https")
-    target = urlparse(proxy if proxy and not urllib.request.proxy_bypass(urlparse(url).hostname) else url)
-    try:
-        socket.create_connection((target.hostname, target.port or (443 if target.scheme == "https" else 80)), timeout).close()
-    except OSError as e:  # a minute of open_clip's retries, said in 5 s
-        return f"{target.hostname} cannot be reached: {e.strerror or type(e).__name__}"
-    return None
 
 
 def warn_long_prompts(tokenizer, args) -> None:
