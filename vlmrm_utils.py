@@ -1686,34 +1686,22 @@ def save_nonfinite(run_name: str, networks: dict) -> str:
 
 
 def misfit(saved, fresh) -> Optional[str]:
-    """What keeps `saved` from loading into `fresh` (a module, an optimiser or a tensor), or None; other values: anything."""
+    """What keeps `saved` from loading into `fresh` (a module, an optimiser or a tensor), or None; other values: anything.
+    Modules and optimisers load it (strict), and torch says why not; an optimiser's moments it loads unchecked."""
     if torch.is_tensor(fresh):
         shape = tuple(saved.shape) if torch.is_tensor(saved) else type(saved).__name__
         return None if shape == tuple(fresh.shape) else f"is {shape}, not {tuple(fresh.shape)}"
     if not isinstance(fresh, (nn.Module, torch.optim.Optimizer)):
         return None
-    if not isinstance(saved, dict):
-        return f"is a {type(saved).__name__}, not a state dict"
-    if isinstance(fresh, torch.optim.Optimizer):
-        shapes = [p.shape for group in fresh.param_groups for p in group["params"]]
-        groups, state = saved.get("param_groups"), saved.get("state")
-        sizes = [len(g["params"]) if isinstance(g, dict) and "params" in g else -1 for g in groups or ()]
-        if not isinstance(state, dict) or sizes != [len(g["params"]) for g in fresh.param_groups]:
-            return f"holds parameter groups of {sizes} parameters, not {[len(g['params']) for g in fresh.param_groups]}"
-        for i, moments in state.items():
-            for name, value in moments.items() if isinstance(moments, dict) else [("state", None)]:
-                known = isinstance(i, int) and 0 <= i < len(shapes) and value is not None
-                if not known or torch.is_tensor(value) and value.dim() and value.shape != shapes[i]:
-                    return f"has a {name} of parameter {i} that fits none of {len(shapes)} parameters"
-        return None
-    expected = fresh.state_dict()
-    other = sorted(expected.keys() ^ saved.keys())
-    if other:
-        return f"has other layers ({', '.join(map(str, other[:3]))}{', ...' if len(other) > 3 else ''})"
-    for name, value in expected.items():
-        if not torch.is_tensor(saved[name]) or saved[name].shape != value.shape:
-            shape = tuple(saved[name].shape) if torch.is_tensor(saved[name]) else type(saved[name]).__name__
-            return f"has {name} of shape {shape}, not {tuple(value.shape)}"
+    try:
+        fresh.load_state_dict(saved)
+    except Exception as e:  # noqa: BLE001 - whatever torch refuses it for, its first line (a module's: after a header)
+        lines = str(e).split(":\n", 1)[-1].strip().splitlines()
+        return f"does not load ({type(e).__name__}: {(lines or [''])[0].strip().rstrip('.')[:200]})"
+    for param, moments in fresh.state.items() if isinstance(fresh, torch.optim.Optimizer) else ():
+        for name, value in moments.items() if isinstance(moments, dict) else ():  # of another shape: fails at a step
+            if torch.is_tensor(value) and value.dim() and (not torch.is_tensor(param) or value.shape != param.shape):
+                return f"has a {name} of shape {tuple(value.shape)} that fits none of its parameters"
     return None
 
 
