@@ -26,7 +26,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional, get_args, get_origin, get_type_hints
 
 import filelock
 import gymnasium as gym
@@ -381,6 +381,13 @@ def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict
             f"{flag} {path} was written by {changed}{record['file']} (sha256 {record['sha256'][:12]}), whose reward, env "
             f"and networks this {script} (sha256 {own['sha256'][:12]}) may not share; run it with that script as it was."
         )
+    for key, kind in get_type_hints(args_class).items():  # the parser checks a choice typed, not one saved
+        choices = get_args(kind) if get_origin(kind) is Literal else None
+        if choices and key in saved and saved[key] not in choices:
+            raise UserError(
+                f"{flag} {path} holds --{key.replace('_', '-')} {saved[key]}, which {script} does not take "
+                f"({', '.join(map(str, choices))}); pass another checkpoint.pt."
+            )
     if flag == "--resume" and not {"iteration", "rng"} <= set(checkpoint):
         raise UserError(f"--resume {path} holds no resumable training state; pass a checkpoint.pt saved during training.")
     if flag == "--resume":
@@ -455,11 +462,13 @@ def check_run_state(checkpoint: dict, path: str) -> None:
         )
     args, rb, rng = checkpoint["args"], checkpoint["replay_buffer"], checkpoint["rng"]
     num_envs, total = args.get("num_envs", 1), args.get("total_timesteps", 0)
+    unloadable = unloadable_rng(rng) if isinstance(rng, dict) else None
     problems = [
         (not 0 < checkpoint["iteration"] * num_envs == checkpoint["global_step"] <= total,
          f"step {checkpoint['global_step']} (iteration {checkpoint['iteration']}) is not a step of its run of {total}"),
         (not isinstance(rng, dict) or len(rng.get("envs", ())) != num_envs,
          f"it holds {len(rng.get('envs', ())) if isinstance(rng, dict) else 'no'} env random states for {num_envs} envs"),
+        (unloadable is not None, f"its random state {unloadable} does not load"),
     ]  # fmt: skip
     if rb is not None:  # ReplayBuffer.state_dict: the filled part, `pos` where the next transition goes
         size, pos = args.get("buffer_size", 0), rb.get("pos") if isinstance(rb, dict) else None
@@ -473,6 +482,24 @@ def check_run_state(checkpoint: dict, path: str) -> None:
     for failed, problem in problems:
         if failed:
             raise UserError(f"--resume {path} is inconsistent: {problem}; pass another checkpoint.pt of the run.")
+
+
+def unloadable_rng(rng: dict) -> Optional[str]:
+    """Which of a checkpoint's random states the libraries refuse to load (and why), tried as restore loads them and
+    put back: found before anything starts, not as a traceback after the envs, CLIP and an event file started."""
+    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        for key, load in [("python", random.setstate), ("numpy", np.random.set_state), ("torch", torch.set_rng_state)]:
+            try:
+                load(rng.get(key))
+            except Exception as e:  # noqa: BLE001 - whatever the library says of it, in one line
+                return f"{key} ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})"
+        bad = [i for i, g in enumerate(rng.get("envs", ())) if not isinstance(g, np.random.Generator)]
+        return f"envs[{bad[0]}] (not a numpy Generator)" if bad else None
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.set_rng_state(saved[2])
 
 
 def check_intact(path: str, name: str, advice: str) -> None:
