@@ -28,7 +28,6 @@ import json
 import math
 import os
 import random
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -62,6 +61,7 @@ from vlmrm_sac_humanoid import Actor  # noqa: F401
 from vlmrm_sac_humanoid import make_env as make_humanoid_env
 from vlmrm_tools import (
     check_new_folder,
+    drop_partial_folder,
     new_partial_folder,
     publish_folder,
     read_csv,
@@ -345,7 +345,7 @@ def collect(args: Collect) -> None:
         with open(os.path.join(partial, "states.csv"), "w", newline="") as f:
             csv.writer(f).writerows([header, *rows])
     except BaseException as e:
-        shutil.rmtree(partial, ignore_errors=True)
+        drop_partial_folder(partial)
         if isinstance(e, OSError):  # e.g. the disk filled up
             raise UserError(f"could not write the dataset ({e.strerror or e}); nothing was written to {args.out}.") from None
         raise
@@ -821,7 +821,7 @@ def score(args: Score) -> str:
         title = f"{env_id}, {len(labels)} frames, {args.labels} labels; {int(args.confidence * 100)}% bootstrap interval"
         plot_epic(table, os.path.join(partial, "epic.png"), title)
     except BaseException as e:
-        shutil.rmtree(partial, ignore_errors=True)
+        drop_partial_folder(partial)
         if isinstance(e, OSError):  # e.g. the disk filled up
             raise UserError(f"could not write the results ({e.strerror or e}); nothing was written to {run_dir}.") from None
         raise

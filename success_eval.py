@@ -44,6 +44,7 @@ from vlmrm_dqn_classic import MOUNTAINCAR_GOAL
 from vlmrm_tools import (
     check_new_folder,
     check_output_file,
+    drop_partial_folder,
     new_partial_folder,
     publish_folder,
     read_csv,
@@ -383,7 +384,7 @@ def rollout(args: Rollout) -> str:
             )
     except BaseException as e:
         envs.close()
-        shutil.rmtree(partial, ignore_errors=True)
+        drop_partial_folder(partial)
         if isinstance(e, KeyboardInterrupt):
             raise Stopped(f"stopped by Ctrl-C after {len(rows)} of {args.episodes} episodes; nothing was written to {out}.")
         if isinstance(e, OSError):  # e.g. the disk filled up

@@ -1,19 +1,22 @@
 """The evaluation tools' own file handling (epic_eval.py, success_eval.py, reward_shape.py, sweep.py, label_server.py):
 files read with one sentence per problem, outputs written whole or not at all. The training scripts never use it."""
 
+import contextlib
 import csv
 import io
 import json
 import os
 import re
 import shutil
-import tempfile
 import time
 from typing import Callable
 
-from vlmrm_utils import UserError, check_writable, new_file_mode
+import filelock
 
-PARTIAL_FOLDER = re.compile(r"^\..+\.partial-(\d+)-\d+$")  # .<out>.partial-<pid>-<ns>: a folder being written
+from vlmrm_utils import UserError, check_writable
+
+PARTIAL = re.compile(r"^(\..+\.partial-\d+-\d+)(\.lock)?$")  # .<out>.partial-<pid>-<ns>: a folder being written, its lock
+PARTIAL_LOCKS: dict[str, filelock.UnixFileLock] = {}  # the partial folders this process writes -> its lock on each
 
 
 def read_text(path: str, what: str = "") -> str:
@@ -92,29 +95,40 @@ def check_output_file(path: str, flag: str) -> None:
     check_writable(os.path.dirname(os.path.abspath(path)), flag, "choose another path")
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
 def new_partial_folder(out: str) -> str:
-    """A hidden folder beside `out` to write into, renamed into place once complete (see publish_folder); stale ones
-    of a writer that was killed (SIGKILL, power cut) are removed first, so that they never pile up."""
+    """A hidden folder beside `out` to write into, renamed into place once complete (see publish_folder). Its writer
+    holds `<folder>.lock` (an flock the kernel drops when the writer ends, even by SIGKILL; on a shared disk, seen
+    from every node and container, which its pid is not): those of a writer that ended unfinished are removed first,
+    so that they never pile up."""
     parent, base = os.path.split(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
-    for name in os.listdir(parent):
-        match = PARTIAL_FOLDER.match(name)
-        if match and not pid_alive(int(match.group(1))):
+    for name in sorted({match.group(1) for match in map(PARTIAL.match, os.listdir(parent)) if match}):
+        stale = filelock.UnixFileLock(os.path.join(parent, name + ".lock"), timeout=0)
+        try:
+            stale.acquire()
+        except filelock.Timeout:  # its writer is still writing
+            continue
+        if os.path.isdir(os.path.join(parent, name)):
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
             print(f"removed {os.path.join(parent, name)}, left unfinished by a run that was killed")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(stale.lock_file)
+        stale.release()
     partial = os.path.join(parent, f".{base}.partial-{os.getpid()}-{time.time_ns()}")
+    PARTIAL_LOCKS[partial] = filelock.UnixFileLock(partial + ".lock")
+    PARTIAL_LOCKS[partial].acquire()  # before the folder exists: no other writer ever finds it without its lock
     os.makedirs(partial)
     return partial
+
+
+def drop_partial_folder(partial: str) -> None:
+    """The `partial` folder (unless renamed into place) and its lock: gone."""
+    shutil.rmtree(partial, ignore_errors=True)
+    lock = PARTIAL_LOCKS.pop(partial, None)
+    if lock is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock.lock_file)
+        lock.release()
 
 
 def publish_folder(partial: str, out: str, flag: str) -> None:
@@ -124,8 +138,9 @@ def publish_folder(partial: str, out: str, flag: str) -> None:
             os.remove(out)
         os.rename(partial, out)
     except OSError:
-        shutil.rmtree(partial, ignore_errors=True)
         raise UserError(f"{flag} {out} was filled by something else meanwhile; nothing was written.") from None
+    finally:
+        drop_partial_folder(partial)
 
 
 def write_folder(out: str, files: dict[str, bytes], flag: str) -> None:
@@ -140,7 +155,7 @@ def write_folder(out: str, files: dict[str, bytes], flag: str) -> None:
                 f.write(data)
     except OSError as e:
         if partial is not None:
-            shutil.rmtree(partial, ignore_errors=True)
+            drop_partial_folder(partial)
         why = e.strerror or str(e)
         raise OSError(f"could not write {os.path.join(out, name)} ({why}); nothing was written to {out}.") from None
     publish_folder(partial, out, flag)
@@ -148,17 +163,16 @@ def write_folder(out: str, files: dict[str, bytes], flag: str) -> None:
 
 def write_atomic(path: str, write: Callable) -> None:
     """`write(file)` into a temporary file beside `path`, on disk, then renamed onto it: never half a file at `path`."""
-    tmp = None
+    folder, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{name}.{os.urandom(6).hex()}")
     try:
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.")
-        os.fchmod(fd, new_file_mode())
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:  # the mode any new file gets (mkstemp's 0600 would stay on the renamed file)
             write(f)
             f.flush()
             os.fsync(f.fileno())  # the data is on disk before the rename makes it the file
         os.replace(tmp, path)
     except BaseException as e:
-        if tmp is not None and os.path.exists(tmp):
+        if os.path.exists(tmp):
             os.unlink(tmp)
         if isinstance(e, OSError):
             raise UserError(f"could not write {path} ({e.strerror}); nothing was written there.") from None

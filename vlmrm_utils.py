@@ -11,7 +11,6 @@ import contextlib
 import copy
 import difflib
 import errno
-import fcntl
 import hashlib
 import importlib.util
 import linecache
@@ -31,11 +30,13 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional, get_args, get_origin, get_type_hints
 
+import filelock
 import gymnasium as gym
 import imageio.v2 as imageio
 import numpy as np
+import psutil
 import torch
 import torch.nn as nn
 
@@ -338,12 +339,8 @@ def clip_parameters(model: str) -> int:
 
 
 def available_memory() -> int:
-    """Bytes of memory available to a new allocation (Linux MemAvailable), 0 when unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return 0
+    """Bytes of memory available to a new allocation (Linux: MemAvailable)."""
+    return psutil.virtual_memory().available
 
 
 def check_checkpoint_disk(args, networks: dict[str, dict], rb) -> None:
@@ -398,6 +395,13 @@ def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict
         )
     if record["sha256"] != own["sha256"]:  # the research loop: fix a bug, add a log line, go on
         note(f"note: {script} changed since {path} was written ({script_changes(record, own)}): {flag} uses it as it is now")
+    for key, kind in get_type_hints(args_class).items():  # the parser checks a choice typed, not one saved
+        choices = get_args(kind) if get_origin(kind) is Literal else None
+        if choices and key in saved and saved[key] not in choices:
+            raise UserError(
+                f"{flag} {path} holds --{key.replace('_', '-')} {saved[key]}, which {script} does not take "
+                f"({', '.join(map(str, choices))}); pass another checkpoint.pt."
+            )
     if flag == "--resume" and not {"iteration", "rng"} <= set(checkpoint):
         raise UserError(f"--resume {path} holds no resumable training state; pass a checkpoint.pt saved during training.")
     if flag == "--resume":
@@ -513,11 +517,13 @@ def check_run_state(checkpoint: dict, path: str) -> None:
         )
     args, rb, rng = checkpoint["args"], checkpoint["replay_buffer"], checkpoint["rng"]
     num_envs, total = args.get("num_envs", 1), args.get("total_timesteps", 0)
+    unloadable = unloadable_rng(rng) if isinstance(rng, dict) else None
     problems = [
         (not 0 < checkpoint["iteration"] * num_envs == checkpoint["global_step"] <= total,
          f"step {checkpoint['global_step']} (iteration {checkpoint['iteration']}) is not a step of its run of {total}"),
         (not isinstance(rng, dict) or len(rng.get("envs", ())) != num_envs,
          f"it holds {len(rng.get('envs', ())) if isinstance(rng, dict) else 'no'} env random states for {num_envs} envs"),
+        (unloadable is not None, f"its random state {unloadable} does not load"),
     ]  # fmt: skip
     if rb is not None:  # ReplayBuffer.state_dict: the filled part, `pos` where the next transition goes
         size, pos = args.get("buffer_size", 0), rb.get("pos") if isinstance(rb, dict) else None
@@ -531,6 +537,24 @@ def check_run_state(checkpoint: dict, path: str) -> None:
     for failed, problem in problems:
         if failed:
             raise UserError(f"--resume {path} is inconsistent: {problem}; pass another checkpoint.pt of the run.")
+
+
+def unloadable_rng(rng: dict) -> Optional[str]:
+    """Which of a checkpoint's random states the libraries refuse to load (and why), tried as restore loads them and
+    put back: found before anything starts, not as a traceback after the envs, CLIP and an event file started."""
+    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        for key, load in [("python", random.setstate), ("numpy", np.random.set_state), ("torch", torch.set_rng_state)]:
+            try:
+                load(rng.get(key))
+            except Exception as e:  # noqa: BLE001 - whatever the library says of it, in one line
+                return f"{key} ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})"
+        bad = [i for i, g in enumerate(rng.get("envs", ())) if not isinstance(g, np.random.Generator)]
+        return f"envs[{bad[0]}] (not a numpy Generator)" if bad else None
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.set_rng_state(saved[2])
 
 
 def check_intact(path: str, name: str, advice: str) -> None:
@@ -549,7 +573,7 @@ def check_intact(path: str, name: str, advice: str) -> None:
         raise UserError(f"{name} is damaged: its bytes do not match the checksums saved in it (a bad disk or copy); {advice}.")
 
 
-RUN_LOCKS: dict[str, int] = {}  # runs/<run>/run.lock of the run this process trains -> its open file
+RUN_LOCKS: dict[str, filelock.UnixFileLock] = {}  # runs/<run>/run.lock of the run this process trains -> its lock
 
 
 def lock_run(run_name: str, keep: bool = True) -> None:
@@ -558,21 +582,28 @@ def lock_run(run_name: str, keep: bool = True) -> None:
     path = os.path.abspath(f"runs/{run_name}/run.lock")
     if path in RUN_LOCKS or not (keep or os.path.exists(path)):
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    lock = filelock.UnixFileLock(path, timeout=0)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
+        lock.acquire()
+    except filelock.Timeout:
+        holder = Path(path).read_text(errors="replace").strip() or "?"
         raise UserError(f"runs/{run_name} is being trained by another process (pid {holder}); wait for it to end.") from None
     if not keep:
-        return os.close(fd)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    RUN_LOCKS[path] = fd
+        return lock.release()
+    Path(path).write_text(str(os.getpid()))  # who holds it, for the refusal above (unlock_runs empties it)
+    RUN_LOCKS[path] = lock
     for tmp in Path(f"runs/{run_name}").glob("**/*.pt.*.tmp"):  # save_checkpoint's, of a writer killed mid-write
         tmp.unlink()
         print(f"removed {tmp}, left half-written by a run that was killed")
+
+
+def unlock_runs() -> None:
+    """The run is free for a --resume; its run.lock stays (filelock's choice: a waiter may hold the file open), empty."""
+    for path, lock in RUN_LOCKS.items():
+        with contextlib.suppress(OSError):  # the folder removed meanwhile: nothing to empty
+            os.truncate(path, 0)
+        lock.release()
+    RUN_LOCKS.clear()
 
 
 def resumed_args(args, checkpoint: dict):
@@ -644,6 +675,7 @@ def load_clip(args, device: torch.device) -> tuple[nn.Module, object]:
 
 def fetch_clip_weights(args) -> bool:
     """Download the --clip-pretrained weights into the cache unless there, saying so first; True when cached."""
+    import huggingface_hub
     import huggingface_hub.constants as hub
     import open_clip
 
@@ -663,7 +695,12 @@ def fetch_clip_weights(args) -> bool:
     size = f" ({params / 1e6:,.0f}M parameters, about {params * 4 / 1e9:.1f} GB as float32)" if params else ""
     where = cache or "the Hugging Face cache"
     print(f"fetching the {name}/{args.clip_pretrained} CLIP weights{size} from {hub.ENDPOINT} into {where}", flush=True)
-    why = "HF_HUB_OFFLINE is set and they are not in the cache" if offline else can_reach(hub.ENDPOINT)
+    why = "HF_HUB_OFFLINE is set and they are not in the cache" if offline else None
+    try:  # the hub's own client, once: open_clip's download retries a network that is down for a minute (46 s here)
+        if not offline:
+            huggingface_hub.get_session().head(hub.ENDPOINT, timeout=5)
+    except Exception as e:  # noqa: BLE001 - a name, a connection or a proxy that fails: said in seconds
+        why = f"{hub.ENDPOINT} cannot be reached: {(str(e).splitlines() or [type(e).__name__])[0]}"
     if why is None:
         try:
             open_clip.download_pretrained(cfg, cache_dir=cache)
@@ -674,21 +711,6 @@ def fetch_clip_weights(args) -> bool:
         f"could not download the {name}/{args.clip_pretrained} CLIP weights ({why}); check the network connection, "
         "point --clip-cache-dir at a folder that holds them, or pass a weights file with --clip-checkpoint."
     )
-
-
-def can_reach(url: str, timeout: float = 5.0) -> Optional[str]:
-    """None when the URL's host (or the HTTPS proxy in use) accepts a connection within seconds, else why not."""
-    import socket
-    import urllib.request
-    from urllib.parse import urlparse
-
-    proxy = urllib.request.getproxies().get("https")
-    target = urlparse(proxy if proxy and not urllib.request.proxy_bypass(urlparse(url).hostname) else url)
-    try:
-        socket.create_connection((target.hostname, target.port or (443 if target.scheme == "https" else 80)), timeout).close()
-    except OSError as e:  # a minute of open_clip's retries, said in 5 s
-        return f"{target.hostname} cannot be reached: {e.strerror or type(e).__name__}"
-    return None
 
 
 def warn_long_prompts(tokenizer, args) -> None:
@@ -1230,9 +1252,7 @@ class Run:
                     self.writer.close()  # may fail (a full disk): the envs are closed all the same
             finally:
                 close_envs(envs, clean)
-                for fd in RUN_LOCKS.values():
-                    os.close(fd)
-                RUN_LOCKS.clear()
+                unlock_runs()
 
     def start(self, networks: dict, rb, reward_model, frame_shape: tuple, success: Optional[Callable]) -> None:
         """Before the first step: the checkpoints' disk and the reward model's cost said, then the run folder (new, or
@@ -1257,7 +1277,7 @@ class Run:
         purge_step = self.start_iteration * args.num_envs if self.checkpoint else None
         from torch.utils.tensorboard import SummaryWriter  # here: half a second to import, which a refused flag needs not
 
-        self.writer = name_write_errors(SummaryWriter(f"runs/{self.name}", purge_step=purge_step))
+        self.writer = quiet_writer_thread(SummaryWriter(f"runs/{self.name}", purge_step=purge_step))
         if self.checkpoint is None:
             table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
             self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
@@ -1561,26 +1581,13 @@ def install_stop_handlers() -> dict:
     return stop
 
 
-def name_write_errors(writer: "torch.utils.tensorboard.SummaryWriter") -> "torch.utils.tensorboard.SummaryWriter":
-    """TensorBoard writes from a thread: a full disk there printed the thread's traceback, then surfaced at a later
-    add_scalar naming no file. The thread is quiet now (its error still surfaces) and the error names the event file."""
+def quiet_writer_thread(writer: "torch.utils.tensorboard.SummaryWriter") -> "torch.utils.tensorboard.SummaryWriter":
+    """TensorBoard writes from a thread: a full disk there printed the thread's traceback, and TensorBoard raises the
+    same error at the next add_scalar, flush or close (one sentence, see cli). The thread's own print is dropped."""
     threading.excepthook = lambda hook: (
         None if type(hook.thread).__name__ == "_AsyncWriterThread" and isinstance(hook.exc_value, OSError)
         else threading.__excepthook__(hook)
     )  # fmt: skip
-    event_writer = writer.file_writer.event_writer
-    path, queue = event_writer._file_name, event_writer._async_writer  # the private parts of tensorboard 2.x's writer
-
-    def named(call: Callable) -> Callable:
-        def call_named(*args):
-            try:
-                return call(*args)
-            except OSError as e:
-                raise OSError(f"could not write {os.path.relpath(path)} ({e.strerror or e}); free some disk space") from None
-
-        return call_named
-
-    queue._check_worker_status, queue.close = named(queue._check_worker_status), named(queue.close)
     return writer
 
 
@@ -1636,34 +1643,22 @@ def save_nonfinite(run_name: str, networks: dict) -> str:
 
 
 def misfit(saved, fresh) -> Optional[str]:
-    """What keeps `saved` from loading into `fresh` (a module, an optimiser or a tensor), or None; other values: anything."""
+    """What keeps `saved` from loading into `fresh` (a module, an optimiser or a tensor), or None; other values: anything.
+    Modules and optimisers load it (strict), and torch says why not; an optimiser's moments it loads unchecked."""
     if torch.is_tensor(fresh):
         shape = tuple(saved.shape) if torch.is_tensor(saved) else type(saved).__name__
         return None if shape == tuple(fresh.shape) else f"is {shape}, not {tuple(fresh.shape)}"
     if not isinstance(fresh, (nn.Module, torch.optim.Optimizer)):
         return None
-    if not isinstance(saved, dict):
-        return f"is a {type(saved).__name__}, not a state dict"
-    if isinstance(fresh, torch.optim.Optimizer):
-        shapes = [p.shape for group in fresh.param_groups for p in group["params"]]
-        groups, state = saved.get("param_groups"), saved.get("state")
-        sizes = [len(g["params"]) if isinstance(g, dict) and "params" in g else -1 for g in groups or ()]
-        if not isinstance(state, dict) or sizes != [len(g["params"]) for g in fresh.param_groups]:
-            return f"holds parameter groups of {sizes} parameters, not {[len(g['params']) for g in fresh.param_groups]}"
-        for i, moments in state.items():
-            for name, value in moments.items() if isinstance(moments, dict) else [("state", None)]:
-                known = isinstance(i, int) and 0 <= i < len(shapes) and value is not None
-                if not known or torch.is_tensor(value) and value.dim() and value.shape != shapes[i]:
-                    return f"has a {name} of parameter {i} that fits none of {len(shapes)} parameters"
-        return None
-    expected = fresh.state_dict()
-    other = sorted(expected.keys() ^ saved.keys())
-    if other:
-        return f"has other layers ({', '.join(map(str, other[:3]))}{', ...' if len(other) > 3 else ''})"
-    for name, value in expected.items():
-        if not torch.is_tensor(saved[name]) or saved[name].shape != value.shape:
-            shape = tuple(saved[name].shape) if torch.is_tensor(saved[name]) else type(saved[name]).__name__
-            return f"has {name} of shape {shape}, not {tuple(value.shape)}"
+    try:
+        fresh.load_state_dict(saved)
+    except Exception as e:  # noqa: BLE001 - whatever torch refuses it for, its first line (a module's: after a header)
+        lines = str(e).split(":\n", 1)[-1].strip().splitlines()
+        return f"does not load ({type(e).__name__}: {(lines or [''])[0].strip().rstrip('.')[:200]})"
+    for param, moments in fresh.state.items() if isinstance(fresh, torch.optim.Optimizer) else ():
+        for name, value in moments.items() if isinstance(moments, dict) else ():  # of another shape: fails at a step
+            if torch.is_tensor(value) and value.dim() and (not torch.is_tensor(param) or value.shape != param.shape):
+                return f"has a {name} of shape {tuple(value.shape)} that fits none of its parameters"
     return None
 
 
@@ -1679,17 +1674,16 @@ def all_finite(state) -> bool:
 # ----------------------------------------------------------------------------------------------
 def save_checkpoint(path: str, state: dict) -> None:
     """Atomic and durable: a crash, power cut or full disk mid-write never replaces a good checkpoint with half of one."""
-    folder = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")  # own temp file per write
+    folder, tmp = os.path.dirname(path) or ".", f"{path}.{os.urandom(6).hex()}.tmp"  # its own temp file per write
     try:
-        os.fchmod(fd, new_file_mode())
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:  # the mode any new file gets (mkstemp's 0600 stayed on the renamed checkpoint)
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())  # the data is on disk before the rename makes it the checkpoint
         os.replace(tmp, path)
     except BaseException as e:
-        os.unlink(tmp)
+        with contextlib.suppress(FileNotFoundError):  # not made at all (a read-only folder)
+            os.unlink(tmp)
         cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__  # torch wraps a full disk in a RuntimeError
         if isinstance(e, (OSError, RuntimeError)):  # the machine's failure, not the input's: exit code 1 (see cli)
             why = getattr(cause, "strerror", None) or str(e).splitlines()[0][:120]
@@ -1698,17 +1692,6 @@ def save_checkpoint(path: str, state: dict) -> None:
     dir_fd = os.open(folder, os.O_RDONLY)
     os.fsync(dir_fd)  # the rename itself survives a power cut
     os.close(dir_fd)
-
-
-def new_file_mode() -> int:
-    """The mode open() gives a new file, 0o666 less the umask: mkstemp's 0o600 would stay on the renamed output."""
-    try:
-        with open("/proc/self/status") as f:  # read, not set: os.umask() changes it for every thread meanwhile
-            return 0o666 & ~next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
-    except (OSError, StopIteration):
-        mask = os.umask(0o022)
-        os.umask(mask)
-        return 0o666 & ~mask
 
 
 def save_video(frames: list[np.ndarray], path: str, fps: int) -> None:

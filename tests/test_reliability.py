@@ -554,6 +554,16 @@ def test_a_run_still_training_is_not_resumed_twice_and_a_killed_writers_temp_fil
         other.write("4242")
         other.flush()
         assert_refused(classic, ["--resume", str(checkpoint), "--total-timesteps", "600"], "being trained", "pid 4242")
+    # a real other process that trains the run (its lock_run): refused naming it; killed by SIGKILL, it holds nothing
+    hold = "import sys, time, vlmrm_utils; vlmrm_utils.lock_run(sys.argv[1]); print('held', flush=True); time.sleep(300)"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    other = subprocess.Popen([sys.executable, "-c", hold, checkpoint.parent.name], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert other.stdout.readline() == "held\n"
+        assert_refused(classic, ["--resume", str(checkpoint), "--total-timesteps", "600"], f"(pid {other.pid})")
+    finally:
+        other.kill()
+        other.wait()
     # a SIGKILL mid-write leaves save_checkpoint's temporary file: the next process that holds the run removes it
     orphans = [checkpoint.parent / "checkpoint.pt.k1ll3d.tmp", checkpoint.parent / "checkpoints" / "step-200.pt.x9.tmp"]
     for orphan in orphans:
@@ -562,6 +572,7 @@ def test_a_run_still_training_is_not_resumed_twice_and_a_killed_writers_temp_fil
     classic.main(classic.Args(resume=str(checkpoint), total_timesteps=600))
     assert not any(orphan.exists() for orphan in orphans)
     assert f"removed runs/{checkpoint.parent.name}/checkpoint.pt.k1ll3d.tmp, left half-written" in capsys.readouterr().out
+    assert (checkpoint.parent / "run.lock").read_text() == ""  # a finished run leaves no pid behind (issue 46)
 
 
 def estimate(module, flags: list[str]) -> int:
@@ -676,8 +687,10 @@ def can_mount() -> bool:
 
 
 @pytest.mark.skipif(not can_mount(), reason="needs `unshare -rm` (a private mount namespace) for a small tmpfs")
-def test_a_full_disk_under_tensorboard_is_one_sentence_naming_the_file_and_exit_1(tmp_path):
-    # a 48 KiB tmpfs fills up with TensorBoard's events after a few hundred episodes: a real ENOSPC in its writer thread
+def test_a_full_disk_under_tensorboard_is_one_sentence_and_exit_1(tmp_path):
+    # a 48 KiB tmpfs fills up with TensorBoard's events after a few hundred episodes: a real ENOSPC in its writer thread,
+    # which printed its traceback; TensorBoard raises it again in the main thread (naming the event file took a patch of
+    # its private writer, dropped for issue 45)
     (tmp_path / "disk").mkdir()
     mount = 'mount -t tmpfs -o size=48k tmpfs "$0" && cd "$0" && exec "$@"'
     flags = "--reward gt --total-timesteps 20000 --learning-starts 1000".split()
@@ -688,7 +701,7 @@ def test_a_full_disk_under_tensorboard_is_one_sentence_naming_the_file_and_exit_
         timeout=300,
     )
     assert result.returncode == 1, result.stdout[-1000:] + result.stderr[-3000:]  # the machine's failure: exit code 1
-    assert_clean_error(result, "could not write runs/CartPole-v1__", "/events.out.tfevents.", "No space left on device")
+    assert_clean_error(result, "No space left on device")
 
 
 def test_a_sigkilled_sac_run_takes_its_env_workers_along_without_tracebacks(tmp_path):

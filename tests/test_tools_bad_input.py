@@ -520,14 +520,27 @@ def crafted(root: Path) -> str:
 
 
 def test_stale_partial_folders_of_a_killed_rollout_are_removed(files):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()  # a pid that no longer runs: its writer was killed
-    stale = files / f".r2.partial-{dead.pid}-123"
-    (stale / "videos").mkdir(parents=True)
-    alive = files / f".other.partial-{os.getpid()}-456"  # a writer still running (this process): kept
-    alive.mkdir()
-    se.rollout(se.Rollout(checkpoint=crafted(files), episodes=1, clip_return=False, out="r2", cuda=False))
-    assert not stale.exists() and alive.exists()
+    """Issue 46: a live writer's folder in another pid namespace (a container, another node on a shared disk: its pid
+    does not run here) was removed as a killed run's; the writer's lock, not its pid, says whether it still writes."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    write = "import sys, time, vlmrm_tools; print(vlmrm_tools.new_partial_folder(sys.argv[1]), flush=True); time.sleep(300)"
+    killed = subprocess.Popen([sys.executable, "-c", write, "r2"], cwd=files, stdout=subprocess.PIPE, text=True, env=env)
+    stale = Path(killed.stdout.readline().strip())
+    killed.kill()  # SIGKILL mid-write: its folder and lock file stay, the lock goes with it
+    killed.wait()
+    (stale / "videos").mkdir()
+    alive = files / f".other.partial-{killed.pid}-456"  # its pid runs nowhere here, but its writer holds the lock
+    hold = "import sys, time, filelock; held = filelock.UnixFileLock(sys.argv[1]); held.acquire(); print(); time.sleep(99)"
+    elsewhere = subprocess.Popen([sys.executable, "-u", "-c", hold, f"{alive}.lock"], stdout=subprocess.PIPE, text=True)
+    try:
+        elsewhere.stdout.readline()
+        alive.mkdir()
+        se.rollout(se.Rollout(checkpoint=crafted(files), episodes=1, clip_return=False, out="r2", cuda=False))
+        assert not stale.exists() and not Path(f"{stale}.lock").exists() and alive.exists()
+        assert sorted(p for p in os.listdir(files) if ".partial-" in p) == [alive.name, f"{alive.name}.lock"]
+    finally:
+        elsewhere.kill()
+        elsewhere.wait()
     shutil.rmtree(alive)
 
 
