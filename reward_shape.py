@@ -130,6 +130,10 @@ def check_args(args: Args) -> list[ClipArgs]:
             "drop it or use a MountainCar."
         )
     check_renderer_args(args)
+    if args.renderer == "warp":  # imported only with the flag
+        import vlmrm_warp
+
+        vlmrm_warp.check_available(args)  # drawn by make_env's default: CUDA when there is one
     check_reward_args(args)
     if args.env_id == HUMANOID:
         check_probe_args(args)

@@ -145,6 +145,10 @@ def check_args(args: Args) -> None:
         if failed:
             raise utils.UserError(message)
     utils.check_renderer_args(args)
+    if args.renderer == "warp":  # imported only with the flag: the EGL path never loads Warp
+        import vlmrm_warp
+
+        vlmrm_warp.check_available(args, draw_device(args.cuda, args.reward_devices))
     if args.episode_length is None:
         args.episode_length = 200 if mountain_car else 100
     goal, baseline = DEFAULT_PROMPTS.get(args.env_id, ("", ""))  # other MuJoCo tasks: --goal (or --reward gt)
@@ -387,10 +391,18 @@ def warp_renderer(realistic, size, supersample, worlds, device, camera="paper", 
     """--renderer warp: this scene drawn by MuJoCo Warp on `device`, `worlds` states per launch, through the
     paper's camera as model cameras (the ray tracer draws only those): fixed, or following the torso
     ("tracking"); quality "high" casts shadows (the scene has no reflections)."""
+    import vlmrm_warp
+
     stock = Path(gym.envs.mujoco.__file__).parent / "assets" / "humanoid.xml"
     spec = mujoco.MjSpec.from_file(textured_humanoid_xml() if realistic else str(stock))
-    model = utils.free_cameras(spec, HUMANOID_CAMERA, "torso")
-    return utils.WarpRenderer(model, camera, size, supersample, worlds, device, shadows=quality == "high")
+    model = vlmrm_warp.free_cameras(spec, HUMANOID_CAMERA, "torso")
+    return vlmrm_warp.WarpRenderer(model, camera, size, supersample, worlds, device, shadows=quality == "high")
+
+
+def draw_device(cuda: bool, reward_devices: tuple[str, ...]) -> torch.device:
+    """--renderer warp: where frames are drawn, by the trainer and by the evaluation env alike: the reward model's
+    device (make_reward_model's first: --reward-devices, else CUDA unless --no-cuda), so they reach it without a copy."""
+    return torch.device(reward_devices[0] if reward_devices else "cuda" if cuda and torch.cuda.is_available() else "cpu")
 
 
 # MountainCarContinuous-v0, the paper's MountainCar (trained with SAC): copied from vlmrm_dqn_classic.py
@@ -487,7 +499,7 @@ def frame_shape_of(args: Args) -> tuple[int, int, int]:
 
 
 def make_env(env_id, seed, idx, episode_length, render_size, render_quality, realistic, camera="paper",
-             fixed_length=True, renderer="egl", supersample=2):  # fmt: skip
+             fixed_length=True, renderer="egl", supersample=2, cuda=True, reward_devices=()):  # fmt: skip
     """CleanRL's thunk: fixed-length episodes (or the stock task's), rgb_array frames for the CLIP reward."""
 
     def thunk() -> gym.Env:
@@ -506,8 +518,13 @@ def make_env(env_id, seed, idx, episode_length, render_size, render_quality, rea
             env = gym.make(env_id, **kwargs)
             env = utils.NoEarlyTermination(env) if fixed_length and not humanoid else env
             if renderer == "warp":
-                look = dict(camera=camera, quality=render_quality)
-                env = utils.WarpFrames(env, partial(warp_renderer, realistic, render_size, supersample, **look))
+                import vlmrm_warp
+
+                def one_world():  # made at the first render() (evaluation, videos), where the reward model scores
+                    device = draw_device(cuda, reward_devices)
+                    return warp_renderer(realistic, render_size, supersample, 1, device, camera, render_quality)
+
+                env = vlmrm_warp.WarpFrames(env, one_world)
             else:
                 tracking = (HUMANOID_CAMERA, "torso") if humanoid and camera == "tracking" else None
                 env = utils.MujocoRenderer(env, render_quality, tracking)
@@ -649,6 +666,7 @@ def main(args: Args) -> None:
     args, device = run.args, run.device
     look = (args.render_size, args.render_quality, args.realistic, args.camera)
     opts = (args.episode_length, *look, args.episodes == "fixed", args.renderer, args.supersample)
+    opts += (args.cuda, args.reward_devices)  # --renderer warp: the evaluation env draws where the reward model scores
     eval_seed = args.seed + 10_000
     eval_envs = gym.vector.SyncVectorEnv([make_env(args.env_id, eval_seed, 0, *opts)])
     if run.checkpoint:  # its tensors fit networks built as below (on the CPU): one sentence before anything
@@ -689,9 +707,9 @@ def main(args: Args) -> None:
         run.start(networks(), rb, reward_model, frame_shape, gt_success)
         chunk = args.reward_batch_size * max(1, len(args.reward_devices))  # frames CLIP scores at once
         # --renderer warp: the envs return their states, which the scoring thread draws on the reward device
-        look = (args.realistic, args.render_size, args.supersample, args.num_envs)
+        look = (args.realistic, args.render_size, args.supersample, args.num_envs, draw_device(args.cuda, args.reward_devices))
         warp = args.renderer == "warp" and clip
-        draw = warp_renderer(*look, reward_model.device, args.camera, args.render_quality).draw if warp else None
+        draw = warp_renderer(*look, args.camera, args.render_quality).draw if warp else None
         queue = run.reward_queue(reward_model, chunk, draw)
         recent = deque(maxlen=100)  # the paper ranks checkpoints by the mean CLIP return of the last 100
         components = []  # the env's own reward terms (e.g. reward_forward), logged as diagnostics
