@@ -1041,6 +1041,8 @@ class Run:
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if "wakeup" in self.stop:  # install_stop_handlers' signal counting: the wakeup fd it replaced
+                signal.set_wakeup_fd(self.stop["wakeup"])
             try:
                 if self.queue is not None:
                     self.queue.close()
@@ -1436,12 +1438,27 @@ class LastFinite:
         raise NonFiniteError(f"{what}; {saved}{hint}.")
 
 
+STOP_PIPE: list[int] = []  # (read, write): Python's C signal handler writes a byte to it per delivery (made once)
+
+
 def install_stop_handlers() -> dict:
-    """First Ctrl-C or SIGTERM: finish the current episodes, save a checkpoint, exit cleanly. Second: quit at once."""
-    stop = {"requested": False}
+    """First Ctrl-C or SIGTERM: finish the current episodes, save a checkpoint, exit cleanly. Second: quit at once.
+    Counted per delivery: Python runs the handler once for every signal that arrived while the main thread was in one
+    C call (Warp's first kernel compile: two quick Ctrl-Cs were one, then a checkpoint and exit 0), but its C handler
+    writes each to the wakeup fd. "wakeup": the fd this replaced (Run.closing puts it back)."""
+    if not STOP_PIPE:
+        STOP_PIPE.extend(os.pipe())
+        for fd in STOP_PIPE:
+            os.set_blocking(fd, False)
+    with contextlib.suppress(BlockingIOError):
+        os.read(STOP_PIPE[0], 1024)  # signals of an earlier run in this process
+    stop = {"requested": False, "wakeup": signal.set_wakeup_fd(STOP_PIPE[1], warn_on_full_buffer=False)}
 
     def handler(signum: int, frame) -> None:
-        if stop["requested"]:
+        delivered = b""
+        with contextlib.suppress(BlockingIOError):
+            delivered = os.read(STOP_PIPE[0], 1024)
+        if stop["requested"] or sum(byte in (signal.SIGINT, signal.SIGTERM) for byte in delivered) > 1:
             raise KeyboardInterrupt
         stop["requested"] = True
         print(f"\n{signal.Signals(signum).name} received: checkpoint after the current episodes (again: quit now)", flush=True)

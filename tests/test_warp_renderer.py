@@ -9,6 +9,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -299,3 +301,23 @@ def test_the_evaluation_env_draws_where_the_trainer_does(monkeypatch):
         env.render()
         env.close()
     assert made == [torch.device("cpu"), torch.device("cpu"), torch.device("cuda", 1)]
+
+
+def test_two_ctrl_cs_during_one_long_c_call_quit():
+    """Python runs a signal's handler once for every delivery that arrived while the main thread was in one C call, as
+    in Warp's first kernel compile: two quick Ctrl-Cs there were one (`SIGINT received` once, a checkpoint, exit 0).
+    Here another thread takes both while the main thread waits in a join, which a signal to another thread leaves
+    waiting; the handler then runs once and must count two."""
+    previous = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), signal.set_wakeup_fd(-1)
+    try:
+        stop = vlmrm_utils.install_stop_handlers()
+        thread = threading.Thread(target=lambda: [signal.pthread_kill(threading.get_ident(), signal.SIGINT) for _ in "12"])
+        with pytest.raises(KeyboardInterrupt):
+            thread.start()
+            thread.join()
+            time.sleep(0.1)  # the handler runs here, once
+        assert not stop["requested"]  # quit at once: no checkpoint
+    finally:
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+        signal.set_wakeup_fd(previous[2])
