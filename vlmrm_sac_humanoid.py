@@ -172,8 +172,11 @@ episode_length eval_episodes reward_batch_size video_frequency checkpoint_freque
     if args.evaluate is None:  # a rollout allocates no replay buffer
         probe = gym.make(args.env_id)  # cheap: no rendering, just the spaces
         # measured (2 and 6 envs, Mesa's software EGL): a MuJoCo worker process rendering 180 MB (224 or 480
-        # pixels), a MountainCar one 40 MB; without rendering (gt) the envs live in this process, 2.5 MB each
-        env_bytes = (40e6 if mountain_car else 180e6) if args.reward == "clip" else 2.5e6
+        # pixels), a MountainCar one 40 MB; without rendering (gt) the envs live in this process, 2.5 MB each;
+        # --renderer warp: a worker returning its state 13.5 MB (total PSS, 2 to 6 envs at 224 px; 12 MB USS each), plus
+        # 1.4 MB a world in the trainer's renderer (USS, 2 to 32 worlds; its fixed 140 MB uncounted, as the trainer's own)
+        rendering = 15e6 if args.renderer == "warp" else 40e6 if mountain_car else 180e6
+        env_bytes = rendering if args.reward == "clip" else 2.5e6
         # floats per sampled transition: actor and critics, forward and backward, ~16 layers of 256
         activations = 16 * 256
         spaces = (probe.observation_space, probe.action_space)

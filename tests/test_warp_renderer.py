@@ -321,3 +321,14 @@ def test_two_ctrl_cs_during_one_long_c_call_quit():
         signal.signal(signal.SIGINT, previous[0])
         signal.signal(signal.SIGTERM, previous[1])
         signal.set_wakeup_fd(previous[2])
+
+
+def test_the_memory_estimate_counts_a_warp_env_as_one_that_draws_nothing(monkeypatch, capsys):
+    """`--renderer warp --num-envs 128` was refused needing 21.5 GiB: each env counted as an EGL worker (180 MB); a warp
+    worker returns its state (measured 13.5 MB, plus 1.4 MB a world in the trainer's renderer)."""
+    monkeypatch.setattr(vlmrm_utils, "available_memory", lambda: 8 * 2**30)
+    flags = dict(clip_model=TINY_CLIP, clip_pretrained="none", num_envs=128, buffer_size=10_000, cuda=False)
+    sac.check_args(sac.Args(renderer="warp", **flags))
+    assert "128 envs 1.79," in capsys.readouterr().out  # GiB: 128 x 15 MB
+    with pytest.raises(vlmrm_utils.UserError, match="lower --num-envs"):  # EGL: 128 processes drawing
+        sac.check_args(sac.Args(renderer="egl", **flags))
