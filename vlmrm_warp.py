@@ -60,8 +60,8 @@ COMPILE_ROOM = 64 * 2**20
 
 
 def kernel_cache() -> Path:
-    """Warp's kernel cache folder, as warp.init() resolves it (WARP_CACHE_PATH/<version>, else the user's cache folder),
-    without initialising Warp: that would start CUDA before the env workers fork."""
+    """Warp's kernel cache folder, as warp.init() resolves it (WARP_CACHE_PATH/<version>, else the user's cache folder
+    by the appdirs Warp ships), without initialising Warp: that would start CUDA before the env workers fork."""
     import warp as wp
     from warp._src.thirdparty import appdirs
 
@@ -103,8 +103,8 @@ def init_warp():
             os.close(saved)
             caught.seek(0)
             lines = caught.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(line for line in lines if NO_CUDA_DRIVER not in line))
     SAID["no_driver"] = any(NO_CUDA_DRIVER in line for line in lines)
-    sys.stderr.write("".join(line for line in lines if NO_CUDA_DRIVER not in line))
     return wp
 
 
