@@ -277,6 +277,10 @@ def check_collect_args(args: Collect) -> Optional[dict]:
     if args.realistic and not args.env_id.startswith("MountainCar"):
         raise UserError("--realistic only changes how MountainCar is drawn.")
     check_renderer_args(args)
+    if args.renderer == "warp":  # imported only with the flag
+        import vlmrm_warp
+
+        vlmrm_warp.check_available(args)  # drawn by make_env's default: CUDA when there is one
     return checkpoint
 
 

@@ -131,6 +131,10 @@ def check_args(args: Args) -> list[ClipArgs]:
             "drop it or use a MountainCar."
         )
     check_renderer_args(args)
+    if args.renderer == "warp":  # imported only with the flag
+        import vlmrm_warp
+
+        vlmrm_warp.check_available(args)  # drawn by make_env's default: CUDA when there is one
     check_reward_args(args)
     if args.env_id == HUMANOID:
         if args.num_points != Args.num_points or "num_points" in GIVEN:  # CartPole refuses 0; the probe ran with it

@@ -154,6 +154,10 @@ def check_args(args: Args) -> None:
         if failed:
             raise utils.UserError(message)
     utils.check_renderer_args(args)
+    if args.renderer == "warp":  # imported only with the flag: the EGL path never loads Warp
+        import vlmrm_warp
+
+        vlmrm_warp.check_available(args, draw_device(args.cuda, args.reward_devices))
     if args.episode_length is None:
         args.episode_length = 200 if mountain_car else 100
     goal, baseline = DEFAULT_PROMPTS.get(args.env_id, ("", ""))  # other MuJoCo tasks: --goal (or --reward gt)
@@ -177,8 +181,11 @@ episode_length eval_episodes reward_batch_size video_frequency checkpoint_freque
     if args.evaluate is None:  # a rollout allocates no replay buffer
         probe = gym.make(args.env_id)  # cheap: no rendering, just the spaces
         # measured (2 and 6 envs, Mesa's software EGL): a MuJoCo worker process rendering 180 MB (224 or 480
-        # pixels), a MountainCar one 40 MB; without rendering (gt) the envs live in this process, 2.5 MB each
-        env_bytes = (40e6 if mountain_car else 180e6) if args.reward == "clip" else 2.5e6
+        # pixels), a MountainCar one 40 MB; without rendering (gt) the envs live in this process, 2.5 MB each;
+        # --renderer warp: a worker returning its state 13.5 MB (total PSS, 2 to 6 envs at 224 px; 12 MB USS
+        # each), plus 1.4 MB a world in the trainer's renderer (USS, 2 to 32 worlds; its fixed 140 MB uncounted)
+        rendering = 15e6 if args.renderer == "warp" else 40e6 if mountain_car else 180e6
+        env_bytes = rendering if args.reward == "clip" else 2.5e6
         # floats per sampled transition: actor and critics, forward and backward, ~16 layers of 256
         activations = 16 * 256
         spaces = (probe.observation_space, probe.action_space)
@@ -399,10 +406,20 @@ def warp_renderer(realistic, size, supersample, worlds, device, camera="paper", 
     """--renderer warp: this scene drawn by MuJoCo Warp on `device`, `worlds` states per launch, through the
     paper's camera as model cameras (the ray tracer draws only those): fixed, or following the torso
     ("tracking"); quality "high" casts shadows (the scene has no reflections)."""
+    import vlmrm_warp
+
     stock = Path(gym.envs.mujoco.__file__).parent / "assets" / "humanoid.xml"
     spec = mujoco.MjSpec.from_file(textured_humanoid_xml() if realistic else str(stock))
-    model = utils.free_cameras(spec, HUMANOID_CAMERA, "torso")
-    return utils.WarpRenderer(model, camera, size, supersample, worlds, device, shadows=quality == "high")
+    model = vlmrm_warp.free_cameras(spec, HUMANOID_CAMERA, "torso")
+    shadows = quality == "high"
+    return vlmrm_warp.WarpRenderer(model, camera, size, supersample, worlds, device, shadows=shadows)
+
+
+def draw_device(cuda: bool, reward_devices: tuple[str, ...]) -> torch.device:
+    """--renderer warp: where frames are drawn, by the trainer and by the evaluation env alike: the reward
+    model's device (make_reward_model's first: --reward-devices, else CUDA unless --no-cuda), so no copy."""
+    cuda = "cuda" if cuda and torch.cuda.is_available() else "cpu"
+    return torch.device(reward_devices[0] if reward_devices else cuda)
 
 
 # MountainCarContinuous-v0, the paper's MountainCar (trained with SAC): copied from vlmrm_dqn_classic.py
@@ -540,7 +557,7 @@ class FrameAfterStep(gym.Wrapper):
 
     def __init__(self, env: gym.Env, frame_shape: tuple):
         super().__init__(env)
-        self.drawn_later = hasattr(env, "state")
+        self.drawn_later = hasattr(env, "state_shape")  # vlmrm_warp.WarpFrames
         frame_shape, dtype = (env.state_shape, np.float64) if self.drawn_later else (frame_shape, np.uint8)
         frames = utils.FrameSpace(frame_shape, dtype)
         self.observation_space = gym.spaces.Tuple((env.observation_space, frames))
@@ -565,6 +582,7 @@ def env_settings(args: Args) -> dict:
     """make_env's keywords from a run's flags: the env it trained in, to roll out and to score alike."""
     look = dict(render_size=args.render_size, render_quality=args.render_quality, realistic=args.realistic)
     look.update(camera=args.camera, renderer=args.renderer, supersample=args.supersample)
+    look.update(cuda=args.cuda, reward_devices=args.reward_devices)  # warp: where the eval env draws
     return dict(episode_length=args.episode_length, fixed_length=args.episodes == "fixed", **look)
 
 
@@ -574,7 +592,8 @@ def frame_shape_of(args: Args) -> tuple[int, int, int]:
 
 
 def make_env(env_id, seed, idx, episode_length, render_size, render_quality, realistic, camera="paper",
-             fixed_length=True, renderer="egl", supersample=2, frame_shape=None):  # fmt: skip
+             fixed_length=True, renderer="egl", supersample=2, cuda=True, reward_devices=(),
+             frame_shape=None):  # fmt: skip
     """CleanRL's thunk: fixed-length episodes (or the stock task's), rgb_array frames for the CLIP reward;
     `frame_shape`: the training envs, whose step returns the frame after it (FrameAfterStep)."""
 
@@ -595,8 +614,13 @@ def make_env(env_id, seed, idx, episode_length, render_size, render_quality, rea
             env = gym.make(env_id, **kwargs)
             env = NoEarlyTermination(env) if fixed_length and not humanoid else env
             if renderer == "warp":
-                look = dict(camera=camera, quality=render_quality)
-                env = utils.WarpFrames(env, partial(warp_renderer, realistic, render_size, supersample, **look))
+                import vlmrm_warp
+
+                def one_world():  # made at the first render() (evaluation, videos), where the reward scores
+                    look = (realistic, render_size, supersample, 1, draw_device(cuda, reward_devices))
+                    return warp_renderer(*look, camera, render_quality)
+
+                env = vlmrm_warp.WarpFrames(env, one_world)
             else:
                 tracking = (HUMANOID_CAMERA, "torso") if humanoid and camera == "tracking" else None
                 env = MujocoRenderer(env, render_quality, tracking)
@@ -788,14 +812,14 @@ def main(args: Args) -> None:
         networks = lambda: {k: learner[k].state_dict() for k in ("actor", "qf1", "qf2")}  # noqa: E731
         policy = deterministic(actor, device)  # its evaluation episodes: videos and the final report
         evaluation = partial(utils.evaluate, policy, eval_envs, reward_model, seed=eval_seed)
-        # the actor's action scale and bias, on the host: no device sync
-        action_scale, action_bias = (space.high - space.low) / 2.0, (space.high + space.low) / 2.0
+        action_scale, action_bias = (space.high - space.low) / 2, (space.high + space.low) / 2  # host: no sync
         gt_success = (lambda ep: ep["success"]) if args.env_id == "MountainCarContinuous-v0" else None
         run.start(networks(), rb, reward_model, frame_shape, gt_success)
         draw = None  # --renderer warp: the envs return states, drawn on the reward's device before CLIP
         if args.renderer == "warp" and clip:
-            look = (args.realistic, args.render_size, args.supersample, args.num_envs, reward_model.device)
-            draw = warp_renderer(*look, args.camera, args.render_quality).draw
+            look = (args.realistic, args.render_size, args.supersample, args.num_envs)
+            look += (draw_device(args.cuda, args.reward_devices), args.camera, args.render_quality)
+            draw = warp_renderer(*look).draw
         chunk = args.reward_batch_size * max(1, len(args.reward_devices))  # frames CLIP scores at once
         waiting, scoring = [], deque()  # transitions without a reward; chunks being scored, oldest first
         recent = deque(maxlen=100)  # the paper ranks checkpoints by the mean CLIP return of the last 100

@@ -91,9 +91,9 @@ def worker(c: dict) -> dict:
         import torch
 
         if c["shadows"] == "uncut":  # MuJoCo Warp's own shadow rays (this worker process only)
-            import vlmrm_utils
+            import vlmrm_warp
 
-            vlmrm_utils.cut_shadow_rays_at_the_light = lambda model: None
+            vlmrm_warp.cut_shadow_rays_at_the_light = lambda model: None
         # --render-quality high: shadow rays (a shadowed point gets none of the light); fast: none
         quality = "high" if c["shadows"] else "fast"
         renderer = ours.warp_renderer(True, size, c["supersample"], c["worlds"], torch.device("cpu"), quality=quality)

@@ -1,23 +1,38 @@
 """--renderer warp: MuJoCo Warp's ray tracer draws the humanoid's frames in the trainer (CPU here: Warp's CPU device).
 
-Warp compiles its kernels once per machine (about 35 s on a CPU) and caches them; every test here reuses them.
+Warp compiles its kernels once per machine (about 10 s on a CPU) and caches them; every test here reuses them.
 """
 
+import os
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import tyro
-from conftest import ROOT, TINY_CLIP, TINY_CLIP_FLAGS, assert_refused, interrupt_after, read_scalars, run_script
+from conftest import (
+    ROOT,
+    TINY_CLIP,
+    TINY_CLIP_FLAGS,
+    assert_clean_error,
+    assert_refused,
+    interrupt_after,
+    read_scalars,
+    run_script,
+)
 
 import reward_shape
 import vlmrm_sac_humanoid as sac
 import vlmrm_utils
+import vlmrm_warp
 
 SIZE = 96  # the comparison's frame size: the floor's tiles and the body's limbs are a few pixels wide
 
@@ -104,7 +119,7 @@ def test_the_frame_scored_is_warps_drawing_of_the_state_after_the_step(in_tmp, m
     """Over subprocess envs with autoresets: each transition's reward scores the ray tracer's drawing of the state its
     env returned after the step (qpos[2:24] is next_obs[:22]), as a torch tensor straight from the renderer."""
     drawn, scored, added = [], [], []
-    draw = vlmrm_utils.WarpRenderer.draw
+    draw = vlmrm_warp.WarpRenderer.draw
 
     def spy_draw(self, qpos):
         frames = draw(self, qpos)
@@ -119,7 +134,7 @@ def test_the_frame_scored_is_warps_drawing_of_the_state_after_the_step(in_tmp, m
     def spy_add(self, obs, next_obs, actions, rewards, terminations):
         added.append((np.array(next_obs), np.array(rewards)))
 
-    monkeypatch.setattr(vlmrm_utils.WarpRenderer, "draw", spy_draw)
+    monkeypatch.setattr(vlmrm_warp.WarpRenderer, "draw", spy_draw)
     monkeypatch.setattr(sac.CLIPReward, "forward", spy_forward)
     monkeypatch.setattr(sac.ReplayBuffer, "add", spy_add)
     monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
@@ -180,17 +195,17 @@ def test_the_tools_refuse_warp_where_the_script_does():
 
 
 def test_warp_high_is_refused_without_mujoco_warp_4s_private_function(monkeypatch):
-    monkeypatch.setattr(vlmrm_utils, "warp_lighting_hook", lambda: None)  # another version of mujoco-warp
+    monkeypatch.setattr(vlmrm_warp, "warp_lighting_hook", lambda: None)  # another version of mujoco-warp
     with pytest.raises(vlmrm_utils.UserError, match=r"pip install mujoco-warp==4\.0\.0, or use --render-quality fast"):
-        vlmrm_utils.check_renderer_args(sac.Args(renderer="warp"))
-    vlmrm_utils.check_renderer_args(sac.Args(renderer="warp", render_quality="fast"))  # no shadows: any version
+        sac.check_args(sac.Args(renderer="warp"))
+    vlmrm_warp.check_available(sac.Args(renderer="warp", render_quality="fast"))  # no shadows: any version
 
 
 def test_pose_probe_with_warp(monkeypatch, in_tmp, capsys):
     argv = f"--env-id Humanoid-v5 --clip-models {TINY_CLIP} --clip-pretrained none --render-size 32 --alphas 0 --no-cuda"
     monkeypatch.setattr(sys, "argv", ["reward_shape.py", *argv.split(), "--renderer", "warp"])
-    drawn, draw = [], vlmrm_utils.WarpRenderer.draw
-    monkeypatch.setattr(vlmrm_utils.WarpRenderer, "draw", lambda self, qpos: drawn.append(qpos) or draw(self, qpos))
+    drawn, draw = [], vlmrm_warp.WarpRenderer.draw
+    monkeypatch.setattr(vlmrm_warp.WarpRenderer, "draw", lambda self, qpos: drawn.append(qpos) or draw(self, qpos))
     runpy.run_path(str(ROOT / "reward_shape.py"), run_name="__main__")  # a refusal or crash would raise SystemExit
     assert len(drawn) == 13  # each pose's frame drawn by the ray tracer
     (run_dir,) = Path("runs").iterdir()
@@ -210,7 +225,7 @@ envs = vlmrm_utils.make_vector_env(gym.vector.SyncVectorEnv, [fn], gym.vector.Au
 envs.reset(seed=0)
 frames = envs.step(np.zeros((1, 17)))[4]["frames"]
 assert frames.shape == (1, 32, 32, 3) and frames.dtype == np.uint8 and frames.any()
-print(sorted(m for m in sys.modules if m.split(".")[0] in ("warp", "mujoco_warp")))
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("warp", "mujoco_warp", "vlmrm_warp")))
 """
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -225,11 +240,95 @@ def test_one_line_says_when_the_kernels_compile(monkeypatch, capsys, drawn_and_r
     monkeypatch.setattr(Path, "glob", lambda self, pattern: iter(()) if "mujoco_warp" in pattern else glob(self, pattern))
     sac.warp_renderer(True, 16, 1, 1, torch.device("cpu"))
     out = capsys.readouterr().out
-    assert out.startswith("compiling MuJoCo Warp's ray tracer kernels for cpu (once per machine") and out.count("\n") == 1
+    assert out.startswith("compiling MuJoCo Warp's ray tracer kernels for cpu (once per machine: ~10 s on a CPU")
+    assert out.count("\n") == 1
 
 
 def test_ground_truth_runs_with_warp_and_draws_nothing(in_tmp, monkeypatch):
-    monkeypatch.setattr(vlmrm_utils.WarpRenderer, "draw", lambda *a: pytest.fail("--reward gt scores no frame"))
+    monkeypatch.setattr(vlmrm_warp.WarpRenderer, "draw", lambda *a: pytest.fail("--reward gt scores no frame"))
     tiny = dict(num_envs=2, total_timesteps=20, learning_starts=10, buffer_size=100, batch_size=8)
     sac.main(sac.Args(reward="gt", renderer="warp", **tiny))
     assert len(list(Path("runs").iterdir())) == 1
+
+
+def test_an_unwritable_kernel_cache_is_refused_before_the_run_folder(tmp_path):
+    """It was `[Errno 30] Read-only file system: '.../1.19.0'` once the run folder was made, naming neither Warp's cache
+    nor WARP_CACHE_PATH. /proc/self/...: a folder no one can make, root included (who ignores folder permissions)."""
+    flags = [*TINY_CLIP_FLAGS, "--renderer", "warp", "--num-envs", "1", "--total-timesteps", "4", "--learning-starts", "2"]
+    env = {**os.environ, "WARP_CACHE_PATH": "/proc/self/warp"}
+    result = run_script("vlmrm_sac_humanoid.py", *flags, "--render-size", "16", cwd=tmp_path, env=env, timeout=120)
+    assert result.returncode == 2 and not (tmp_path / "runs").exists(), result.stdout[-2000:] + result.stderr[-2000:]
+    assert_clean_error(result, "MuJoCo Warp's kernel cache /proc/", "/warp/", "set WARP_CACHE_PATH to a writable folder")
+
+
+def test_a_full_disk_under_the_kernel_cache_is_refused_before_a_compile(monkeypatch):
+    """A full disk under the cache was LLVM's `IO failure on output stream` midway through the first compile."""
+    monkeypatch.setattr(vlmrm_warp.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**30, 2**30 - 2**20, 2**20))
+    vlmrm_warp.check_available(sac.Args(renderer="warp"), torch.device("cpu"))  # compiled already: nothing to write
+    monkeypatch.setattr(vlmrm_warp, "compiled", lambda device: False)
+    with pytest.raises(vlmrm_utils.UserError, match=r"kernel cache .* has 1 MiB free, .* \(needs 64 MiB\); .*WARP_CACHE_PATH"):
+        sac.check_args(sac.Args(renderer="warp"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a CUDA driver")
+def test_no_cuda_driver_is_said_once_in_our_words():
+    """Warp's C code printed `Warp CUDA warning: Could not find or load the NVIDIA CUDA driver. GPU execution will not be
+    available.` on every run (training, reward_shape.py); one line of ours says it, once per process."""
+    code = """
+import torch, vlmrm_sac_humanoid as sac
+for worlds in (2, 1):  # the trainer's renderer, then the evaluation env's
+    sac.warp_renderer(True, 16, 1, worlds, torch.device("cpu"))
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "CUDA" not in result.stderr, result.stderr
+    assert result.stdout.count("this machine has no CUDA driver") == 1, result.stdout
+
+
+def test_the_evaluation_env_draws_where_the_trainer_does(monkeypatch):
+    """The evaluation env's one-world renderer used CUDA whenever there was one, ignoring --no-cuda and
+    --reward-devices; it and the trainer's now both take draw_device's choice (CUDA pretended here)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert sac.draw_device(True, ()) == torch.device("cuda")
+    assert sac.draw_device(False, ()) == torch.device("cpu")
+    assert sac.draw_device(True, ("cpu",)) == torch.device("cpu")
+    assert sac.draw_device(False, ("cuda:1", "cuda:0")) == torch.device("cuda", 1)
+    made, blank = [], SimpleNamespace(draw=lambda qpos: torch.zeros((1, 16, 16, 3), dtype=torch.uint8))
+    monkeypatch.setattr(sac, "warp_renderer", lambda *a, **kw: made.append(a[4]) or blank)  # the device it is made on
+    for cuda, devices in [(False, ()), (True, ("cpu",)), (True, ("cuda:1",))]:
+        env = sac.make_env("Humanoid-v5", 0, 0, 10, 16, "fast", True, renderer="warp", cuda=cuda, reward_devices=devices)()
+        env.reset(seed=0)
+        env.render()
+        env.close()
+    assert made == [torch.device("cpu"), torch.device("cpu"), torch.device("cuda", 1)]
+
+
+def test_two_ctrl_cs_during_one_long_c_call_quit():
+    """Python runs a signal's handler once for every delivery that arrived while the main thread was in one C call, as
+    in Warp's first kernel compile: two quick Ctrl-Cs there were one (`SIGINT received` once, a checkpoint, exit 0).
+    Here another thread takes both while the main thread waits in a join, which a signal to another thread leaves
+    waiting; the handler then runs once and must count two."""
+    previous = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), signal.set_wakeup_fd(-1)
+    try:
+        stop = vlmrm_utils.install_stop_handlers()
+        thread = threading.Thread(target=lambda: [signal.pthread_kill(threading.get_ident(), signal.SIGINT) for _ in "12"])
+        with pytest.raises(KeyboardInterrupt):
+            thread.start()
+            thread.join()
+            time.sleep(0.1)  # the handler runs here, once
+        assert not stop["requested"]  # quit at once: no checkpoint
+    finally:
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+        signal.set_wakeup_fd(previous[2])
+
+
+def test_the_memory_estimate_counts_a_warp_env_as_one_that_draws_nothing(monkeypatch, capsys):
+    """`--renderer warp --num-envs 128` was refused needing 21.5 GiB: each env counted as an EGL worker (180 MB); a warp
+    worker returns its state (measured 13.5 MB, plus 1.4 MB a world in the trainer's renderer)."""
+    monkeypatch.setattr(vlmrm_utils, "available_memory", lambda: 8 * 2**30)
+    flags = dict(clip_model=TINY_CLIP, clip_pretrained="none", num_envs=128, buffer_size=10_000, cuda=False)
+    sac.check_args(sac.Args(renderer="warp", **flags))
+    assert "128 envs 1.79," in capsys.readouterr().out  # GiB: 128 x 15 MB
+    with pytest.raises(vlmrm_utils.UserError, match="lower --num-envs"):  # EGL: 128 processes drawing
+        sac.check_args(sac.Args(renderer="egl", **flags))
