@@ -183,7 +183,7 @@ episode_length eval_episodes reward_batch_size video_frequency checkpoint_freque
         # measured (2 and 6 envs, Mesa's software EGL): a MuJoCo worker process rendering 180 MB (224 or 480
         # pixels), a MountainCar one 40 MB; without rendering (gt) the envs live in this process, 2.5 MB each;
         # --renderer warp: a worker returning its state 13.5 MB (total PSS, 2 to 6 envs at 224 px; 12 MB USS
-        # each), plus 1.4 MB a world in the trainer's renderer (USS, 2 to 32 worlds; its fixed 140 MB uncounted)
+        # each), plus 1.4 MB a world in the trainer's renderer (USS, 2 to 32 worlds; 140 MB fixed, uncounted)
         rendering = 15e6 if args.renderer == "warp" else 40e6 if mountain_car else 180e6
         env_bytes = rendering if args.reward == "clip" else 2.5e6
         # floats per sampled transition: actor and critics, forward and backward, ~16 layers of 256
@@ -812,7 +812,7 @@ def main(args: Args) -> None:
         networks = lambda: {k: learner[k].state_dict() for k in ("actor", "qf1", "qf2")}  # noqa: E731
         policy = deterministic(actor, device)  # its evaluation episodes: videos and the final report
         evaluation = partial(utils.evaluate, policy, eval_envs, reward_model, seed=eval_seed)
-        action_scale, action_bias = (space.high - space.low) / 2, (space.high + space.low) / 2  # host: no sync
+        action_scale, action_bias = (space.high - space.low) / 2, (space.high + space.low) / 2  # on the host
         gt_success = (lambda ep: ep["success"]) if args.env_id == "MountainCarContinuous-v0" else None
         run.start(networks(), rb, reward_model, frame_shape, gt_success)
         draw = None  # --renderer warp: the envs return states, drawn on the reward's device before CLIP
