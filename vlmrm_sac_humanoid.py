@@ -149,7 +149,7 @@ def check_args(args: Args) -> None:
             "mujoco" not in entry_point and not mountain_car,
             f"--env-id {args.env_id} is no MuJoCo task or MountainCarContinuous-v0.",
         ),
-        (args.env_id == "Humanoid-v4", "--env-id Humanoid-v4 takes neither our scene nor camera: use v5."),
+        (args.env_id == "Humanoid-v4", "--env-id Humanoid-v4 takes neither our scene nor camera: Humanoid-v5."),
     ]:
         if failed:
             raise utils.UserError(message)

@@ -249,14 +249,14 @@ def test_a_second_interrupt_inside_a_step_ends_at_once_however_the_workers_reply
                 return np.zeros(1, np.float32), 0.0, False, False, {{}}
 
         run = object.__new__(utils.Run)
-        run.queue = run.writer = None
+        run.scorer = run.writer = None
         run.name = "run"
         for i in range({tries}):
             sig = (signal.SIGINT, signal.SIGTERM)[i % 2]
             fns = [lambda: Env(0.0), lambda: Env(2.0)]
             envs = utils.make_vector_env(gym.vector.AsyncVectorEnv, fns, gym.vector.AutoresetMode.DISABLED)
             workers = [p.pid for p in envs.unwrapped.processes]
-            utils.install_stop_handlers()
+            run.stop = utils.install_stop_handlers()
             envs.reset(seed=i)
             sent = []
             for after in (0.2, 0.4):  # the first asks for a checkpoint, the second quits: env 0 has replied by then
