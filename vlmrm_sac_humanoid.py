@@ -149,7 +149,7 @@ def check_args(args: Args) -> None:
             "mujoco" not in entry_point and not mountain_car,
             f"--env-id {args.env_id} is no MuJoCo task or MountainCarContinuous-v0.",
         ),
-        (args.env_id == "Humanoid-v4", "--env-id Humanoid-v4 takes neither our scene nor camera: Humanoid-v5."),
+        (args.env_id == "Humanoid-v4", "--env-id Humanoid-v4 takes not our scene nor camera: Humanoid-v5."),
     ]:
         if failed:
             raise utils.UserError(message)
@@ -572,7 +572,8 @@ class FrameAfterStep(gym.Wrapper):
         start = time.perf_counter()
         frame = self.env.state() if self.drawn_later else self.env.render()
         info["render_s"] = time.perf_counter() - start  # of the round trip the loop times, the rendering
-        problem = utils.frame_problem(self.env, frame, self.blank)
+        name = self.env.spec.id if self.env.spec else type(self.env.unwrapped).__name__
+        problem = None if self.drawn_later else utils.frame_problem(name, frame, self.blank.shape)
         if problem:  # said by the trainer (utils.FramesInInfo): raised here, gymnasium adds its traceback
             info["bad_frame"], frame = problem, self.blank
         return (obs, frame), reward, terminated, truncated, info

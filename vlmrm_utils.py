@@ -800,19 +800,20 @@ def _batch_frame_space(space: FrameSpace, n: int = 1) -> FrameSpace:
     return FrameSpace((n, *space.shape), space.dtype)
 
 
-def frame_problem(env: gym.Env, frame, blank: np.ndarray) -> Optional[str]:
-    """What is wrong with a frame an env rendered for the reward model (dtype and shape of `blank`), or None. Checked in
-    the env, where the frame is made: the vector env's shared memory would cast floats in [0, 1] to black."""
-    if getattr(frame, "dtype", None) == blank.dtype and frame.shape == blank.shape:
-        return None
-    name = env.spec.id if env.spec is not None else type(env.unwrapped).__name__
+def frame_problem(name: str, frame, shape: Optional[tuple] = None) -> Optional[str]:
+    """What is wrong with a frame env `name` rendered for the reward model and the videos (a uint8 (H, W, 3) array, of
+    `shape` when given), or None. Training checks it in the env, where it is made: the vector env's shared memory would
+    cast floats in [0, 1] to black; --evaluate before a frame is scored or saved."""
+    if isinstance(frame, np.ndarray) and frame.dtype == np.uint8 and frame.ndim == 3 and frame.shape[-1] == 3:
+        if shape is None or frame.shape == tuple(shape):
+            return None
     what = "None" if frame is None else f"a {type(frame).__name__}"
+    floats = isinstance(frame, np.ndarray) and frame.dtype.kind == "f"
     if isinstance(frame, np.ndarray):
         what = f"a {frame.dtype} array of shape {frame.shape}"
-        floats = frame.dtype.kind == "f" and frame.size
-        what += f" (values {np.nanmin(frame):g} to {np.nanmax(frame):g})" if floats else ""
-    hint = ", e.g. (frame * 255).astype(np.uint8)" if isinstance(frame, np.ndarray) and frame.dtype.kind == "f" else ""
-    needed = f"uint8 frames of shape {blank.shape}"
+        what += f" (values {np.nanmin(frame):g} to {np.nanmax(frame):g})" if floats and frame.size else ""
+    needed = f"uint8 frames of shape {tuple(shape) if shape else '(height, width, 3)'}"
+    hint = ", e.g. (frame * 255).astype(np.uint8)" if floats else ""
     return f"{name} rendered {what}, but the reward model needs {needed}; make its render() return those{hint}"
 
 
@@ -1535,25 +1536,6 @@ def save_video(frames: list[np.ndarray], path: str, fps: int) -> None:
         wandb.log({f"videos/{Path(path).stem}": wandb.Video(path, format="mp4")})
 
 
-def check_frame(frame, where: str, shape: Optional[tuple] = None) -> None:
-    """A frame the reward model and the videos take: a uint8 array of height x width x 3 (of `shape` when given), or
-    one sentence naming the env (`where`) and what came (float frames were a PIL traceback after an earlier evaluation
-    had been deleted)."""
-    if isinstance(frame, np.ndarray) and frame.dtype == np.uint8 and frame.ndim == 3 and frame.shape[-1] == 3:
-        if shape is None or frame.shape == tuple(shape):
-            return
-    what = "None" if frame is None else f"a {type(frame).__name__}"
-    floats = isinstance(frame, np.ndarray) and frame.dtype.kind == "f"
-    if isinstance(frame, np.ndarray):
-        what = f"a {frame.dtype} array of shape {frame.shape}"
-        what += f" (values {np.nanmin(frame):g} to {np.nanmax(frame):g})" if floats and frame.size else ""
-    needed = f"uint8 frames of shape {tuple(shape) if shape else '(height, width, 3)'}"
-    raise RunError(
-        f"{where} rendered {what}, but the reward model and the videos need {needed}; make its render() return those"
-        + (", e.g. (frame * 255).astype(np.uint8)." if floats else ".")
-    )
-
-
 def evaluate(policy: Callable, eval_envs: gym.vector.VectorEnv, reward_model, episodes: int, seed: int) -> list[dict]:
     """Episodes of `policy` (the script's: observations -> actions) in a one-env vector env: the frames and their rate,
     the ground-truth and CLIP return of each; as CleanRL keeps its evaluations in cleanrl_utils. Every frame is checked
@@ -1562,7 +1544,8 @@ def evaluate(policy: Callable, eval_envs: gym.vector.VectorEnv, reward_model, ep
     for episode in range(episodes):
         obs, _ = eval_envs.reset(seed=seed + episode)
         frames = [eval_envs.call("render")[0]]
-        check_frame(frames[0], name)
+        if frame_problem(name, frames[0]):
+            raise RunError(frame_problem(name, frames[0]) + ".")
         gt_return = 0.0
         done = False
         while not done:  # fixed length: --episode-length steps; stock: until the env terminates or truncates
@@ -1572,7 +1555,8 @@ def evaluate(policy: Callable, eval_envs: gym.vector.VectorEnv, reward_model, ep
             done = bool(terminations[0] or truncations[0])
             gt_return += float(gt_rewards[0])
             frames.append(eval_envs.call("render")[0])
-            check_frame(frames[-1], name, frames[0].shape)  # one video, one batch for the reward model: one shape
+            if frame_problem(name, frames[-1], frames[0].shape):  # one video, one batch for the reward model: one shape
+                raise RunError(frame_problem(name, frames[-1], frames[0].shape) + ".")
         # the reset frame scores no transition: the reward of step t is the score of frame t + 1
         clip_return = float(reward_model(np.stack(frames[1:])).sum()) if reward_model is not None else math.nan
         fps = eval_envs.metadata["render_fps"]

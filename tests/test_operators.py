@@ -152,7 +152,7 @@ def files_under(folder) -> dict:
     "frame, said",
     [
         (lambda f: np.full((1, 1, 3), 0.5, np.float32), "a float32 array of shape (1, 1, 3) (values 0.5 to 0.5)"),
-        (lambda f: f[:200], "a uint8 array of shape (200, 600, 3), but the reward model and the videos need uint8 frames of "
+        (lambda f: f[:200], "a uint8 array of shape (200, 600, 3), but the reward model needs uint8 frames of "
          "shape (400, 600, 3)"),
     ],
     ids=["float", "shape"],
