@@ -176,8 +176,7 @@ def check_writable(folder: str, what: str = "", advice: str = "run from another"
 
 
 def check_clip_args(args, model_flag: str = "--clip-model", checkpoint_flag: str = "--clip-checkpoint") -> None:
-    """Refuse an unknown CLIP architecture, pretrained tag, config or weights file before anything is loaded; the flags
-    named as the calling tool names them (epic_eval.py: --clip-models, --clip-checkpoints)."""
+    """Refuse an unknown CLIP model, tag, config or weights file before loading; the flags named as the caller names them."""
     import json
 
     import open_clip
@@ -260,8 +259,7 @@ def memory_needs(args, observation_space: gym.Space, action_space: gym.Space, fr
 
 def check_resources(args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple, env_bytes: float,
                     activations: int) -> int:  # fmt: skip
-    """Refuse a run that does not fit in the available memory; the estimate (bytes). `activations`: the floats one sampled
-    transition takes through the networks."""
+    """Refuse a run too big for the available memory; the estimate (bytes). `activations`: a sample's floats in the nets."""
     needs = memory_needs(args, observation_space, action_space, frame_shape, env_bytes, activations)
     total, available, gib = sum(v for _, v in needs.values()), available_memory(), 2**30
     if total > gib or (available and total > 0.25 * available):  # said only when it matters (not 0.00 GiB for CartPole)
@@ -278,8 +276,7 @@ def check_resources(args, observation_space: gym.Space, action_space: gym.Space,
 
 
 def clip_parameters(model: str) -> int:
-    """The parameters of an open_clip architecture or config, counted on the meta device (no memory, under a second for
-    ViT-bigG-14); 0 when unknown (check_clip_args says so)."""
+    """An open_clip model's parameter count on the meta device (no memory, under a second); 0 if unknown (refused later)."""
     import open_clip
 
     logging.disable(logging.WARNING)  # the model counted here has random weights, as open_clip would warn
@@ -604,8 +601,7 @@ def warn_long_prompts(tokenizer, args) -> None:
 
 
 def say_reward_model_cost(reward_model: nn.Module, args, frame_shape: tuple[int, int, int]) -> None:
-    """What the reward model costs, measured once before training: on CPU the time per frame (and what to do when it is
-    seconds), on a GPU each replica's memory while it scores a full chunk."""
+    """Measured before training: on CPU the reward model's time per frame (and advice), on a GPU each replica's peak memory."""
     if reward_model.device.type == "cuda":
         devices = [device for _, device in reward_model.replicas]
         for device in devices:
@@ -942,20 +938,17 @@ def die_with_parent(env_fn: Callable, parent: int) -> gym.Env:
 
 def dead_worker(envs: gym.vector.VectorEnv, wait: float = 2.0) -> Optional[str]:
     """Once a pipe to the env workers broke: which worker died and how (its signal or exit code); None if none did."""
-    processes = getattr(envs.unwrapped, "processes", [])
-    deadline = time.monotonic() + wait
-    while processes:  # the pipe breaks as the worker ends: its exit code follows within moments
+    processes, deadline = getattr(envs.unwrapped, "processes", []), time.monotonic() + wait
+    while True:  # the pipe breaks as the worker ends: its exit code follows within moments
         for i, process in enumerate(processes):
-            code = process.exitcode
-            if code is not None:
+            if (code := process.exitcode) is not None:
                 how = f"exited with code {code}"
                 with contextlib.suppress(ValueError):
                     how = f"killed by {signal.Signals(-code).name}" if code < 0 else how
                 return f"env worker {i} (pid {process.pid}) died ({how})"
-        if time.monotonic() > deadline:
+        if not processes or time.monotonic() > deadline:
             return None
         time.sleep(0.02)
-    return None
 
 
 def close_envs(envs: gym.vector.VectorEnv) -> None:
@@ -1007,9 +1000,8 @@ def run_flags(args, evaluate_as_trained: str) -> tuple[object, Optional[dict]]:
 
 
 class Run:
-    """A training run around the loop each script writes out, in calls at fixed points of it: seeds, run folder,
-    TensorBoard and W&B, progress line, NaN guard, checkpoints at episode ends, videos and the final evaluation. Of the
-    script it calls only what hands it data (the networks' state, an episode's success)."""
+    """A training run around the loop each script writes out, in calls at fixed points: seeds, run folder, TensorBoard, W&B,
+    progress, NaN guard, checkpoints, videos, final evaluation; of the script it calls only what hands it data."""
 
     def __init__(self, args, checkpoint: Optional[dict] = None):
         self.checkpoint = checkpoint  # of --resume (the run to continue) or --evaluate (the policy to roll out)
@@ -1022,8 +1014,7 @@ class Run:
                       f"{args.episode_length * args.num_envs} steps): checkpoint.pt keeps the run state of the last "
                       f"episode end, to extend the run from, and the final networks go to checkpoints/step-"
                       f"{args.total_timesteps}.pt")  # fmt: skip
-        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        self.name = self.checkpoint.get("run_name", self.name) if self.checkpoint else self.name
+        self.name = (checkpoint or {}).get("run_name", f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
         random.seed(args.seed)
         np.random.seed(args.seed)
         torch.manual_seed(args.seed)
@@ -1104,8 +1095,7 @@ class Run:
                 RUN_LOCKS.clear()
 
     def start(self, networks: dict, rb, reward_model, frame_shape: tuple, success: Optional[Callable]) -> None:
-        """Before the first step: the checkpoints' disk and the reward model's cost said, the run folder, W&B, TensorBoard,
-        the episode log (`success`: an ended episode's charts/gt_success), the progress line and the stop signal."""
+        """Before the first step: disk and reward model cost said, run folder, W&B, TensorBoard, episodes, progress, signal."""
         args = self.args
         check_checkpoint_disk(args, networks, rb)  # before the run folder: a refused run leaves none
         if reward_model is not None:
@@ -1121,8 +1111,7 @@ class Run:
                 project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args),
                 name=self.name, save_code=True, **(resumed if resumed.get("id") else {}),
             )  # fmt: skip
-        # purge_step drops what a crashed run logged after its checkpoint
-        purge_step = self.start_iteration * args.num_envs if self.checkpoint else None
+        purge_step = self.start_iteration * args.num_envs if self.checkpoint else None  # drops a crash's logs after it
         from torch.utils.tensorboard import SummaryWriter  # here: half a second to import, which a refused flag needs not
 
         self.writer = name_write_errors(SummaryWriter(f"runs/{self.name}", purge_step=purge_step))
@@ -1173,8 +1162,7 @@ class Run:
         self.timing[part] = self.timing.get(part, 0.0) + time.perf_counter() - start
 
     def check_rewards(self, rewards: np.ndarray, step: int, networks: Callable[[], dict]) -> None:
-        """The NaN guard's first line: a NaN or inf reward never reaches the buffer, where it would poison every
-        Q-value; the run stops (exit 1) with its networks, still finite, saved beside the checkpoint."""
+        """The NaN guard's first line: a NaN or inf reward stops the run (exit 1) before it poisons the buffer's Q-values."""
         if not np.all(np.isfinite(rewards)):
             hint = "; on a GPU, --clip-dtype bfloat16 has float32's range" if self.args.reward == "clip" else ""
             # rows are step-major: env i of step t is row t * num_envs + i, and `step` is the chunk's last step
@@ -1211,8 +1199,7 @@ class Run:
         return {**self.timing, "env": self.timing["env"] - render, "render": render}
 
     def video(self, evaluation: Callable[[int], list[dict]]) -> None:
-        """--capture-video, every --video-frequency steps and at the end: one episode of `evaluation` (the script's
-        deterministic policy) as videos/<run_name>/step-<N>.mp4, its returns in TensorBoard."""
+        """--capture-video, every --video-frequency steps and at the end: an episode of `evaluation` as MP4, returns logged."""
         args = self.args
         step, next_step = self.iteration * args.num_envs, (self.iteration + 1) * args.num_envs
         new_period = step // args.video_frequency != next_step // args.video_frequency
@@ -1238,8 +1225,7 @@ class Run:
         return boundary and (self.stopping or self.periodic or last)
 
     def save(self, learner: dict, envs, rb, networks: Callable[[], dict], recent, clip_return: float, **state) -> bool:
-        """checkpoint.pt, the run state --resume reads; when periodic also checkpoints/step-<N>.pt, the networks with their
-        training-time CLIP return; True on a stop signal (the loop stops)."""
+        """checkpoint.pt (what --resume reads), when periodic the paper's step-<N>.pt too; True on a stop signal (ends)."""
         args = self.args
         step = (self.iteration + 1) * args.num_envs
         state.update(run_name=self.name, iteration=self.iteration + 1, global_step=step, args=asdict(args))
@@ -1306,8 +1292,7 @@ class EpisodeLog:
         return ended
 
     def log(self, args, writer, progress: "Progress", batch: dict, step: int, rewards, clip_rewards, components=()):
-        """Adds a scored batch (rows are step-major: env i of step t is row t * num_envs + i, the last step is `step`),
-        logs each episode that ended at the step it ended at, and returns them in order."""
+        """Adds a scored batch (step-major rows, the last step `step`), logs each ended episode at its step, returns them."""
         steps = len(rewards) // args.num_envs
         gt = batch["gt"].reshape(steps, args.num_envs, -1)
         sums = {"return": rewards, "gt_return": gt[..., 0], "clip_return": clip_rewards}
@@ -1324,9 +1309,8 @@ class EpisodeLog:
             if self.success is not None:
                 scalars["charts/gt_success"] = self.success(ep)
             if args.reward == "clip":
-                scalars.update(
-                    {"charts/clip_return": ep["clip_return"], "charts/clip_reward_mean": ep["clip_return"] / ep["length"]}
-                )
+                scalars["charts/clip_return"] = ep["clip_return"]
+                scalars["charts/clip_reward_mean"] = ep["clip_return"] / ep["length"]
             for tag, value in scalars.items():
                 writer.add_scalar(tag, value, ended_at)
         return ended
