@@ -32,9 +32,7 @@ import torch
 import torch.nn as nn
 
 
-# ----------------------------------------------------------------------------------------------
-# Errors and the entry point
-# ----------------------------------------------------------------------------------------------
+# --- Errors and the entry point ---------------------------------------------------------------
 class UserError(Exception):
     """Bad input or a missing resource: reported as one sentence and exit code 2, never a traceback."""
 
@@ -83,9 +81,7 @@ def cli(main: Callable, args_class, argv: Optional[list] = None, interrupted: st
         GIVEN.clear()
 
 
-# ----------------------------------------------------------------------------------------------
-# Before anything starts: the flags, the machine's memory and disk
-# ----------------------------------------------------------------------------------------------
+# --- Before anything starts: the flags, the machine's memory and disk -------------------------
 def check_common_args(args, positive: str, unit_interval: str, network: str) -> None:
     """The checks of the flags both training scripts share, each one sentence, before anything expensive starts."""
     if args.num_envs > 0 and args.total_timesteps % args.num_envs:  # every vector step takes one step in each env
@@ -322,9 +318,7 @@ def format_bytes(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-# ----------------------------------------------------------------------------------------------
-# A resumed or evaluated run: its checkpoint and its flags
-# ----------------------------------------------------------------------------------------------
+# --- A resumed or evaluated run: its checkpoint and its flags ---------------------------------
 def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict:
     """A checkpoint of the script whose flags are `args_class` (resumable for --resume), or a one-sentence error."""
     script = os.path.basename(sys.modules[args_class.__module__].__file__)  # run directly, the module is __main__
@@ -509,9 +503,7 @@ def resumed_args(args, checkpoint: dict):
     return args_class(**{"episodes": "fixed", **saved, "resume": args.resume, "total_timesteps": total})  # older: fixed
 
 
-# ----------------------------------------------------------------------------------------------
-# The reward model's CLIP: weights, prompts and cost
-# ----------------------------------------------------------------------------------------------
+# --- The reward model's CLIP: weights, prompts and cost ---------------------------------------
 def load_clip(args, device: torch.device) -> tuple[nn.Module, object]:
     """The open_clip model and tokenizer of --clip-model/--clip-pretrained/--clip-checkpoint, or one sentence why not."""
     import huggingface_hub.constants as hub
@@ -627,9 +619,7 @@ def say_reward_model_cost(reward_model: nn.Module, args, frame_shape: tuple[int,
           f"spend about {format_duration(seconds * args.total_timesteps)} in the reward model{advice}")  # fmt: skip
 
 
-# ----------------------------------------------------------------------------------------------
-# The envs: frames with the step, workers that end with the run
-# ----------------------------------------------------------------------------------------------
+# --- The envs: frames with the step, workers that end with the run ----------------------------
 def make_vector_env(vector_env: type, env_fns: list, autoreset_mode, frames: bool = False) -> gym.vector.VectorEnv:
     """The training envs; `frames`: (observation, frame) pairs travel through shared memory, into infos["frames"]. Env
     processes ignore Ctrl-C and SIGTERM (the main process decides when to stop and closes them) and end with it."""
@@ -972,9 +962,7 @@ def close_envs(envs: gym.vector.VectorEnv) -> None:
     base.closed = True  # gymnasium's own close would wait on the dead pipes again
 
 
-# ----------------------------------------------------------------------------------------------
-# The run around the loop: folder, progress, rewards in flight, episodes, NaN guard, checkpoints, videos
-# ----------------------------------------------------------------------------------------------
+# --- The run around the loop: folder, progress, episodes, NaN guard, checkpoints, videos ---------------
 def set_torch_threads(args, device: torch.device) -> torch.device:
     """One torch thread on CPU unless asked otherwise: measured 8-12x faster for these small networks on a shared CPU."""
     if args.torch_threads is None and device.type == "cpu":
@@ -1502,9 +1490,7 @@ def all_finite(state) -> bool:
     return not (torch.is_tensor(state) and state.is_floating_point()) or bool(torch.isfinite(state).all())
 
 
-# ----------------------------------------------------------------------------------------------
-# Files written whole: checkpoints, videos
-# ----------------------------------------------------------------------------------------------
+# --- Files written whole: checkpoints, videos -------------------------------------------------
 def save_checkpoint(path: str, state: dict) -> None:
     """Atomic and durable: a crash, power cut or full disk mid-write never replaces a good checkpoint with half of one."""
     folder = os.path.dirname(path) or "."
