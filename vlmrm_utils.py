@@ -1214,8 +1214,7 @@ class Run:
 
     def save(self, learner: dict, envs, rb, networks: Callable[[], dict], recent, clip_return: float, **state) -> bool:
         """checkpoint.pt (what --resume reads), when periodic the paper's step-<N>.pt too; True on a stop signal (ends)."""
-        args = self.args
-        step = (self.iteration + 1) * args.num_envs
+        args, step = self.args, (self.iteration + 1) * self.args.num_envs
         state.update(run_name=self.name, iteration=self.iteration + 1, global_step=step, args=asdict(args))
         state.update(rng=rng_state(envs), episodes={**self.episode_log.state_dict(), "recent": list(recent)})
         state.update(clip_return=clip_return, replay_buffer=rb.state_dict() if args.save_buffer else None)
