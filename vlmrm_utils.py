@@ -1258,9 +1258,7 @@ class EpisodeLog:
 
     def __init__(self, num_envs: int, state: Optional[dict] = None, success: Optional[Callable] = None):
         self.num_envs, self.success = num_envs, success
-        self.sums = {"length": np.zeros(num_envs)}
-        if state is not None:
-            self.sums.update(state["sums"])
+        self.sums = {"length": np.zeros(num_envs), **(state["sums"] if state is not None else {})}
 
     def add(self, values: dict[str, np.ndarray], latched: dict[str, np.ndarray], dones: np.ndarray) -> list[dict]:
         """values: (T, num_envs) per-step terms to sum; latched: (T, num_envs) terms whose last value counts (e.g. success);
