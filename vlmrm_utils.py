@@ -1430,13 +1430,9 @@ def wandb_id() -> Optional[str]:
 
 def rng_state(envs: gym.vector.VectorEnv) -> dict:
     """Every random number generator the run draws from, so a resumed run continues the same streams."""
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "envs": list(envs.get_attr("np_random")),
-    }
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "envs": list(envs.get_attr("np_random"))}  # fmt: skip
 
 
 def save_step_checkpoint(run_name: str, step: int, networks: dict, args, clip_return: float, source: dict) -> None:
