@@ -1,11 +1,6 @@
-"""Plumbing shared by the training scripts (and used by the evaluation tools), as CleanRL's scripts share `cleanrl_utils`.
-
-The method (flags, CLIP reward, environment, networks, replay buffer, loop) lives in each training script; what is here
-is written once so a fix lands once, in the order a run uses it: the entry point, the checks before anything starts, a
-resumed run's checkpoint, CLIP's weights, the envs' frames, and `Run`, the run's lifecycle around the loop (folder,
-TensorBoard and W&B, progress, rewards in flight, NaN guard, checkpoints, videos). It imports no script or tool and
-reads only the flags both training scripts share; the tools' own file handling is in vlmrm_tools.py.
-"""
+"""Plumbing shared by the training scripts and tools, as CleanRL's `cleanrl_utils` (the method lives in each script):
+the entry point, the checks before a run, checkpoints, CLIP's weights, the envs' frames and `Run`, the run around the
+loop. It imports no script or tool and reads only the flags both training scripts share."""
 
 import contextlib
 import copy
@@ -40,9 +35,7 @@ import torch
 import torch.nn as nn
 
 
-# ----------------------------------------------------------------------------------------------
-# Errors and the entry point
-# ----------------------------------------------------------------------------------------------
+# --- Errors and the entry point ---------------------------------------------------------------
 class UserError(Exception):
     """Bad input or a missing resource: reported as one sentence and exit code 2, never a traceback."""
 
@@ -62,10 +55,8 @@ NOTED: set[str] = set()  # the notes already printed (`note`)
 
 
 def cli(main: Callable, args_class, argv: Optional[list] = None, interrupted: str = "interrupted") -> None:
-    """Every script's and tool's entry point: parse the flags with tyro (`args_class`: a dataclass, or a union of them
-    for subcommands), run `main`, and turn bad input into one sentence and exit 2, the machine's and the run's failures (a
-    full disk, a folder removed, a dead env worker) into one sentence and exit 1, Ctrl-C into one line and exit 130
-    (`interrupted`, unless it says more; another Ctrl-C then ends the process at once)."""
+    """Every entry point: tyro's flags, then bad input is one sentence and exit 2, the machine's and the run's failures one
+    sentence and exit 1, Ctrl-C one line (`interrupted`, unless it says more) and exit 130."""
     import warnings
 
     import tyro
@@ -87,17 +78,14 @@ def cli(main: Callable, args_class, argv: Optional[list] = None, interrupted: st
               "or --batch-size.", file=sys.stderr)  # fmt: skip
         sys.exit(1)
     except KeyboardInterrupt as e:
-        # another Ctrl-C ends the process at once: not a traceback from the exit's wait for a chunk being scored
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # another Ctrl-C ends the process: no traceback from the exit's wait
         print(str(e) or interrupted, file=sys.stderr)
         sys.exit(130)
     finally:
         GIVEN.clear()
 
 
-# ----------------------------------------------------------------------------------------------
-# Before anything starts: the flags, the machine's memory and disk
-# ----------------------------------------------------------------------------------------------
+# --- Before anything starts: the flags, the machine's memory and disk -------------------------
 def check_common_args(args, positive: str, unit_interval: str, network: str) -> None:
     """The checks of the flags both training scripts share, each one sentence, before anything expensive starts."""
     if args.num_envs > 0 and args.total_timesteps % args.num_envs:  # every vector step takes one step in each env
@@ -114,25 +102,19 @@ def check_common_args(args, positive: str, unit_interval: str, network: str) -> 
     known = ["cpu", *(["cuda"] if torch.cuda.is_available() else []), *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
     projection = args.reward == "clip" and args.alpha > 0  # the prompts matter with the CLIP reward only
     for failed, message in [
-        (
-            args.reward == "clip" and (not args.goal or not all(p.strip() for p in args.goal)),
-            "--goal needs at least one non-empty prompt (only the paper's environments have a default).",
-        ),
+        (args.reward == "clip" and (not args.goal or not all(p.strip() for p in args.goal)),
+         "--goal needs at least one non-empty prompt (only the paper's environments have a default)."),
         (projection and not all(p.strip() for p in args.baseline or [""]), "--baseline needs a prompt when --alpha > 0."),
-        (
-            projection and same_prompts(args.goal, args.baseline or ()),
-            "--goal and --baseline are the same prompts (up to case and spaces); change one or use --alpha 0.",
-        ),
+        (projection and same_prompts(args.goal, args.baseline or ()),
+         "--goal and --baseline are the same prompts (up to case and spaces); change one or use --alpha 0."),
         (args.learning_starts < 0, f"--learning-starts must be 0 or more, got {args.learning_starts}."),
-        (
-            args.learning_starts >= args.total_timesteps,
-            f"--learning-starts {args.learning_starts} is not below --total-timesteps {args.total_timesteps}; "
-            f"lower it, e.g. to a quarter of the run: --learning-starts {args.total_timesteps // 4}.",
-        ),
+        (args.learning_starts >= args.total_timesteps, f"--learning-starts {args.learning_starts} is not below "
+         f"--total-timesteps {args.total_timesteps}; lower it, e.g. to a quarter of the run: --learning-starts "
+         f"{args.total_timesteps // 4}."),
         (args.batch_size > args.buffer_size, f"--batch-size {args.batch_size} exceeds --buffer-size {args.buffer_size}."),
         (args.torch_threads is not None and args.torch_threads < 0, "--torch-threads must be 0 (torch's default) or more."),
         (bool(unknown), f"--reward-devices {' '.join(unknown)} is not a device of this machine: {', '.join(known)}."),
-    ]:
+    ]:  # fmt: skip
         if failed:
             raise UserError(message)
     if args.resume is None and args.evaluate is None:  # a run already trained on such prompts stays resumable
@@ -141,10 +123,8 @@ def check_common_args(args, positive: str, unit_interval: str, network: str) -> 
     if args.evaluate is not None:  # the checks of --resume, then networks of this env
         saved = read_checkpoint(args.evaluate, type(args), "--evaluate")
         if network not in saved or saved["args"].get("env_id", args.env_id) != args.env_id:
-            raise UserError(
-                f"--evaluate {args.evaluate} holds no networks trained on --env-id {args.env_id} "
-                f"(its --env-id: {saved['args'].get('env_id', args.env_id)})."
-            )
+            raise UserError(f"--evaluate {args.evaluate} holds no networks trained on --env-id {args.env_id} (its --env-id: "
+                            f"{saved['args'].get('env_id', args.env_id)}).")  # fmt: skip
     check_writable("runs")
     if args.capture_video or args.evaluate is not None:
         check_writable("videos")
@@ -154,7 +134,6 @@ def check_common_args(args, positive: str, unit_interval: str, network: str) -> 
 
 def check_wandb_login() -> None:
     """--track needs a W&B login, or an offline mode: wandb.init's own error is a traceback once the run folder exists."""
-    import contextlib
     import io
 
     try:
@@ -172,12 +151,10 @@ def check_wandb_login() -> None:
 def is_device(name: str) -> bool:
     """A device torch accepts that this machine has: cpu, cpu:0, cuda, cuda:N below the GPU count."""
     try:
-        device = torch.device(name)
+        device, gpus = torch.device(name), torch.cuda.device_count() if torch.cuda.is_available() else 0
     except (RuntimeError, ValueError):
         return False
-    return device.type == "cpu" or (
-        device.type == "cuda" and torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
-    )
+    return device.type == "cpu" or (device.type == "cuda" and (device.index or 0) < gpus)
 
 
 def check_writable(folder: str, what: str = "", advice: str = "run from another") -> None:
@@ -199,8 +176,7 @@ def check_writable(folder: str, what: str = "", advice: str = "run from another"
 
 
 def check_clip_args(args, model_flag: str = "--clip-model", checkpoint_flag: str = "--clip-checkpoint") -> None:
-    """Refuse an unknown CLIP architecture, pretrained tag, config file or weights file before anything is loaded; the
-    flags named as the calling tool names them (epic_eval.py: --clip-models, --clip-checkpoints)."""
+    """Refuse an unknown CLIP model, tag, config or weights file before loading; the flags named as the caller names them."""
     import json
 
     import open_clip
@@ -209,22 +185,18 @@ def check_clip_args(args, model_flag: str = "--clip-model", checkpoint_flag: str
         if not os.path.isfile(args.clip_model):
             raise UserError(f"{model_flag} {args.clip_model}: no such model config file.")
         try:
-            with open(args.clip_model, encoding="utf-8") as f:
-                config = json.load(f)
+            config = json.loads(Path(args.clip_model).read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
             raise UserError(f"{model_flag} {args.clip_model} is not a readable JSON file ({type(e).__name__}).") from None
         required = {"embed_dim": int, "vision_cfg": dict, "text_cfg": dict}  # open_clip skips a config without them, silently
         if not isinstance(config, dict) or not all(isinstance(config.get(k), t) for k, t in required.items()):
-            raise UserError(
-                f"{model_flag} {args.clip_model} is not an open_clip model config (it needs an integer embed_dim, "
-                "vision_cfg and text_cfg, as in tests/vlmrm-tiny-test.json)."
-            )
+            raise UserError(f"{model_flag} {args.clip_model} is not an open_clip model config (it needs an integer "
+                            "embed_dim, vision_cfg and text_cfg, as in tests/vlmrm-tiny-test.json).")  # fmt: skip
         tags = ["none", *open_clip.list_pretrained_tags_by_model(Path(args.clip_model).stem)]  # a config named as a model
         if args.clip_checkpoint is None and args.clip_pretrained not in tags and not os.path.isfile(args.clip_pretrained):
-            raise UserError(
-                f"{model_flag} {args.clip_model} is a model config, which has no --clip-pretrained {args.clip_pretrained} "
-                f"weights; add --clip-pretrained none (random weights, for tests) or a weights file with {checkpoint_flag}."
-            )
+            raise UserError(f"{model_flag} {args.clip_model} is a model config, which has no --clip-pretrained "
+                            f"{args.clip_pretrained} weights; add --clip-pretrained none (random weights, for tests) or a "
+                            f"weights file with {checkpoint_flag}.")  # fmt: skip
     elif args.clip_model not in open_clip.list_models():
         raise UserError(f"{model_flag} {args.clip_model} is not an open_clip architecture (see open_clip.list_models()).")
     elif args.clip_checkpoint is None:
@@ -237,13 +209,11 @@ def check_clip_args(args, model_flag: str = "--clip-model", checkpoint_flag: str
 
 
 def check_one_word_prompts(prompts, flag: str) -> None:
-    """`--goal pole upright` unquoted is two prompts, "pole" and "upright", each embedded and averaged. The rule: two or
-    more prompts that are all single words are refused (CLIP's prompts are phrases; one word alone is allowed)."""
+    """`--goal pole upright` unquoted is two prompts averaged: two or more prompts all of one word are refused."""
     if prompts and len(prompts) > 1 and all(len(p.split()) == 1 for p in prompts):
-        raise UserError(
-            f"{flag} got {len(prompts)} one-word prompts ({', '.join(prompts)}), each scored on its own and averaged; if "
-            f'you meant one sentence, quote it: {flag} "{" ".join(prompts)}" (prompts that are all one word are refused).'
-        )
+        raise UserError(f"{flag} got {len(prompts)} one-word prompts ({', '.join(prompts)}), each scored on its own and "
+                        f'averaged; if you meant one sentence, quote it: {flag} "{" ".join(prompts)}" (prompts that are all '
+                        "one word are refused).")  # fmt: skip
 
 
 def same_prompts(goal: tuple[str, ...], baseline: tuple[str, ...]) -> bool:
@@ -258,30 +228,19 @@ def resolve_negatives(
     negatives = defaults.get(tuple(goal), ()) if negatives is None else tuple(negatives)
     if not negatives or not all(n.strip() for n in negatives):
         raise UserError(f"{flag} needs at least one non-empty --negatives prompt (only the default --goal has defaults).")
-    shared = sorted(set(negatives) & set(goal))
-    if shared:
+    if shared := sorted(set(negatives) & set(goal)):
         raise UserError(f"--negatives and --goal share the prompt {shared[0]!r}; a negative is what the goal is not.")
     return negatives
 
 
-def frames_in_flight(args) -> tuple[int, int]:
-    """(frames the loop holds at once, frames scored in one go). Transitions wait until each reward device has a chunk
-    (whole vector steps, at least one). At most two chunks are with the reward model (RewardQueue's in_flight) when a
-    third is made: the waiting list and its np.concatenate copy beside them; and a vector step's frames are in the
-    envs' shared memory and in the copy the step returns (measured before the background scoring: frames + env
-    surfaces = 4.5 MB a CartPole env at 100 to 400 envs)."""
-    chunks = args.reward_batch_size * max(1, len(args.reward_devices))
-    waiting = -(-chunks // args.num_envs) * args.num_envs
-    return 4 * waiting + 2 * args.num_envs, waiting
-
-
 def memory_needs(args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple, env_bytes: float,
                  activations: int) -> dict:  # fmt: skip
-    """{what: (the flag that sets it, bytes)}: the memory a run allocates beyond the process as it is when checked
-    (Python, torch and the libraries are loaded by then). `env_bytes`: one env's objects or process, measured per script."""
+    """{what: (the flag that sets it, bytes)}: a run's memory beyond the process as checked; `env_bytes`: one env's."""
     action_bytes = 8 if isinstance(action_space, gym.spaces.Discrete) else 4 * int(np.prod(action_space.shape))
     transition = 2 * 4 * int(np.prod(observation_space.shape)) + action_bytes + 4 + 4  # obs, next_obs, action, reward, done
-    held, waiting = frames_in_flight(args)
+    chunks = args.reward_batch_size * max(1, len(args.reward_devices))  # frames scored in one go: a chunk per device
+    waiting = -(-chunks // args.num_envs) * args.num_envs  # in whole vector steps
+    held = 4 * waiting + 2 * args.num_envs  # 2 chunks with CLIP, a 3rd waiting and its copy; a step's frames in 2 places
     frame, clip = int(np.prod(frame_shape)), args.reward == "clip"
     copies = 2 if args.save_buffer and args.resume is None else 1  # --resume loads the saved buffer, then copies it in
     needs = {
@@ -300,29 +259,24 @@ def memory_needs(args, observation_space: gym.Space, action_space: gym.Space, fr
 
 def check_resources(args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple, env_bytes: float,
                     activations: int) -> int:  # fmt: skip
-    """Refuse a run whose buffer, batch, envs, frames in flight and CPU CLIP do not fit in the available memory; the
-    estimate (bytes). `activations`: the floats one sampled transition takes through the networks."""
+    """Refuse a run too big for the available memory; the estimate (bytes). `activations`: a sample's floats in the nets."""
     needs = memory_needs(args, observation_space, action_space, frame_shape, env_bytes, activations)
     total, available, gib = sum(v for _, v in needs.values()), available_memory(), 2**30
     if total > gib or (available and total > 0.25 * available):  # said only when it matters (not 0.00 GiB for CartPole)
         terms = ", ".join(f"{k} {v / gib:.2f}" for k, (_, v) in needs.items() if v >= 0.005 * gib)
         print(f"memory: {total / gib:.2f} GiB ({terms} GiB)" + (f", {available / gib:.1f} GiB available" if available else ""))
     if available and total > 0.9 * available:
-        by_flag: dict = {}
-        for flag, value in needs.values():
-            by_flag[flag] = by_flag.get(flag, 0) + value
+        by_flag = {flag: sum(v for f, v in needs.values() if f == flag) for flag, _ in needs.values()}
         flag = max(by_flag, key=by_flag.get)
         advice = "use a GPU or a smaller --clip-model" if flag == "--clip-model" else f"lower {flag}"
-        raise UserError(
-            f"{flag} {getattr(args, flag[2:].replace('-', '_'))} makes the run need {total / gib:.1f} GiB of memory, more "
-            f"than the {0.9 * available / gib:.1f} GiB it may take (90% of the {available / gib:.1f} GiB available); {advice}."
-        )
+        raise UserError(f"{flag} {getattr(args, flag[2:].replace('-', '_'))} makes the run need {total / gib:.1f} GiB of "
+                        f"memory, more than the {0.9 * available / gib:.1f} GiB it may take (90% of the "
+                        f"{available / gib:.1f} GiB available); {advice}.")  # fmt: skip
     return total
 
 
 def clip_parameters(model: str) -> int:
-    """The parameters of an open_clip architecture (or model config), counted on the meta device: no memory, well under
-    a second even for ViT-bigG-14; 0 when the name is unknown (check_clip_args says so)."""
+    """An open_clip model's parameter count on the meta device (no memory, under a second); 0 if unknown (refused later)."""
     import open_clip
 
     logging.disable(logging.WARNING)  # the model counted here has random weights, as open_clip would warn
@@ -343,9 +297,8 @@ def available_memory() -> int:
 
 
 def check_checkpoint_disk(args, networks: dict[str, dict], rb) -> None:
-    """With --save-model: say the disk the checkpoints take, and refuse a run whose checkpoints would not fit. Each
-    --checkpoint-frequency steps leaves a file of the networks; checkpoint.pt, the run state (networks, targets, Adam's
-    moments: at most 4x the networks, and the replay buffer with --save-buffer), exists twice while it is replaced."""
+    """With --save-model: the disk the checkpoints take, and a run refused if they do not fit: a step file of networks
+    each --checkpoint-frequency steps, checkpoint.pt (at most 4x the networks, with the buffer) twice while replaced."""
     if not args.save_model:
         return
     size = sum(p.numel() * p.element_size() for m in networks.values() for p in m.values()) + 2**16
@@ -357,19 +310,15 @@ def check_checkpoint_disk(args, networks: dict[str, dict], rb) -> None:
     print(f"disk: checkpoints take up to {format_bytes(total)} in runs/ ({what}), {format_bytes(free)} free")
     if total > 0.9 * free:
         advice = "lower --buffer-size or drop --save-buffer" if buffer else "free some disk space"
-        raise UserError(
-            f"the checkpoints take up to {format_bytes(total)} ({what}), but {format_bytes(free)} is free; "
-            + ("raise --checkpoint-frequency." if size * count > 2 * state else f"{advice}.")
-        )
+        raise UserError(f"the checkpoints take up to {format_bytes(total)} ({what}), but {format_bytes(free)} is free; "
+                        + ("raise --checkpoint-frequency." if size * count > 2 * state else f"{advice}."))  # fmt: skip
 
 
 def format_bytes(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-# ----------------------------------------------------------------------------------------------
-# A resumed or evaluated run: its checkpoint and its flags
-# ----------------------------------------------------------------------------------------------
+# --- A resumed or evaluated run: its checkpoint and its flags ---------------------------------
 def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict:
     """A checkpoint of the script whose flags are `args_class` (resumable for --resume), or a one-sentence error."""
     script = os.path.basename(sys.modules[args_class.__module__].__file__)  # run directly, the module is __main__
@@ -631,19 +580,7 @@ def resumed_args(args, checkpoint: dict):
     return args_class(**{"episodes": "fixed", **saved, "resume": args.resume, "total_timesteps": total})  # older: fixed
 
 
-def evaluated_args(args, saved: dict, as_trained: str):
-    """--evaluate rolls out with the run's own env, frames and CLIP model: the flags named in `as_trained` come from the
-    checkpoint `saved`, unless the user gave one (`cli` knows which; in process: set to another value than its default)."""
-    default = vars(type(args)())
-    for key in as_trained.split():
-        if key in saved["args"] and key in default and getattr(args, key) == default[key] and key not in GIVEN:
-            setattr(args, key, saved["args"][key])
-    return args
-
-
-# ----------------------------------------------------------------------------------------------
-# The reward model's CLIP: weights, prompts and cost
-# ----------------------------------------------------------------------------------------------
+# --- The reward model's CLIP: weights, prompts and cost ---------------------------------------
 def load_clip(args, device: torch.device) -> tuple[nn.Module, object]:
     """The open_clip model and tokenizer of --clip-model/--clip-pretrained/--clip-checkpoint, or one sentence why not."""
     import huggingface_hub.constants as hub
@@ -660,10 +597,8 @@ def load_clip(args, device: torch.device) -> tuple[nn.Module, object]:
         model = open_clip.create_model(name, pretrained=pretrained, device=device, cache_dir=args.clip_cache_dir)
     except Exception as e:  # noqa: BLE001 - whatever open_clip raised, the fixes are these
         detail = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
-        raise UserError(
-            f"could not build {name} with {pretrained or 'random'} weights ({detail}); check --clip-model (a name or a config "
-            "file), --clip-pretrained and --clip-checkpoint."
-        ) from None
+        raise UserError(f"could not build {name} with {pretrained or 'random'} weights ({detail}); check --clip-model (a "
+                        "name or a config file), --clip-pretrained and --clip-checkpoint.") from None  # fmt: skip
     finally:
         logging.disable(logging.NOTSET)
         hub.HF_HUB_OFFLINE = offline
@@ -726,8 +661,7 @@ def warn_long_prompts(tokenizer, args) -> None:
 
 
 def say_reward_model_cost(reward_model: nn.Module, args, frame_shape: tuple[int, int, int]) -> None:
-    """What the reward model costs, measured once before training: on CPU the time per frame (a real-size CLIP takes
-    seconds: say what to do instead); on a GPU the memory of each replica while it scores a full chunk."""
+    """Measured before training: on CPU the reward model's time per frame (and advice), on a GPU each replica's peak memory."""
     if reward_model.device.type == "cuda":
         devices = [device for _, device in reward_model.replicas]
         for device in devices:
@@ -735,39 +669,28 @@ def say_reward_model_cost(reward_model: nn.Module, args, frame_shape: tuple[int,
         try:
             reward_model(np.zeros((args.reward_batch_size * len(devices), *frame_shape), dtype=np.uint8))  # a chunk each
         except torch.cuda.OutOfMemoryError:  # before the run folder: refused as a flag would be
-            raise UserError(
-                f"the reward model runs out of GPU memory scoring --reward-batch-size {args.reward_batch_size} frames at "
-                "once on each device; lower --reward-batch-size."
-            ) from None
+            raise UserError(f"the reward model runs out of GPU memory scoring --reward-batch-size {args.reward_batch_size} "
+                            "frames at once on each device; lower --reward-batch-size.") from None  # fmt: skip
         for device in devices:
             peak, total = torch.cuda.max_memory_allocated(device), torch.cuda.get_device_properties(device).total_memory
-            print(
-                f"memory: the reward model on {device} peaks at {peak / 2**30:.1f} GiB of {total / 2**30:.0f} GiB "
-                f"while scoring --reward-batch-size {args.reward_batch_size} frames ({args.clip_dtype} image tower)"
-            )
+            print(f"memory: the reward model on {device} peaks at {peak / 2**30:.1f} GiB of {total / 2**30:.0f} GiB while "
+                  f"scoring --reward-batch-size {args.reward_batch_size} frames ({args.clip_dtype} image tower)")  # fmt: skip
         return
     frames = np.zeros((8, *frame_shape), dtype=np.uint8)
     reward_model(frames[:1])  # warm-up: the first call pays one-off allocation costs
     start = time.perf_counter()
     reward_model(frames)
     seconds = (time.perf_counter() - start) / len(frames)
-    advice = (
-        "; use a GPU or --clip-model RN50 --clip-pretrained openai" if seconds > 0.05 and args.clip_model != "RN50" else ""
-    )
-    print(
-        f"note: scoring a frame with {Path(args.clip_model).stem} on CPU takes {seconds * 1000:.0f} ms, so this run will "
-        f"spend about {format_duration(seconds * args.total_timesteps)} in the reward model{advice}"
-    )
+    slow = seconds > 0.05 and args.clip_model != "RN50"
+    advice = "; use a GPU or --clip-model RN50 --clip-pretrained openai" if slow else ""
+    print(f"note: scoring a frame with {Path(args.clip_model).stem} on CPU takes {seconds * 1000:.0f} ms, so this run will "
+          f"spend about {format_duration(seconds * args.total_timesteps)} in the reward model{advice}")  # fmt: skip
 
 
-# ----------------------------------------------------------------------------------------------
-# The envs: frames with the step, workers that end with the run
-# ----------------------------------------------------------------------------------------------
+# --- The envs: frames with the step, workers that end with the run ----------------------------
 def make_vector_env(vector_env: type, env_fns: list, autoreset_mode, frames: bool = False) -> gym.vector.VectorEnv:
-    """The training envs. `frames`: each env returns (observation, frame) (the script's FrameAfterStep), and the vector
-    env hands the frames over in infos["frames"] (FramesInInfo): they travel through its shared memory, never pickled.
-    Env processes ignore Ctrl-C and SIGTERM, so that the main process decides when to stop (and closes them on every
-    exit), and end with it."""
+    """The training envs; `frames`: (observation, frame) pairs travel through shared memory, into infos["frames"]. Env
+    processes ignore Ctrl-C and SIGTERM (the main process decides when to stop and closes them) and end with it."""
     import functools
 
     if vector_env is gym.vector.AsyncVectorEnv and sys.platform == "linux":
@@ -787,11 +710,8 @@ class FrameSpace(gym.spaces.Box):
 
     def __init__(self, shape: tuple, dtype=np.uint8):  # float64: the states --renderer warp draws, unbounded
         super().__init__(*((0, 255) if dtype == np.uint8 else (-np.inf, np.inf)), (1,), dtype)
-        self._shape, self.low, self.high = (
-            tuple(shape),
-            np.broadcast_to(self.low[0], shape),
-            np.broadcast_to(self.high[0], shape),
-        )
+        self._shape = tuple(shape)
+        self.low, self.high = np.broadcast_to(self.low[0], shape), np.broadcast_to(self.high[0], shape)
         self.bounded_below = self.bounded_above = np.broadcast_to(dtype == np.uint8, shape)
 
 
@@ -882,9 +802,8 @@ def import_mujoco():
 
 
 def die_with_parent(env_fn: Callable, parent: int) -> gym.Env:
-    """An env worker process ends with the training process (Linux's PR_SET_PDEATHSIG): a SIGKILLed run left each worker
-    printing a 30-line traceback of its broken pipe into the log. Not in the training process itself (gymnasium builds
-    one env there for its spaces): it must outlive whatever started it (a sweep's job)."""
+    """An env worker ends with the training process (PR_SET_PDEATHSIG; a SIGKILLed run left each printing a traceback),
+    not the training process itself (gymnasium builds an env there for its spaces) with whatever started it."""
     if os.getpid() != parent:
         import ctypes
 
@@ -896,20 +815,17 @@ def die_with_parent(env_fn: Callable, parent: int) -> gym.Env:
 
 def dead_worker(envs: gym.vector.VectorEnv, wait: float = 2.0) -> Optional[str]:
     """Once a pipe to the env workers broke: which worker died and how (its signal or exit code); None if none did."""
-    processes = getattr(envs.unwrapped, "processes", [])
-    deadline = time.monotonic() + wait
-    while processes:  # the pipe breaks as the worker ends: its exit code follows within moments
+    processes, deadline = getattr(envs.unwrapped, "processes", []), time.monotonic() + wait
+    while True:  # the pipe breaks as the worker ends: its exit code follows within moments
         for i, process in enumerate(processes):
-            code = process.exitcode
-            if code is not None:
+            if (code := process.exitcode) is not None:
                 how = f"exited with code {code}"
                 with contextlib.suppress(ValueError):
                     how = f"killed by {signal.Signals(-code).name}" if code < 0 else how
                 return f"env worker {i} (pid {process.pid}) died ({how})"
-        if time.monotonic() > deadline:
+        if not processes or time.monotonic() > deadline:
             return None
         time.sleep(0.02)
-    return None
 
 
 def close_envs(envs: gym.vector.VectorEnv, clean: bool = True) -> None:
@@ -942,9 +858,7 @@ def close_envs(envs: gym.vector.VectorEnv, clean: bool = True) -> None:
         raise interrupted
 
 
-# ----------------------------------------------------------------------------------------------
-# The run around the loop: folder, progress, rewards in flight, episodes, NaN guard, checkpoints, videos
-# ----------------------------------------------------------------------------------------------
+# --- The run around the loop: folder, progress, episodes, NaN guard, checkpoints, videos ---------------
 def set_torch_threads(args, device: torch.device) -> torch.device:
     """One torch thread on CPU unless asked otherwise: measured 8-12x faster for these small networks on a shared CPU."""
     if args.torch_threads is None and device.type == "cpu":
@@ -955,29 +869,23 @@ def set_torch_threads(args, device: torch.device) -> torch.device:
 
 
 def run_flags(args, evaluate_as_trained: str) -> tuple[object, Optional[dict]]:
-    """The flags of the run and its checkpoint (None for a new run): --resume continues the same run with its own flags,
-    step, TensorBoard folder and random streams; --evaluate rolls out with the run's own env, frames and CLIP model (the
-    flags named in `evaluate_as_trained`), unless a flag says otherwise."""
+    """The run's flags and checkpoint (None: a new run): --resume's own flags; --evaluate's flags named in
+    `evaluate_as_trained` as trained, unless given (`cli` knows which; in process: not their default)."""
     checkpoint = None
     if args.resume is not None:
         checkpoint = read_checkpoint(args.resume, type(args))
         args = resumed_args(args, checkpoint)
     if args.evaluate is not None:
-        checkpoint = read_checkpoint(args.evaluate, type(args), "--evaluate")
-        args = evaluated_args(args, checkpoint, evaluate_as_trained)
+        checkpoint, default = read_checkpoint(args.evaluate, type(args), "--evaluate"), vars(type(args)())
+        for key in evaluate_as_trained.split():
+            if key in checkpoint["args"] and key in default and getattr(args, key) == default[key] and key not in GIVEN:
+                setattr(args, key, checkpoint["args"][key])
     return args, checkpoint
 
 
 class Run:
-    """A training run's lifecycle around the loop that each script writes out, in a few calls at fixed points of it:
-    `Run(args, checkpoint)` takes the checked flags (`run_flags`: a resumed run's own) and seeds everything;
-    `closing(envs)` closes the env processes and TensorBoard on every exit; `start` opens the run folder; `restore`
-    continues a resumed run; `iterations` counts the vector steps and draws the progress line; `timer` times a part of
-    the loop; `check_rewards`, `snapshot` and `check_losses` are the NaN guard; `log_episodes` and `log_losses` write
-    TensorBoard; `checkpoint_due` and `save` checkpoint at episode ends (and on Ctrl-C or SIGTERM); `video_due` and
-    `record_video` film the policy; `finish` says where the time went, and `report_evaluation` the final policy's
-    episodes. It reads only the flags both training scripts share; of the script it calls only what hands it data (the
-    networks' state, an episode's success)."""
+    """A training run around the loop each script writes out, in calls at fixed points: seeds, run folder, TensorBoard, W&B,
+    progress, NaN guard, checkpoints, videos, final evaluation; of the script it calls only what hands it data."""
 
     def __init__(self, args, checkpoint: Optional[dict] = None):
         self.checkpoint = checkpoint  # of --resume (the run to continue) or --evaluate (the policy to roll out)
@@ -986,13 +894,11 @@ class Run:
         if args.save_model and args.evaluate is None and args.episodes == "fixed":
             mid = (args.total_timesteps // args.num_envs) % args.episode_length * args.num_envs
             if mid:  # fixed-length episodes are all in flight there: no resumable state (see finish)
-                print(
-                    f"note: --total-timesteps {args.total_timesteps} ends {mid} steps into an episode (they end every "
-                    f"{args.episode_length * args.num_envs} steps): checkpoint.pt keeps the run state of the last episode "
-                    f"end, to extend the run from, and the final networks go to checkpoints/step-{args.total_timesteps}.pt"
-                )
-        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        self.name = self.checkpoint.get("run_name", self.name) if self.checkpoint else self.name
+                print(f"note: --total-timesteps {args.total_timesteps} ends {mid} steps into an episode (they end every "
+                      f"{args.episode_length * args.num_envs} steps): checkpoint.pt keeps the run state of the last "
+                      f"episode end, to extend the run from, and the final networks go to checkpoints/step-"
+                      f"{args.total_timesteps}.pt")  # fmt: skip
+        self.name = (checkpoint or {}).get("run_name", f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
         random.seed(args.seed)
         np.random.seed(args.seed)
         torch.manual_seed(args.seed)
@@ -1074,9 +980,7 @@ class Run:
                 unlock_runs()
 
     def start(self, networks: dict, rb, reward_model, frame_shape: tuple, success: Optional[Callable]) -> None:
-        """Before the first step: the checkpoints' disk and the reward model's cost said, then the run folder (new, or
-        the resumed run's own), W&B with --track, TensorBoard, the episode log (`success`: an ended episode's
-        charts/gt_success), the progress line and the stop signal."""
+        """Before the first step: disk and reward model cost said, run folder, W&B, TensorBoard, episodes, progress, signal."""
         args = self.args
         check_checkpoint_disk(args, networks, rb)  # before the run folder: a refused run leaves none
         if reward_model is not None:
@@ -1092,8 +996,7 @@ class Run:
                 project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args),
                 name=self.name, save_code=True, **(resumed if resumed.get("id") else {}),
             )  # fmt: skip
-        # purge_step drops what a crashed run logged after its checkpoint
-        purge_step = self.start_iteration * args.num_envs if self.checkpoint else None
+        purge_step = self.start_iteration * args.num_envs if self.checkpoint else None  # drops a crash's logs after it
         from torch.utils.tensorboard import SummaryWriter  # here: half a second to import, which a refused flag needs not
 
         self.writer = quiet_writer_thread(SummaryWriter(f"runs/{self.name}", purge_step=purge_step))
@@ -1110,9 +1013,8 @@ class Run:
         self.stop = install_stop_handlers()
 
     def restore(self, learner: dict, envs: gym.vector.VectorEnv, rb, recent: deque) -> np.ndarray:
-        """A resumed run as saved: the learner, the replay buffer (with --save-buffer), every random stream, the recent
-        CLIP returns, and the envs' generators, so that their reset (returned) starts the episodes the run would have
-        started. Stock episodes were in flight when saved: they restart, so their partial sums are dropped."""
+        """A resumed run as saved: learner, replay buffer, random streams, recent CLIP returns, and the envs' generators, so
+        that their reset (returned) starts the episodes the run would have (stock episodes in flight restart)."""
         for name, module in learner.items():
             if torch.is_tensor(module):  # e.g. SAC's log entropy coefficient
                 module.data.copy_(self.checkpoint[name])
@@ -1145,8 +1047,7 @@ class Run:
         self.timing[part] = self.timing.get(part, 0.0) + time.perf_counter() - start
 
     def check_rewards(self, rewards: np.ndarray, step: int, networks: Callable[[], dict]) -> None:
-        """The NaN guard's first line: a NaN or inf reward never reaches the buffer, where it would poison every
-        Q-value; the run stops (exit 1) with its networks, still finite, saved beside the checkpoint."""
+        """The NaN guard's first line: a NaN or inf reward stops the run (exit 1) before it poisons the buffer's Q-values."""
         if not np.all(np.isfinite(rewards)):
             hint = "; on a GPU, --clip-dtype bfloat16 has float32's range" if self.args.reward == "clip" else ""
             # rows are step-major: env i of step t is row t * num_envs + i, and `step` is the chunk's last step
@@ -1160,26 +1061,22 @@ class Run:
         self.last_finite.snapshot(networks, gradient_steps)
 
     def log_losses(self, step: int, losses: dict, finite: torch.Tensor, flags: str) -> None:
-        """After a training phase: a NaN or inf loss stops the run (exit 1; reading `finite` is one host-device sync),
-        the last finite networks saved beside the checkpoint; losses/<name>, charts/SPS and time/<part>_s every 10th
-        phase (reading the losses is another)."""
+        """After a training phase: a NaN or inf loss stops the run (reading `finite`: one host-device sync); losses/<name>,
+        charts/SPS and time/<part>_s every 10th phase (reading the losses is another)."""
         if not finite:
             values = ", ".join(f"{name} {torch.as_tensor(value).item()}" for name, value in losses.items())
             self.last_finite.stop(f"a loss ({values}) is not finite in the training phase at step {step}",
                                   hint=f"; lower {flags} or check the rewards")  # fmt: skip
         if self.iteration % (10 * self.args.train_frequency) == 0:
-            scalars = {name if "/" in name else f"losses/{name}": value for name, value in losses.items()}
-            scalars = {tag: torch.as_tensor(value).item() for tag, value in scalars.items()}
+            scalars = {(n if "/" in n else f"losses/{n}"): torch.as_tensor(v).item() for n, v in losses.items()}
             scalars["charts/SPS"] = self.progress.sps(step)
             scalars.update({f"time/{part}_s": seconds for part, seconds in self.times().items()})
             for tag, value in scalars.items():
                 self.writer.add_scalar(tag, value, step)
 
     def log_episodes(self, batch: dict, step: int, rewards: np.ndarray, clip_rewards: np.ndarray, components=()) -> list[dict]:
-        """The scored batch's (whose last vector step is `step`) ended episodes, each logged at the step it ended;
-        returned, oldest first."""
-        args = self.args
-        return self.episode_log.log(args, self.writer, self.progress, batch, step, rewards, clip_rewards, components)
+        """The ended episodes of a scored batch whose last vector step is `step`, logged where they ended, oldest first."""
+        return self.episode_log.log(self.args, self.writer, self.progress, batch, step, rewards, clip_rewards, components)
 
     def times(self) -> dict:
         """Seconds in each part of the loop; the envs' rendering (inside their step) apart from the step."""
@@ -1187,8 +1084,7 @@ class Run:
         return {**self.timing, "env": self.timing["env"] - render, "render": render}
 
     def video(self, evaluation: Callable[[int], list[dict]]) -> None:
-        """--capture-video, every --video-frequency steps and at the end: one episode of `evaluation` (the script's
-        deterministic policy) as videos/<run_name>/step-<N>.mp4, its returns in TensorBoard."""
+        """--capture-video, every --video-frequency steps and at the end: an episode of `evaluation` as MP4, returns logged."""
         args = self.args
         step, next_step = self.iteration * args.num_envs, (self.iteration + 1) * args.num_envs
         new_period = step // args.video_frequency != next_step // args.video_frequency
@@ -1201,10 +1097,8 @@ class Run:
             self.writer.add_scalar("eval/clip_return", result["clip_return"], step)
 
     def checkpoint_due(self, dones: np.ndarray) -> bool:
-        """A checkpoint at the end of this step? Only where episodes end: fixed-length ones all end together (nothing
-        in flight to save), stock ones restart on resume. Due every --checkpoint-frequency steps and at the end with
-        --save-model (a run that ends mid-episode: at its last episode end, the state a larger --total-timesteps extends),
-        and at the first such step after Ctrl-C or SIGTERM (which then stops the run)."""
+        """A checkpoint after this step? Only where episodes end (stock ones restart on resume): every --checkpoint-frequency
+        steps and at the (last episode) end with --save-model, and after Ctrl-C or SIGTERM, which then stop the run."""
         args = self.args
         self.dones = dones
         self.stopping = self.stop["requested"]  # read once: a signal arriving later is handled at the next step
@@ -1216,16 +1110,14 @@ class Run:
         return boundary and (self.stopping or self.periodic or last)
 
     def save(self, learner: dict, envs, rb, networks: Callable[[], dict], recent, clip_return: float, **state) -> bool:
-        """checkpoint.pt: the whole run state (what --resume reads); when periodic, also the paper's
-        checkpoints/step-<N>.pt, the networks with the training-time CLIP return that ranks them; on a stop signal,
-        how to continue, and True: the loop stops."""
-        args = self.args
-        step = (self.iteration + 1) * args.num_envs
+        """checkpoint.pt (what --resume reads), when periodic the paper's step-<N>.pt too; True on a stop signal (ends)."""
+        args, step = self.args, (self.iteration + 1) * self.args.num_envs
         state.update(run_name=self.name, iteration=self.iteration + 1, global_step=step, args=asdict(args))
         state.update(rng=rng_state(envs), episodes={**self.episode_log.state_dict(), "recent": list(recent)})
         state.update(clip_return=clip_return, replay_buffer=rb.state_dict() if args.save_buffer else None)
         state.update(wandb_id=wandb_id(), script=self.source)
-        save_checkpoint(f"runs/{self.name}/checkpoint.pt", run_state(learner, **state))
+        modules = {k: m.detach() if torch.is_tensor(m) else m.state_dict() for k, m in learner.items() if m is not None}
+        save_checkpoint(f"runs/{self.name}/checkpoint.pt", {**modules, **state})
         if self.periodic:
             save_step_checkpoint(self.name, step, networks(), args, clip_return, self.source)
         without = "" if args.save_buffer else " (without the replay buffer: pass --save-buffer for an exact resume)"
@@ -1236,11 +1128,8 @@ class Run:
         return self.stopping
 
     def finish(self, networks: Callable[[], dict], clip_return: float, evaluation: Callable[[int], list[dict]]) -> None:
-        """The last progress line, where the time went, the end of W&B tracking. With --save-model: the final networks
-        as checkpoints/step-<N>.pt where the run ended mid-episode (fixed-length episodes: no resumable state there;
-        checkpoint.pt keeps the last one, that of the last episode end, which a larger --total-timesteps extends), then
-        --eval-episodes of `evaluation` (the final policy's, deterministic: eval/gt_return, as CleanRL's dqn.py) and how
-        to roll it out."""
+        """Where the time went; with --save-model the final networks (as step-<N>.pt where the run ended mid-episode: no
+        resumable state there) and --eval-episodes of the final policy (eval/gt_return, as CleanRL's dqn.py)."""
         args, step = self.args, (self.iteration + 1) * self.args.num_envs
         self.progress.update(step, final=True)
         elapsed, steps = time.time() - self.progress.start, step - self.progress.start_step
@@ -1266,9 +1155,7 @@ class EpisodeLog:
 
     def __init__(self, num_envs: int, state: Optional[dict] = None, success: Optional[Callable] = None):
         self.num_envs, self.success = num_envs, success
-        self.sums = {"length": np.zeros(num_envs)}
-        if state is not None:
-            self.sums.update(state["sums"])
+        self.sums = {"length": np.zeros(num_envs), **(state["sums"] if state is not None else {})}
 
     def add(self, values: dict[str, np.ndarray], latched: dict[str, np.ndarray], dones: np.ndarray) -> list[dict]:
         """values: (T, num_envs) per-step terms to sum; latched: (T, num_envs) terms whose last value counts (e.g. success);
@@ -1287,8 +1174,7 @@ class EpisodeLog:
         return ended
 
     def log(self, args, writer, progress: "Progress", batch: dict, step: int, rewards, clip_rewards, components=()):
-        """Adds a scored batch (rows are step-major: env i of step t is row t * num_envs + i, the last step is `step`),
-        logs each episode that ended at the step it ended at, and returns them in order."""
+        """Adds a scored batch (step-major rows, the last step `step`), logs each ended episode at its step, returns them."""
         steps = len(rewards) // args.num_envs
         gt = batch["gt"].reshape(steps, args.num_envs, -1)
         sums = {"return": rewards, "gt_return": gt[..., 0], "clip_return": clip_rewards}
@@ -1305,9 +1191,8 @@ class EpisodeLog:
             if self.success is not None:
                 scalars["charts/gt_success"] = self.success(ep)
             if args.reward == "clip":
-                scalars.update(
-                    {"charts/clip_return": ep["clip_return"], "charts/clip_reward_mean": ep["clip_return"] / ep["length"]}
-                )
+                scalars["charts/clip_return"] = ep["clip_return"]
+                scalars["charts/clip_reward_mean"] = ep["clip_return"] / ep["length"]
             for tag, value in scalars.items():
                 writer.add_scalar(tag, value, ended_at)
         return ended
@@ -1380,8 +1265,11 @@ class LastFinite:
     def stop(self, what: str, networks: Optional[dict] = None, hint: str = "") -> None:
         networks = networks if networks is not None else self.networks
         saved = "the networks were not finite already when training started"
-        if networks is not None:
-            saved = save_nonfinite(self.run_name, {**networks, "args": asdict(self.args), "run_name": self.run_name})
+        if networks is not None:  # beside, never over, the resumable checkpoint
+            path, checkpoint = f"runs/{self.run_name}/nonfinite_networks.pt", f"runs/{self.run_name}/checkpoint.pt"
+            save_checkpoint(path, {**networks, "args": asdict(self.args), "run_name": self.run_name})
+            kept = f" and the last resumable checkpoint {checkpoint} is kept" if os.path.exists(checkpoint) else ""
+            saved = f"finite networks from before it were saved to {path}{kept}"
         raise NonFiniteError(f"{what}; {saved}{hint}.")
 
 
@@ -1428,11 +1316,9 @@ def quiet_writer_thread(writer: "torch.utils.tensorboard.SummaryWriter") -> "tor
 def make_run_folder(run_name: str) -> str:
     """Create runs/<run_name>/ exclusively: two runs started in the same second get different folders."""
     for name in [run_name, *(f"{run_name}-{i}" for i in range(1, 1000))]:
-        try:
+        with contextlib.suppress(FileExistsError):
             os.makedirs(f"runs/{name}")
             return name
-        except FileExistsError:
-            pass
     raise UserError(f"runs/{run_name} and 999 variants of it exist already; remove old runs or change --exp-name.")
 
 
@@ -1441,22 +1327,11 @@ def wandb_id() -> Optional[str]:
     return wandb.run.id if wandb is not None and wandb.run is not None else None
 
 
-def run_state(learner: dict, **extra) -> dict:
-    """A checkpoint: every module and optimiser of the learner by name, the random streams and whatever `extra` holds."""
-    state = {name: module.detach() if torch.is_tensor(module) else module.state_dict() for name, module in learner.items()
-             if module is not None}  # fmt: skip
-    return {**state, **extra}
-
-
 def rng_state(envs: gym.vector.VectorEnv) -> dict:
     """Every random number generator the run draws from, so a resumed run continues the same streams."""
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "envs": list(envs.get_attr("np_random")),
-    }
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "envs": list(envs.get_attr("np_random"))}  # fmt: skip
 
 
 def save_step_checkpoint(run_name: str, step: int, networks: dict, args, clip_return: float, source: dict) -> None:
@@ -1466,14 +1341,6 @@ def save_step_checkpoint(run_name: str, step: int, networks: dict, args, clip_re
     state = {**networks, "args": asdict(args), "run_name": run_name, "global_step": step, "clip_return": clip_return}
     state["script"] = source  # the script that wrote it: its file name and the sha256 of its source
     save_checkpoint(f"runs/{run_name}/checkpoints/step-{step}.pt", state)
-
-
-def save_nonfinite(run_name: str, networks: dict) -> str:
-    """Saves the networks of a run stopped on a NaN beside (never over) its checkpoint; says where both are."""
-    path, checkpoint = f"runs/{run_name}/nonfinite_networks.pt", f"runs/{run_name}/checkpoint.pt"
-    save_checkpoint(path, networks)
-    kept = f" and the last resumable checkpoint {checkpoint} is kept" if os.path.exists(checkpoint) else ""
-    return f"finite networks from before it were saved to {path}{kept}"
 
 
 def misfit(saved, fresh) -> Optional[str]:
@@ -1503,9 +1370,7 @@ def all_finite(state) -> bool:
     return not (torch.is_tensor(state) and state.is_floating_point()) or bool(torch.isfinite(state).all())
 
 
-# ----------------------------------------------------------------------------------------------
-# Files written whole: checkpoints, videos
-# ----------------------------------------------------------------------------------------------
+# --- Files written whole: checkpoints, videos -------------------------------------------------
 def save_checkpoint(path: str, state: dict) -> None:
     """Atomic and durable: a crash, power cut or full disk mid-write never replaces a good checkpoint with half of one."""
     folder, tmp = os.path.dirname(path) or ".", f"{path}.{os.urandom(6).hex()}.tmp"  # its own temp file per write
