@@ -1,0 +1,75 @@
+"""The kneeling experiment's ground truth (experiments/humanoid_clip.py `kneeling`, used by experiments/humanoid_kneel.py)
+on the pose probe's poses and on random-action frames, and its prompts against the CLIP's captions. CPU only, seconds.
+"""
+
+import sys
+
+import numpy as np
+import pytest
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "experiments"))
+import humanoid_clip  # noqa: E402
+import humanoid_kneel  # noqa: E402
+
+import reward_shape  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def env():
+    from vlmrm_sac_humanoid import make_env
+
+    env = make_env("Humanoid-v5", 0, 0, 100, 64, "fast", True)()
+    env.reset(seed=0)
+    yield env
+    env.close()
+
+
+@pytest.mark.parametrize("pose", list(reward_shape.POSES))
+def test_only_the_probes_kneeling_pose_kneels(env, pose):
+    """The probe's kneeling pose kneels; standing (arms anyhow, one leg up), bending over, crouching, sitting, the
+    splits (knees down, hips on the floor) and lying do not. The caption class agrees."""
+    reward_shape.set_pose(env, *reward_shape.POSES[pose])
+    data = env.unwrapped.data
+    assert humanoid_clip.kneeling(data) == (pose == "kneeling")
+    expected = {"kneeling": "kneeling", "crouching": "crouching", "sitting": "sitting", "splits": "sitting"}
+    expected.update(lying_on_back="back", lying_face_down="face_down", bending_over="toppling")
+    assert humanoid_clip.kneel_posture(data) == expected.get(pose, "standing")
+
+
+def test_random_action_frames(env):
+    """Random actions: the start (standing) never kneels; the humanoid falls, often through kneeling (0.06 of steps
+    measured here, so the random policy scores above 0), and no step counted as kneeling is a fallen one."""
+    env.action_space.seed(0)
+    kneels, lying = [], []
+    for episode in range(10):
+        env.reset(seed=episode)
+        assert not humanoid_clip.kneeling(env.unwrapped.data)
+        for _ in range(100):
+            env.step(env.action_space.sample())
+            data = env.unwrapped.data
+            kneels.append(humanoid_clip.kneeling(data))
+            lying.append(data.body("torso").xpos[2] < 0.4)
+            if kneels[-1]:  # upright above the knees: the head half a metre above them or more (the probe's: 1.03)
+                assert data.geom("head").xpos[2] - max(humanoid_clip.knee_heights(data)) > 0.5
+    kneels, lying = np.array(kneels), np.array(lying)
+    assert 0.01 < kneels.mean() < 0.15, kneels.mean()
+    assert lying.mean() > 0.3 and not (kneels & lying).any()
+
+
+def test_score_and_success_of_rollouts(monkeypatch):
+    """The score is the fraction of steps kneeling; success is kneeling at each of the last SUCCESS_STEPS steps."""
+    for pattern, fraction, success in (([0] * 80 + [1] * 20, 0.2, True), ([1] * 99 + [0], 0.99, False)):
+        steps = iter(pattern)
+        monkeypatch.setattr(humanoid_clip, "kneeling", lambda data: bool(next(steps)))
+        fractions, successes, _ = humanoid_kneel.rollouts(None, 1, seed=0)
+        assert fractions[0] == pytest.approx(fraction) and successes[0] == success
+
+
+def test_prompts_are_in_vocabulary_paraphrases():
+    """No RL prompt is a kneeling caption (by words), and every word of them is in the captions."""
+    captions = humanoid_clip.kneel_all_captions()
+    vocabulary = {w for c in captions for w in humanoid_clip.words(c)}
+    for prompt in (humanoid_kneel.GOAL, humanoid_kneel.BASELINE, humanoid_kneel.SWAPPED):
+        assert humanoid_clip.words(prompt) not in {humanoid_clip.words(c) for c in captions}
+        assert set(humanoid_clip.words(prompt)) <= vocabulary, prompt
