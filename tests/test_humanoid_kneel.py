@@ -37,6 +37,25 @@ def test_only_the_probes_kneeling_pose_kneels(env, pose):
     assert humanoid_clip.kneel_posture(data) == expected.get(pose, "standing")
 
 
+def test_one_knee_down_is_not_kneeling(env):
+    """The probe's kneeling pose with the left foot put on the floor in front, or the left knee lifted 0.21 m (the hips
+    still 0.26 m above it): one knee down is not kneeling."""
+    import mujoco
+
+    model, data = env.unwrapped.model, env.unwrapped.data
+    joints = dict(reward_shape.POSES["kneeling"][1], left_hip_y=-80, left_knee=-95)
+    reward_shape.set_pose(env, reward_shape.POSES["kneeling"][0], joints)
+    assert min(humanoid_clip.knee_heights(data)) < 0.06 and data.geom("left_foot").xpos[2] < 0.08  # knee and foot down
+    assert not humanoid_clip.kneeling(data) and humanoid_clip.kneel_posture(data) == "one_knee"
+    reward_shape.set_pose(env, *reward_shape.POSES["kneeling"])
+    for name, degrees in (("left_hip_y", -45), ("left_knee", -140)):  # not put down again: the right knee stays down
+        data.qpos[model.jnt_qposadr[model.joint(name).id]] = np.radians(degrees)
+    mujoco.mj_forward(model, data)
+    right, left = humanoid_clip.knee_heights(data)
+    assert right < 0.06 and 0.2 < left < data.body("pelvis").xpos[2] - 0.2
+    assert not humanoid_clip.kneeling(data) and humanoid_clip.kneel_posture(data) == "one_knee"
+
+
 def test_random_action_frames(env):
     """Random actions: the start (standing) never kneels; the humanoid falls, often through kneeling (0.06 of steps
     measured here, so the random policy scores above 0), and no step counted as kneeling is a fallen one."""
@@ -59,7 +78,11 @@ def test_random_action_frames(env):
 
 def test_score_and_success_of_rollouts(monkeypatch):
     """The score is the fraction of steps kneeling; success is kneeling at each of the last SUCCESS_STEPS steps."""
-    for pattern, fraction, success in (([0] * 80 + [1] * 20, 0.2, True), ([1] * 99 + [0], 0.99, False)):
+    for pattern, fraction, success in (
+        ([0] * 80 + [1] * 20, 0.2, True),
+        ([0] * 81 + [1] * 19, 0.19, False),
+        ([1] * 99 + [0], 0.99, False),
+    ):
         steps = iter(pattern)
         monkeypatch.setattr(humanoid_clip, "kneeling", lambda data: bool(next(steps)))
         fractions, successes, _ = humanoid_kneel.rollouts(None, 1, seed=0)
