@@ -114,8 +114,9 @@ def clip_checks(args, model, tokenizer, clip_path: Path) -> None:
             continue
         print(f"prompt {prompt!r}: not a training caption; nearest caption {nearest!r}, cosine {cosine:.3f}")
     look = (64, "fast", "warp", SUPERSAMPLE)
-    held_out = humanoid_clip.render_kneel_dataset(600, 12345, *look)  # a third random rollouts, as training draws them
-    rollout = humanoid_clip.render_kneel_dataset(600, 54321, *look, set_fraction=0.0)  # the states a random policy visits
+    n = 150 if args.smoke else 600
+    held_out = humanoid_clip.render_kneel_dataset(n, 12345, *look)  # a third random rollouts, as training draws them
+    rollout = humanoid_clip.render_kneel_dataset(n, 54321, *look, set_fraction=0.0)  # the states a random policy visits
     for name, (frames, kneel, _, _) in (("held-out frames", held_out), ("random-rollout frames", rollout)):
         kneel = kneel.astype(bool)
         for prompt in (GOAL, SWAPPED):
