@@ -7,7 +7,7 @@ Runs `vlmrm_sac_humanoid.main` with the experiment's schedule and model (experim
 weights: speed does not depend on them): 64 px frames, 8 envs, 25 gradient steps of batch 512 every 100 vector steps
 (the paper's 1 per 32 env steps), one torch thread (the script's CPU default). Contenders, interleaved A B C A B C:
 `--renderer warp --render-quality fast` at `--supersample 1` and 2, and EGL `--render-quality fast`. Reads the
-script's own timers (env, render, reward wait, learning); prints the steps/s ratios to the first contender.
+script's own timers (env, render, warp draw, reward model, reward wait, learning); prints steps/s ratios to the first.
 """
 
 import argparse
@@ -73,7 +73,7 @@ def main() -> None:
     for name, results in runs.items():
         sps = median([x["sps"] for x in results])
         m = sorted(results, key=lambda x: x["sps"])[len(results) // 2]
-        parts = ("env", "render", "reward_model", "reward_wait", "learning")  # the script's timers
+        parts = ("env", "render", "draw", "reward_model", "reward_wait", "learning")  # the script's timers
         per_step = {k: m[k] / a.total_timesteps * 1000 for k in parts if k in m}
         rows.append(
             [name, f"{sps:.0f}", spread([x["sps"] for x in results]), f"{sps / first:.2f}"]

@@ -48,7 +48,9 @@ import humanoid_clip  # noqa: E402
 GOAL = "a humanoid robot kneeling"  # the README's sentence, the script's default goal
 BASELINE = "a humanoid robot"
 SWAPPED = "a humanoid robot standing"
-SUPERSAMPLE = 1  # benchmarks/bench_kneel_schedule.py: the fastest drawing; the CLIP learns these same frames
+SUPERSAMPLE = (
+    1  # the fastest drawing (benchmarks/bench_kneel_schedule.py: 1.6x supersample 2's steps/s); the CLIP learns these frames
+)
 RENDER = ["--render-size", "64", "--render-quality", "fast", "--renderer", "warp", "--supersample", str(SUPERSAMPLE)]
 SAC_FLAGS = ["--num-envs", "8", "--train-frequency", "100", "--gradient-steps", "25", "--batch-size", "512"]
 SAC_FLAGS += ["--save-model", "--save-buffer", "--no-cuda"]
@@ -192,6 +194,9 @@ def train_runs(args, clip_path: Path) -> dict:
             for item in [a for a in active if a[3].poll() is not None]:
                 active.remove(item)
                 name, seed, folder, process = item
+                if process.returncode == 130:  # stopped by Ctrl-C at its checkpoint: the same command continues it
+                    print(f"sac {name} seed {seed}: stopped; type the same command to continue it")
+                    sys.exit(130)
                 if process.returncode != 0:
                     sys.exit(
                         f"error: the {name} seed {seed} SAC run failed (exit {process.returncode}); see {folder / 'sac.log'}"
