@@ -8,9 +8,10 @@ policy and a random one by the ground truth `humanoid_clip.kneeling` (both knees
 the hips above the knees) in stochastic rollouts: the fraction of steps kneeling (the score) and the episodes kneeling
 at each of their last 20 steps (success), with a curve over the runs' checkpoints.
 
+    python experiments/humanoid_kneel.py --seeds 1 --parallel 2   # one pair first: goal and swapped at once
     python experiments/humanoid_kneel.py                  # 3 seeds x (goal, swapped), 500k steps each: hours
-    python experiments/humanoid_kneel.py --clip-only      # the CLIP, its ranking and the pose probe (minutes)
-    python experiments/humanoid_kneel.py --smoke          # the whole pipeline, tiny: a couple of minutes
+    python experiments/humanoid_kneel.py --clip-only      # the CLIP (266 s of one core), its ranking, the pose probe
+    python experiments/humanoid_kneel.py --smoke          # the whole pipeline, tiny: 6 min on 2 cores at load ~8
 
 A run stopped (Ctrl-C, or this command killed) continues bit-exactly where its last checkpoint was when the same
 command is typed again (--resume with the saved replay buffer); finished runs are judged, not trained again.
