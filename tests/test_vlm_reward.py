@@ -252,6 +252,7 @@ def test_the_plumbing_is_written_once_and_imports_no_training_script():
         imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert not imported & {*SCRIPTS, "epic_eval", "success_eval", "reward_shape", "sweep"}, (module, imported)
         assert module is vlmrm_tools or "vlmrm_tools" not in imported  # the tools' module builds on utils, not back
+        assert module is not vlmrm_utils or "vlmrm_warp" not in imported  # the warp backend builds on utils, not back
 
 
 @pytest.mark.parametrize("name", SHARED)
