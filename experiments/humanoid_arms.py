@@ -107,12 +107,7 @@ def rollouts(actor, episodes: int, seed: int, render_size: int = 0) -> tuple[np.
         obs, _ = env.reset(seed=seed + episode)
         up, done = 0, False
         while not done:
-            if actor is None:
-                action = env.action_space.sample()
-            else:
-                with torch.no_grad():
-                    unit = actor.get_action(torch.as_tensor(obs, dtype=torch.float32)[None])[0]
-                    action = actor.to_env(unit)[0].numpy()
+            action = humanoid_clip.rollout_action(actor, env, obs)
             obs, _, terminated, truncated, _ = env.step(action)
             done = terminated or truncated
             up += humanoid_clip.hands_above_head(env.unwrapped.data) == 2

@@ -92,6 +92,16 @@ def knee_heights(data) -> tuple[float, float]:
     return data.joint("right_knee").xanchor[2], data.joint("left_knee").xanchor[2]
 
 
+def rollout_action(actor, env, obs) -> np.ndarray:
+    """The action of a judged rollout: the actor's, stochastic (SB3's default, the paper's rollouts), or a random one
+    without an actor."""
+    if actor is None:
+        return env.action_space.sample()
+    with torch.no_grad():
+        unit = actor.get_action(torch.as_tensor(obs, dtype=torch.float32)[None])[0]
+        return actor.to_env(unit)[0].numpy()
+
+
 def kneeling(data) -> bool:
     """The humanoid kneels: both knees near the floor, the torso upright and the hips well above the knees."""
     knees, up = knee_heights(data), data.body("torso").xmat[8]  # xmat[8]: the torso's z axis, world z component

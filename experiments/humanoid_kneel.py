@@ -36,14 +36,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT / "tests"))  # clip_trainer: the training recipe of every small CLIP here
-os.environ.setdefault("MUJOCO_GL", "egl")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import humanoid_arms  # noqa: E402  (the paths and MUJOCO_GL set; its CLIP loading, checkpoint loading and frame strips)
 
-import humanoid_arms  # noqa: E402  (its CLIP loading, checkpoint loading and frame strips)
+HERE, ROOT = humanoid_arms.HERE, humanoid_arms.ROOT
 import humanoid_clip  # noqa: E402
 
 GOAL = "a humanoid robot kneeling"  # the README's sentence, the script's default goal
@@ -225,12 +221,7 @@ def rollouts(actor, episodes: int, seed: int, render_size: int = 0) -> tuple[np.
         obs, _ = env.reset(seed=seed + episode)
         kneels, done = [], False
         while not done:
-            if actor is None:
-                action = env.action_space.sample()
-            else:
-                with torch.no_grad():
-                    unit = actor.get_action(torch.as_tensor(obs, dtype=torch.float32)[None])[0]
-                    action = actor.to_env(unit)[0].numpy()
+            action = humanoid_clip.rollout_action(actor, env, obs)
             obs, _, terminated, truncated, _ = env.step(action)
             done = terminated or truncated
             kneels.append(humanoid_clip.kneeling(env.unwrapped.data))
