@@ -42,19 +42,28 @@ except ModuleNotFoundError as e:  # the checkout that `pip install -e` pointed a
 
 @dataclass
 class Args:
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # the name of this experiment
-    seed: int = 1  # seed of the experiment
-    torch_deterministic: bool = True  # if toggled, `torch.backends.cudnn.deterministic=True`
-    cuda: bool = True  # if toggled, CUDA (when available) runs the Q-network and the reward model
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = True
+    """if toggled, CUDA (when available) runs the Q-network and the reward model"""
     torch_threads: Optional[int] = None
     """torch CPU threads; default 1 on CPU (more fight the env workers); 0 = torch's own"""
-    log_episodes: bool = False  # if toggled, print a line per finished episode, not only the progress line
-    capture_video: bool = False  # if toggled, save an MP4 of a greedy episode every --video-frequency steps
-    video_frequency: int = 25_000  # environment steps between two evaluation videos
+    log_episodes: bool = False
+    """if toggled, print a line per finished episode, not only the progress line"""
+    capture_video: bool = False
+    """if toggled, save an MP4 of a greedy episode every --video-frequency steps"""
+    video_frequency: int = 25_000
+    """environment steps between two evaluation videos"""
     track: bool = False
     """if toggled, this experiment is tracked with Weights and Biases (synced from TensorBoard)"""
-    wandb_project_name: str = "vlmrm"  # the W&B project name
-    wandb_entity: Optional[str] = None  # the entity (team) of W&B's project
+    wandb_project_name: str = "vlmrm"
+    """the W&B project name"""
+    wandb_entity: Optional[str] = None
+    """the entity (team) of W&B's project"""
     save_model: bool = False
     """if toggled, checkpoint.pt (for --resume) and checkpoints/step-<N>.pt (all kept), see below"""
     checkpoint_frequency: int = 100_000
@@ -65,13 +74,16 @@ class Args:
     """a checkpoint.pt to continue until its --total-timesteps (stock episodes restart)"""
     evaluate: Optional[str] = None
     """a checkpoint.pt: roll out its greedy policy (video + frames) instead of training"""
-    eval_episodes: int = 10  # number of episodes of an evaluation
+    eval_episodes: int = 10
+    """number of episodes of an evaluation"""
 
     # Environment
-    env_id: Literal["CartPole-v1", "MountainCar-v0"] = "CartPole-v1"  # the environment
+    env_id: Literal["CartPole-v1", "MountainCar-v0"] = "CartPole-v1"
+    """the environment"""
     episodes: Literal["auto", "fixed", "stock"] = "auto"
     """auto: fixed with --reward clip, else stock (Gymnasium's task)"""
-    episode_length: int = 200  # fixed episode length (`--episodes fixed` only)
+    episode_length: int = 200
+    """fixed episode length (`--episodes fixed` only)"""
     realistic: bool = False
     """MountainCar only: draw a landscape (sky, hills, flag, car) instead of Gymnasium's line art"""
 
@@ -92,7 +104,8 @@ class Args:
     """local weights file for `--clip-model` (overrides `--clip-pretrained`)"""
     clip_cache_dir: Optional[str] = None
     """where downloaded CLIP weights are cached (default: the Hugging Face cache)"""
-    reward_batch_size: int = 64  # frames scored per CLIP forward pass
+    reward_batch_size: int = 64
+    """frames scored per CLIP forward pass"""
     clip_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
     """CUDA: the image tower, cast once; CPU: float32"""
     reward_devices: tuple[str, ...] = ()
@@ -113,18 +126,30 @@ class Args:
     # DQN (CleanRL's dqn.py defaults, except where the comment says otherwise)
     total_timesteps: int = 500000
     """total environment steps (summed over envs), rounded up to a multiple of --num-envs"""
-    learning_rate: float = 2.5e-4  # the learning rate of the optimizer
-    num_envs: int = 1  # the number of parallel environments
-    buffer_size: int = 10000  # the replay memory buffer size
-    gamma: float = 0.99  # the discount factor gamma
-    tau: float = 1.0  # the target network update rate
-    target_network_frequency: int = 500  # the timesteps it takes to update the target network
-    batch_size: int = 128  # the batch size of sample from the replay memory
-    start_e: float = 1.0  # the starting epsilon for exploration
-    end_e: float = 0.05  # the ending epsilon for exploration
-    exploration_fraction: float = 0.5  # the fraction of `total_timesteps` it takes from start_e to end_e
-    learning_starts: int = 10000  # timestep to start learning (below --total-timesteps)
-    train_frequency: int = 10  # the frequency of training
+    learning_rate: float = 2.5e-4
+    """the learning rate of the optimizer"""
+    num_envs: int = 1
+    """the number of parallel environments"""
+    buffer_size: int = 10000
+    """the replay memory buffer size"""
+    gamma: float = 0.99
+    """the discount factor gamma"""
+    tau: float = 1.0
+    """the target network update rate"""
+    target_network_frequency: int = 500
+    """the timesteps it takes to update the target network"""
+    batch_size: int = 128
+    """the batch size of sample from the replay memory"""
+    start_e: float = 1.0
+    """the starting epsilon for exploration"""
+    end_e: float = 0.05
+    """the ending epsilon for exploration"""
+    exploration_fraction: float = 0.5
+    """the fraction of `total_timesteps` it takes from start_e to end_e"""
+    learning_starts: int = 10000
+    """timestep to start learning (below --total-timesteps)"""
+    train_frequency: int = 10
+    """the frequency of training"""
 
 
 def check_args(args: Args) -> None:
@@ -470,9 +495,8 @@ class StockEpisodes(gym.Wrapper):
 
 class FrameAfterStep(gym.Wrapper):
     """Which frame scores which transition: the one rendered after its step (s_t+1), returned with the
-    observation (one round trip to an env process per vector step; the frame travels in the vector env's
-    shared memory). A reset's frame is blank: no reset frame ever scores a transition. A wrong frame: one
-    sentence (utils.frame_problem)."""
+    observation through the vector env's shared memory. A reset's frame is blank: no reset frame ever scores a
+    transition. utils.frame_problem: a bad frame."""
 
     def __init__(self, env: gym.Env, frame_shape: tuple):
         super().__init__(env)

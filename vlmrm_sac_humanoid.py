@@ -1,8 +1,8 @@
 """VLM-RM: SAC teaches a MuJoCo humanoid a task from one sentence, with a CLIP model as the reward.
 
 Each frame is scored by CLIP against a goal sentence, optionally regularised towards a baseline sentence
-(goal-baseline projection, strength alpha). Read top to bottom: flags, CLIP reward, environment, SAC networks
-and buffer, training loop.
+(strength alpha). All that decides a run's numbers is here, top to bottom: flags, CLIP reward, what CLIP sees,
+which frame scores each transition, SAC networks and buffer, the loop where frames become rewards.
 
     python vlmrm_sac_humanoid.py --goal "a humanoid robot kneeling"
 """
@@ -42,20 +42,28 @@ mujoco = utils.import_mujoco()  # on headless EGL unless MUJOCO_GL says otherwis
 
 @dataclass
 class Args:
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # the name of this experiment
-    seed: int = 1  # seed of the experiment
-    torch_deterministic: bool = True  # if toggled, `torch.backends.cudnn.deterministic=True`
-    cuda: bool = True  # if toggled, CUDA (when available) runs SAC and the reward model
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = True
+    """if toggled, CUDA (when available) runs SAC and the reward model"""
     torch_threads: Optional[int] = None
     """torch CPU threads; default 1 on CPU (more fight the env workers); 0 = torch's own"""
-    log_episodes: bool = False  # if toggled, print a line per finished episode, not only the progress line
+    log_episodes: bool = False
+    """if toggled, print a line per finished episode, not only the progress line"""
     capture_video: bool = False
     """if toggled, save an MP4 of a deterministic episode every --video-frequency steps"""
-    video_frequency: int = 100_000  # environment steps between two evaluation videos (videos/<run_name>/)
+    video_frequency: int = 100_000
+    """environment steps between two evaluation videos (videos/<run_name>/)"""
     track: bool = False
     """if toggled, this experiment is tracked with Weights and Biases (synced from TensorBoard)"""
-    wandb_project_name: str = "vlmrm"  # the W&B project name
-    wandb_entity: Optional[str] = None  # the entity (team) of W&B's project
+    wandb_project_name: str = "vlmrm"
+    """the W&B project name"""
+    wandb_entity: Optional[str] = None
+    """the entity (team) of W&B's project"""
     save_model: bool = False
     """if toggled, checkpoint.pt (for --resume) and checkpoints/step-<N>.pt (all kept), see below"""
     checkpoint_frequency: int = 128_000
@@ -66,7 +74,8 @@ class Args:
     """a checkpoint.pt to continue until its --total-timesteps (stock episodes restart)"""
     evaluate: Optional[str] = None
     """a checkpoint.pt: roll out its deterministic policy (video + frames) instead of training"""
-    eval_episodes: int = 3  # number of episodes of an evaluation
+    eval_episodes: int = 3
+    """number of episodes of an evaluation"""
 
     # Environment
     env_id: str = "Humanoid-v5"
@@ -75,7 +84,8 @@ class Args:
     """auto: fixed with --reward clip, else stock; fixed: never terminated"""
     episode_length: Optional[int] = None
     """fixed episode length; default: the paper's, 100 (200 for MountainCarContinuous-v0)"""
-    render_size: int = 480  # square frame size: 480 = the paper's frames; 224 renders ~2x faster
+    render_size: int = 480
+    """square frame size: 480 = the paper's frames; 224 renders ~2x faster"""
     render_quality: Literal["fast", "high"] = "high"
     """high: shadows and reflections (the paper's); fast: off, ~4x faster"""
     realistic: bool = True
@@ -84,7 +94,8 @@ class Args:
     """Humanoid: the paper's fixed frontal camera, or following the torso"""
     renderer: Literal["egl", "warp"] = "egl"
     """egl: OpenGL in each env process (the paper's); warp: MuJoCo Warp's ray tracer on the reward device"""
-    supersample: int = 2  # --renderer warp: rays per pixel per axis, averaged (1: the floor shows moire)
+    supersample: int = 2
+    """--renderer warp: rays per pixel per axis, averaged (1: the floor shows moire)"""
 
     # Reward
     reward: Literal["clip", "gt"] = "clip"
@@ -99,10 +110,12 @@ class Args:
     """open_clip architecture name, or the path of an open_clip model config (.json)"""
     clip_pretrained: str = "laion2b_s39b_b160k"
     """open_clip pretrained tag ("none" = random weights, for tests only)"""
-    clip_checkpoint: Optional[str] = None  # local weights file for --clip-model (overrides --clip-pretrained)
+    clip_checkpoint: Optional[str] = None
+    """local weights file for --clip-model (overrides --clip-pretrained)"""
     clip_cache_dir: Optional[str] = None
     """where downloaded CLIP weights are cached (default: the Hugging Face cache)"""
-    reward_batch_size: int = 256  # frames scored per CLIP forward pass
+    reward_batch_size: int = 256
+    """frames scored per CLIP forward pass"""
     clip_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
     """CUDA: the image tower, cast once; CPU: float32"""
     reward_devices: tuple[str, ...] = ()
@@ -113,24 +126,36 @@ class Args:
     """softmax: prompts the goal is contrasted with (defaults for the default goal)"""
     temperature: float = 0.01
     """softmax: temperature of the softmax over cosine similarities (0.01 = CLIP's logit scale)"""
-    threshold: float = 0.5  # softmax: the reward is 1 when the goal's probability is above this, in (0, 1)
-    soft: bool = False  # softmax: if toggled, the reward is the goal's probability itself instead of 0/1
+    threshold: float = 0.5
+    """softmax: the reward is 1 when the goal's probability is above this, in (0, 1)"""
+    soft: bool = False
+    """softmax: if toggled, the reward is the goal's probability itself instead of 0/1"""
     antialias: bool = False
     """if toggled, antialias the bicubic squash of frames to CLIP's input (off in the paper's code)"""
 
     # SAC (the paper's humanoid settings)
     total_timesteps: int = 10_000_000
     """total environment steps (summed over envs), rounded up to a multiple of --num-envs"""
-    num_envs: int = 32  # the number of parallel environments (subprocesses)
-    buffer_size: int = 1_000_000  # the replay memory buffer size
-    gamma: float = 0.95  # the discount factor gamma
-    tau: float = 0.005  # target smoothing coefficient
-    batch_size: int = 512  # the batch size of sample from the replay memory
-    learning_starts: int = 50_000  # random-action steps before learning starts
-    policy_lr: float = 6e-4  # the learning rate of the policy network optimizer
-    q_lr: float = 6e-4  # the learning rate of the Q network optimizer
-    train_frequency: int = 100  # vector steps between two training phases
-    gradient_steps: int = 100  # gradient steps per training phase
+    num_envs: int = 32
+    """the number of parallel environments (subprocesses)"""
+    buffer_size: int = 1_000_000
+    """the replay memory buffer size"""
+    gamma: float = 0.95
+    """the discount factor gamma"""
+    tau: float = 0.005
+    """target smoothing coefficient"""
+    batch_size: int = 512
+    """the batch size of sample from the replay memory"""
+    learning_starts: int = 50_000
+    """random-action steps before learning starts"""
+    policy_lr: float = 6e-4
+    """the learning rate of the policy network optimizer"""
+    q_lr: float = 6e-4
+    """the learning rate of the Q network optimizer"""
+    train_frequency: int = 100
+    """vector steps between two training phases"""
+    gradient_steps: int = 100
+    """gradient steps per training phase"""
     ent_coef: float = 1.0
     """entropy coefficient (SAC's alpha; its initial value when autotuned, 1.0 as in Stable-Baselines3)"""
     autotune: bool = True
@@ -174,20 +199,17 @@ episode_length eval_episodes reward_batch_size video_frequency checkpoint_freque
     if softmax_problem(args.temperature, args.threshold) is not None:
         raise utils.UserError(softmax_problem(args.temperature, args.threshold) + ".")
     if args.reward_family == "softmax":
-        flag = "--reward-family softmax"
-        args.negatives = utils.resolve_negatives(args.goal, args.negatives, flag, DEFAULT_NEGATIVES)
+        negatives = (args.goal, args.negatives, "--reward-family softmax", DEFAULT_NEGATIVES)
+        args.negatives = utils.resolve_negatives(*negatives)
     if args.reward == "clip":  # the flags first, then whether the run fits
         utils.check_clip_args(args)
     if args.evaluate is None:  # a rollout allocates no replay buffer
         probe = gym.make(args.env_id)  # cheap: no rendering, just the spaces
-        # measured (2 and 6 envs, Mesa's software EGL): a MuJoCo worker process rendering 180 MB (224 or 480
-        # pixels), a MountainCar one 40 MB; without rendering (gt) the envs live in this process, 2.5 MB each;
-        # --renderer warp: a worker returning its state 13.5 MB (total PSS, 2 to 6 envs at 224 px; 12 MB USS
-        # each), plus 1.4 MB a world in the trainer's renderer (USS, 2 to 32 worlds; 140 MB fixed, uncounted)
+        # measured per env: an EGL worker 180 MB (MuJoCo) or 40 MB (MountainCar), one sending its state to
+        # the warp renderer 15 MB (13.5 PSS + 1.4 a world in the trainer's); in process (gt) 2.5 MB
         rendering = 15e6 if args.renderer == "warp" else 40e6 if mountain_car else 180e6
         env_bytes = rendering if args.reward == "clip" else 2.5e6
-        # floats per sampled transition: actor and critics, forward and backward, ~16 layers of 256
-        activations = 16 * 256
+        activations = 16 * 256  # floats per sampled transition: ~16 layers of 256, forward and backward
         spaces = (probe.observation_space, probe.action_space)
         utils.check_resources(args, *spaces, frame_shape_of(args), env_bytes, activations)
 
@@ -367,10 +389,8 @@ TEXTURES = Path(utils.__file__).parent / "assets"
 
 
 def textured_humanoid_xml() -> str:
-    """The path of Gymnasium's Humanoid-v5 model with only its look changed (textures, materials, light).
-
-    Bodies, joints, geom sizes, masses, contacts, actuators and options are untouched: identical physics.
-    """
+    """The path of Gymnasium's Humanoid-v5 model with only its look changed (textures, materials, light):
+    bodies, joints, geom sizes, masses, contacts, actuators and options untouched, so identical physics."""
     stock = Path(gym.envs.mujoco.__file__).parent / "assets" / "humanoid.xml"
     key = hashlib.sha1(stock.read_bytes() + bytes(TEXTURES) + b"v7").hexdigest()[:10]  # bump on a new look
     cache = os.path.join(tempfile.gettempdir(), f"vlmrm_humanoid_{key}")
@@ -416,8 +436,7 @@ def warp_renderer(realistic, size, supersample, worlds, device, camera="paper", 
 
 
 def draw_device(cuda: bool, reward_devices: tuple[str, ...]) -> torch.device:
-    """--renderer warp: where frames are drawn, by the trainer and by the evaluation env alike: the reward
-    model's device (make_reward_model's first: --reward-devices, else CUDA unless --no-cuda), so no copy."""
+    """--renderer warp: where the trainer and the evaluation env draw: the reward model's device (no copy)."""
     cuda = "cuda" if cuda and torch.cuda.is_available() else "cpu"
     return torch.device(reward_devices[0] if reward_devices else cuda)
 
@@ -551,9 +570,8 @@ class MujocoRenderer(gym.Wrapper):
 
 class FrameAfterStep(gym.Wrapper):
     """Which frame scores which transition: the one rendered after its step (s_t+1), returned with the
-    observation (one round trip to an env process per vector step; the frame travels in the vector env's
-    shared memory). A reset's frame is blank: no reset frame ever scores a transition. --renderer warp: the
-    state the trainer draws the frame from (WarpFrames.state). utils.frame_problem says a wrong frame."""
+    observation through the vector env's shared memory. A reset's frame is blank: no reset frame ever scores a
+    transition. --renderer warp: the state the trainer draws it from. utils.frame_problem: a bad frame."""
 
     def __init__(self, env: gym.Env, frame_shape: tuple):
         super().__init__(env)
@@ -749,8 +767,7 @@ def deterministic(actor: Actor, device: torch.device):
 
 
 def score(frames, reward_model: CLIPReward, draw, timer) -> np.ndarray:
-    """The CLIP rewards of a chunk's frames, in the scoring thread; --renderer warp: `draw` makes the frames
-    from the states the envs sent, on the reward's device."""
+    """A chunk's CLIP rewards, in the scoring thread (--renderer warp: `draw` makes its frames first)."""
     if draw is not None:
         with timer("draw"):
             frames = draw(frames)
