@@ -43,8 +43,7 @@ class NonFiniteError(Exception):
 
 
 class RunError(Exception):
-    """A failure during the run that no flag could have refused (an env worker died, an env's frame of the wrong dtype
-    or shape, the reward model out of GPU memory): one sentence and exit code 1."""
+    """A failure no flag could have refused (a dead env worker, a bad frame, GPU memory): one sentence, exit code 1."""
 
 
 GIVEN: set[str] = set()  # the flags (as field names) on the command line that `cli` parsed
@@ -53,8 +52,7 @@ NOTED: set[str] = set()  # the notes already printed (`note`)
 
 
 def cli(main: Callable, args_class, argv: Optional[list] = None, interrupted: str = "interrupted") -> None:
-    """Every entry point: tyro's flags, then bad input is one sentence and exit 2, the machine's and the run's failures one
-    sentence and exit 1, Ctrl-C one line (`interrupted`, unless it says more) and exit 130."""
+    """Every entry point: tyro's flags; bad input one sentence and exit 2, failures exit 1, Ctrl-C `interrupted` and 130."""
     import warnings
 
     import tyro
@@ -219,9 +217,7 @@ def same_prompts(goal: tuple[str, ...], baseline: tuple[str, ...]) -> bool:
     return {" ".join(p.lower().split()) for p in goal} == {" ".join(p.lower().split()) for p in baseline}
 
 
-def resolve_negatives(
-    goal: tuple[str, ...], negatives: Optional[tuple[str, ...]], flag: str, defaults: dict
-) -> tuple[str, ...]:
+def resolve_negatives(goal: tuple[str, ...], negatives: Optional[tuple], flag: str, defaults: dict) -> tuple[str, ...]:
     """The softmax family's negative prompts: --negatives, else the defaults of the default goal; one-sentence errors."""
     negatives = defaults.get(tuple(goal), ()) if negatives is None else tuple(negatives)
     if not negatives or not all(n.strip() for n in negatives):
@@ -295,8 +291,7 @@ def available_memory() -> int:
 
 
 def check_checkpoint_disk(args, networks: dict[str, dict], rb) -> None:
-    """With --save-model: the disk the checkpoints take, and a run refused if they do not fit: a step file of networks
-    each --checkpoint-frequency steps, checkpoint.pt (at most 4x the networks, with the buffer) twice while replaced."""
+    """--save-model: a run refused if its checkpoints (step files, checkpoint.pt twice while replaced) do not fit."""
     if not args.save_model:
         return
     size = sum(p.numel() * p.element_size() for m in networks.values() for p in m.values()) + 2**16
@@ -335,46 +330,38 @@ def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict
     record, own = checkpoint_script(checkpoint, f"{flag} {path}"), script_record(sys.modules[args_class.__module__].__file__)
     same_file = record["file"] == own["file"] or os.path.realpath(record["path"]) == os.path.realpath(own["path"])
     if record["sha256"] != own["sha256"] and not same_file:  # equal hashes: the same code under another name (a link)
-        raise UserError(
-            f"{flag} {path} was written by {record['file']} (sha256 {record['sha256'][:12]}), whose reward, env and "
-            f"networks this {script} (sha256 {own['sha256'][:12]}) may not share; run it with {record['file']}."
-        )
+        raise UserError(f"{flag} {path} was written by {record['file']} (sha256 {record['sha256'][:12]}), whose reward, "
+                        f"env and networks this {script} (sha256 {own['sha256'][:12]}) may not share; run it with "
+                        f"{record['file']}.")  # fmt: skip
     if record["sha256"] != own["sha256"]:  # the research loop: fix a bug, add a log line, go on
         note(f"note: {script} changed since {path} was written ({script_changes(record, own)}): {flag} uses it as it is now")
     for key, kind in get_type_hints(args_class).items():  # the parser checks a choice typed, not one saved
         choices = get_args(kind) if get_origin(kind) is Literal else None
         if choices and key in saved and saved[key] not in choices:
-            raise UserError(
-                f"{flag} {path} holds --{key.replace('_', '-')} {saved[key]}, which {script} does not take "
-                f"({', '.join(map(str, choices))}); pass another checkpoint.pt."
-            )
-    if flag == "--resume" and not {"iteration", "rng"} <= set(checkpoint):
+            raise UserError(f"{flag} {path} holds --{key.replace('_', '-')} {saved[key]}, which {script} does not take "
+                            f"({', '.join(map(str, choices))}); pass another checkpoint.pt.")  # fmt: skip
+    if flag != "--resume":
+        return checkpoint
+    if not {"iteration", "rng"} <= set(checkpoint):
         raise UserError(f"--resume {path} holds no resumable training state; pass a checkpoint.pt saved during training.")
-    if flag == "--resume":
-        check_run_state(checkpoint, path)
-    if flag == "--resume" and os.path.abspath(os.path.dirname(path)) != os.path.abspath(f"runs/{checkpoint['run_name']}"):
-        raise UserError(  # the run continues in its own folder: a copy elsewhere would write into another run's logs
-            f"--resume {path} belongs to runs/{checkpoint['run_name']}/, not to {os.path.dirname(path) or '.'}/; "
-            "resume it from the folder that holds that run (or move the whole run folder there)."
-        )
-    if flag == "--resume":  # said now, before anything starts; start_run takes the lock itself
-        check_writable(f"runs/{checkpoint['run_name']}", "the run folder", "make it writable to resume the run")
-        lock_run(checkpoint["run_name"], keep=False)
+    check_run_state(checkpoint, path)
+    if os.path.abspath(os.path.dirname(path)) != os.path.abspath(f"runs/{checkpoint['run_name']}"):  # not another run's logs
+        raise UserError(f"--resume {path} belongs to runs/{checkpoint['run_name']}/, not to {os.path.dirname(path) or '.'}/; "
+                        "resume it from the folder that holds that run (or move the whole run folder there).")  # fmt: skip
+    check_writable(f"runs/{checkpoint['run_name']}", "the run folder", "make it writable to resume the run")
+    lock_run(checkpoint["run_name"], keep=False)  # said now, before anything starts; Run.start takes the lock itself
     return checkpoint
 
 
 def script_record(path: str) -> dict:
-    """What a checkpoint says of the script that wrote it: its file name, where it ran, a hash of its source, and the
-    source itself (tens of kB): the tools run a checkpoint with the code that wrote it after the file is edited."""
-    with open(path, "rb") as f:
-        source = f.read()
-    sha256 = hashlib.sha256(source).hexdigest()
-    return {"file": os.path.basename(path), "path": os.path.abspath(path), "sha256": sha256, "source": source}
+    """The script that wrote a checkpoint: name, place, hash and source (the tools run it as it was, edited since)."""
+    source = Path(path).read_bytes()
+    return {"file": os.path.basename(path), "path": os.path.abspath(path), "sha256": hashlib.sha256(source).hexdigest(),
+            "source": source}  # fmt: skip
 
 
 def script_changes(record: dict, now: dict) -> str:
-    """How the script `now` differs from the one that wrote a checkpoint: both hashes, and the lines that differ where
-    the checkpoint keeps its source."""
+    """How the script `now` differs from the one that wrote a checkpoint: both hashes, and how many lines if known."""
     changes = f"sha256 {record['sha256'][:12]} -> {now['sha256'][:12]}"
     if isinstance(record.get("source"), bytes):
         then, current = (r["source"].decode(errors="replace").splitlines() for r in (record, now))
@@ -392,26 +379,19 @@ def note(line: str) -> None:
 
 
 def checkpoint_script(checkpoint: dict, name: str) -> dict:
-    """The record of the script that wrote `checkpoint`; one written before scripts were recorded is refused: a copy
-    of a script (README: change the reward) would be read silently with the original's reward."""
+    """The record of the script that wrote `checkpoint`; none (older) is refused: a copy's reward would be read wrongly."""
     record = checkpoint.get("script")
     if not (isinstance(record, dict) and {"file", "path", "sha256"} <= record.keys()):
-        raise UserError(
-            f"{name} was written by an older version of this script, which did not record the script (and so the "
-            "reward) that wrote it; train it again with this version."
-        )
+        raise UserError(f"{name} was written by an older version of this script, which did not record the script (and so "
+                        "the reward) that wrote it; train it again with this version.")  # fmt: skip
     return record
 
 
 def check_run_state(checkpoint: dict, path: str) -> None:
-    """--resume: a run state this version reads whole, and consistent (valid checksums do not make it so: a hand edit, a
-    bug), checked before anything starts instead of a KeyError, or empty buffer slots sampled, hours later."""
-    missing = [k for k in ("episodes", "global_step", "run_name", "replay_buffer") if k not in checkpoint]
-    if missing:
-        raise UserError(
-            f"--resume {path} was written by an older version of this script (it has no {', '.join(missing)}); "
-            "start a new run, or resume it with the version that wrote it."
-        )
+    """--resume: a whole, consistent run state, checked before anything starts, not as a KeyError hours later."""
+    if missing := [k for k in ("episodes", "global_step", "run_name", "replay_buffer") if k not in checkpoint]:
+        raise UserError(f"--resume {path} was written by an older version of this script (it has no {', '.join(missing)}); "
+                        "start a new run, or resume it with the version that wrote it.")  # fmt: skip
     args, rb, rng = checkpoint["args"], checkpoint["replay_buffer"], checkpoint["rng"]
     num_envs, total = args.get("num_envs", 1), args.get("total_timesteps", 0)
     unloadable = unloadable_rng(rng) if isinstance(rng, dict) else None
@@ -427,18 +407,15 @@ def check_run_state(checkpoint: dict, path: str) -> None:
         arrays = [v for k, v in rb.items() if k not in ("pos", "full")] if pos is not None else [None]
         lengths = {len(v) if torch.is_tensor(v) else -1 for v in arrays}
         fits = isinstance(pos, int) and 0 <= pos < size and lengths == {size if rb.get("full") else pos}
-        held = "/".join(map(str, sorted(lengths)))
-        problems.append(
-            (not fits, f"its replay buffer (position {pos}, {held} transitions) does not fit --buffer-size {size}")
-        )
+        held = f"position {pos}, {'/'.join(map(str, sorted(lengths)))} transitions"
+        problems.append((not fits, f"its replay buffer ({held}) does not fit --buffer-size {size}"))
     for failed, problem in problems:
         if failed:
             raise UserError(f"--resume {path} is inconsistent: {problem}; pass another checkpoint.pt of the run.")
 
 
 def unloadable_rng(rng: dict) -> Optional[str]:
-    """Which of a checkpoint's random states the libraries refuse to load (and why), tried as restore loads them and
-    put back: found before anything starts, not as a traceback after the envs, CLIP and an event file started."""
+    """Which of a checkpoint's random states the libraries refuse to load, and why (tried, then put back), or None."""
     saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
     try:
         for key, load in [("python", random.setstate), ("numpy", np.random.set_state), ("torch", torch.set_rng_state)]:
@@ -455,8 +432,7 @@ def unloadable_rng(rng: dict) -> Optional[str]:
 
 
 def check_intact(path: str, name: str, advice: str) -> None:
-    """Every loaded checkpoint first: torch.save's zip keeps a CRC-32 of each entry, and a flipped byte in the weights (a
-    bad disk, a damaged copy) would otherwise load silently as another number. A file that is no zip: torch.load says."""
+    """The CRC-32 of each entry of torch.save's zip: torch.load would read a flipped byte silently as another number."""
     try:
         archive = zipfile.ZipFile(path)
     except Exception:  # noqa: BLE001 - not a zip (truncated, foreign): left to torch.load's own error
@@ -474,8 +450,7 @@ RUN_LOCKS: dict[str, filelock.UnixFileLock] = {}  # runs/<run>/run.lock of the r
 
 
 def lock_run(run_name: str, keep: bool = True) -> None:
-    """One process trains a run folder: an flock the kernel drops when its holder ends (even by SIGKILL, never stale),
-    so a --resume of a run still training is refused. Held (keep), the files a killed writer left (*.tmp) are removed."""
+    """One process trains a run folder (an flock, never stale); held (keep), a killed writer's *.tmp files are removed."""
     path = os.path.abspath(f"runs/{run_name}/run.lock")
     if path in RUN_LOCKS or not (keep or os.path.exists(path)):
         return
@@ -504,26 +479,19 @@ def unlock_runs() -> None:
 
 
 def resumed_args(args, checkpoint: dict):
-    """The run's own flags; a flag given next to --resume that would change them is refused, never silently ignored,
-    except a larger --total-timesteps: it extends the run (same folder, TensorBoard and random streams)."""
+    """The run's own flags; one given that would change them is refused, but a larger --total-timesteps extends the run."""
     args_class = type(args)
     saved, default = checkpoint["args"], vars(args_class())
-    changed = [
-        k
-        for k, v in vars(args).items()
-        if k not in ("resume", "total_timesteps") and (k in GIVEN or default[k] != v) and v != saved.get(k, default[k])
-    ]
-    if changed:
+    if changed := [k for k, v in vars(args).items() if k not in ("resume", "total_timesteps")
+                   and (k in GIVEN or default[k] != v) and v != saved.get(k, default[k])]:  # fmt: skip
         flags = ", ".join("--" + k.replace("_", "-") for k in changed)
         raise UserError(f"--resume continues a run with its own flags; drop {flags} (or start a new run).")
     total = saved["total_timesteps"]
     given = "total_timesteps" in GIVEN or args.total_timesteps != default["total_timesteps"]
     if given and args.total_timesteps != total:
         if args.total_timesteps < checkpoint["global_step"]:
-            raise UserError(
-                f"--total-timesteps {args.total_timesteps} is below the step the run reached, {checkpoint['global_step']}; "
-                "pass a larger value to extend it."
-            )
+            raise UserError(f"--total-timesteps {args.total_timesteps} is below the step the run reached, "
+                            f"{checkpoint['global_step']}; pass a larger value to extend it.")  # fmt: skip
         total = args.total_timesteps
         print(f"note: the run is extended from {saved['total_timesteps']} to {total} steps")
     return args_class(**{"episodes": "fixed", **saved, "resume": args.resume, "total_timesteps": total})  # older: fixed
@@ -590,10 +558,9 @@ def fetch_clip_weights(args) -> bool:
             return True
         except Exception as e:  # noqa: BLE001 - every failure here has the same fixes
             why = (str(e).splitlines() or [type(e).__name__])[0][:160]
-    raise UserError(
-        f"could not download the {name}/{args.clip_pretrained} CLIP weights ({why}); check the network connection, "
-        "point --clip-cache-dir at a folder that holds them, or pass a weights file with --clip-checkpoint."
-    )
+    raise UserError(f"could not download the {name}/{args.clip_pretrained} CLIP weights ({why}); check the network "
+                    "connection, point --clip-cache-dir at a folder that holds them, or pass a weights file with "
+                    "--clip-checkpoint.")  # fmt: skip
 
 
 def warn_long_prompts(tokenizer, args) -> None:
@@ -638,8 +605,7 @@ def say_reward_model_cost(reward_model: nn.Module, args, frame_shape: tuple[int,
 
 # --- The envs: frames with the step, workers that end with the run ----------------------------
 def make_vector_env(vector_env: type, env_fns: list, autoreset_mode, frames: bool = False) -> gym.vector.VectorEnv:
-    """The training envs; `frames`: (observation, frame) pairs travel through shared memory, into infos["frames"]. Env
-    processes ignore Ctrl-C and SIGTERM (the main process decides when to stop and closes them) and end with it."""
+    """The training envs (`frames`: with infos["frames"]); env processes ignore Ctrl-C and SIGTERM and end with the run."""
     import functools
 
     if vector_env is gym.vector.AsyncVectorEnv and sys.platform == "linux":
@@ -654,8 +620,7 @@ def make_vector_env(vector_env: type, env_fns: list, autoreset_mode, frames: boo
 
 
 class FrameSpace(gym.spaces.Box):
-    """uint8 frames of one shape, bounds 0 and 255 held as views: gymnasium's Box holds four arrays of the frame's size
-    (bounds and their masks), in every env and, batched, four per env in the vector env: gigabytes for many envs."""
+    """uint8 frames with bounds as views: gymnasium's Box holds four frame-sized arrays per env (gigabytes for many)."""
 
     def __init__(self, shape: tuple, dtype=np.uint8):  # float64: the states --renderer warp draws, unbounded
         super().__init__(*((0, 255) if dtype == np.uint8 else (-np.inf, np.inf)), (1,), dtype)
@@ -670,9 +635,7 @@ def _batch_frame_space(space: FrameSpace, n: int = 1) -> FrameSpace:
 
 
 def frame_problem(name: str, frame, shape: Optional[tuple] = None) -> Optional[str]:
-    """What is wrong with a frame env `name` rendered for the reward model and the videos (a uint8 (H, W, 3) array, of
-    `shape` when given), or None. Training checks it in the env, where it is made: the vector env's shared memory would
-    cast floats in [0, 1] to black; --evaluate before a frame is scored or saved."""
+    """What is wrong with a frame env `name` rendered (not a uint8 (H, W, 3) array of `shape`), or None."""
     if isinstance(frame, np.ndarray) and frame.dtype == np.uint8 and frame.ndim == 3 and frame.shape[-1] == 3:
         if shape is None or frame.shape == tuple(shape):
             return None
@@ -687,8 +650,7 @@ def frame_problem(name: str, frame, shape: Optional[tuple] = None) -> Optional[s
 
 
 class FramesInInfo(gym.vector.VectorWrapper):
-    """The vector side of FrameAfterStep: the envs' own observations, each step's frames in infos["frames"], and the
-    seconds spent rendering (in-process envs render one after another; env processes at once)."""
+    """The vector side of FrameAfterStep: the envs' observations, their frames in infos["frames"], seconds rendering."""
 
     def __init__(self, envs: gym.vector.VectorEnv):
         super().__init__(envs)
@@ -728,9 +690,7 @@ def mujoco_warning(message: str) -> None:
 
 
 def import_mujoco():
-    """MuJoCo, which picks its OpenGL backend when imported: headless EGL unless MUJOCO_GL says otherwise (PyOpenGL must
-    agree), its warnings on stdout (not MUJOCO_LOG.TXT, which it leaves in the working directory). A backend whose
-    library is missing (MUJOCO_GL=osmesa without libOSMesa) is one sentence and exit code 2, not an import traceback."""
+    """MuJoCo on headless EGL unless MUJOCO_GL says otherwise, warnings on stdout; a missing backend: one sentence, exit 2."""
     backend = os.environ.setdefault("MUJOCO_GL", "egl")
     if backend in ("egl", "osmesa"):
         os.environ.setdefault("PYOPENGL_PLATFORM", backend)
@@ -740,19 +700,16 @@ def import_mujoco():
     except (ImportError, AttributeError, OSError, RuntimeError) as e:  # osmesa without its library: PyOpenGL's GL is None
         library = {"egl": "libegl1", "osmesa": "libosmesa6", "glfw": "libglfw3 and a display"}.get(backend)
         fix = f"install {library} (e.g. apt install {library.split()[0]}) or " if library else ""
-        print(
-            f"error: MuJoCo could not start its OpenGL backend MUJOCO_GL={backend} ({type(e).__name__}: "
-            f"{(str(e).splitlines() or [''])[0][:120]}); {fix}use MUJOCO_GL={'osmesa' if backend == 'egl' else 'egl'}.",
-            file=sys.stderr,
-        )
+        print(f"error: MuJoCo could not start its OpenGL backend MUJOCO_GL={backend} ({type(e).__name__}: "
+              f"{(str(e).splitlines() or [''])[0][:120]}); {fix}use MUJOCO_GL={'osmesa' if backend == 'egl' else 'egl'}.",
+              file=sys.stderr)  # fmt: skip
         sys.exit(2)
     mujoco.set_mju_user_warning(mujoco_warning)
     return mujoco
 
 
 def die_with_parent(env_fn: Callable, parent: int) -> gym.Env:
-    """An env worker ends with the training process (PR_SET_PDEATHSIG; a SIGKILLed run left each printing a traceback),
-    not the training process itself (gymnasium builds an env there for its spaces) with whatever started it."""
+    """An env worker ends with the training process (PR_SET_PDEATHSIG): a SIGKILLed run left each printing a traceback."""
     if os.getpid() != parent:
         import ctypes
 
@@ -778,12 +735,8 @@ def dead_worker(envs: gym.vector.VectorEnv, wait: float = 2.0) -> Optional[str]:
 
 
 def close_envs(envs: gym.vector.VectorEnv, clean: bool = True) -> None:
-    """Close the envs. Gymnasium tells its workers to close over their pipes and waits, without a bound, for each to
-    answer. An answer may never come: after a second Ctrl-C inside a step whose first replies were read (gymnasium's close
-    then waits for those again), or once a worker died (its pipe raises before the others are told, and at exit
-    multiprocessing would join them for ever: they ignore SIGTERM). So a clean close is only tried after a normal end
-    with no call pending (`clean`: no error or interrupt); otherwise, or if it fails or is interrupted, every worker
-    is killed: the process ends at once."""
+    """Gymnasium's close waits unbounded for each worker's answer, which never comes after a second Ctrl-C mid-step or a
+    dead worker: a clean close only after a normal end with no call pending (`clean`), else every worker is killed."""
     base = envs.unwrapped
     processes = getattr(base, "processes", None)
     if processes is None:  # envs in process: nothing to wait for
@@ -818,8 +771,7 @@ def set_torch_threads(args, device: torch.device) -> torch.device:
 
 
 def run_flags(args, evaluate_as_trained: str) -> tuple[object, Optional[dict]]:
-    """The run's flags and checkpoint (None: a new run): --resume's own flags; --evaluate's flags named in
-    `evaluate_as_trained` as trained, unless given (`cli` knows which; in process: not their default)."""
+    """The run's flags and checkpoint (None: new): --resume's own; `evaluate_as_trained` as trained unless given."""
     checkpoint = None
     if args.resume is not None:
         checkpoint = read_checkpoint(args.resume, type(args))
