@@ -785,8 +785,8 @@ def run_flags(args, evaluate_as_trained: str) -> tuple[object, Optional[dict]]:
 
 
 class Run:
-    """A training run around the loop each script writes out, in calls at fixed points: seeds, run folder, TensorBoard, W&B,
-    progress, NaN guard, checkpoints, videos, final evaluation; of the script it calls only what hands it data."""
+    """The run around each script's loop, called at fixed points: seeds, run folder, TensorBoard, W&B, progress, NaN
+    guard, checkpoints, videos, final evaluation; of the script it calls only what hands it data."""
 
     def __init__(self, args, checkpoint: Optional[dict] = None):
         self.checkpoint = checkpoint  # of --resume (the run to continue) or --evaluate (the policy to roll out)
@@ -818,43 +818,32 @@ class Run:
         self.writer = self.envs = self.scorer = None
 
     def check_fits(self, envs: gym.vector.VectorEnv, learner: dict) -> None:
-        """--resume and --evaluate, before anything starts: the checkpoint's entries fit the `learner` built as this run
-        builds it (on the CPU, from the spaces of `envs`; None: not used by this run; a value that is neither a module,
-        an optimiser nor a tensor: needed), and are finite; a resumed replay buffer holds transitions of these spaces."""
+        """--resume, --evaluate: the checkpoint's entries load into `learner` (None: unused) and are finite; a resumed
+        replay buffer holds transitions of the spaces of `envs`."""
         flag, path = ("--resume", self.args.resume) if self.args.resume is not None else ("--evaluate", self.args.evaluate)
         for key, fresh in learner.items():
             if fresh is None or (flag == "--evaluate" and key not in self.checkpoint):  # --evaluate: the networks it holds
                 continue
             if key not in self.checkpoint:
-                raise UserError(
-                    f"{flag} {path} was written by an older version of this script (it has no {key}); start a new run, "
-                    "or resume it with the version that wrote it."
-                )
-            problem = misfit(self.checkpoint[key], fresh)
-            if problem:
-                raise UserError(
-                    f"{flag} {path} does not fit the networks of this run: its {key} {problem}; pass a "
-                    f"checkpoint.pt that {self.script} wrote with these flags."
-                )
+                raise UserError(f"{flag} {path} was written by an older version of this script (it has no {key}); start "
+                                "a new run, or resume it with the version that wrote it.")  # fmt: skip
+            if problem := misfit(self.checkpoint[key], fresh):
+                raise UserError(f"{flag} {path} does not fit the networks of this run: its {key} {problem}; pass a "
+                                f"checkpoint.pt that {self.script} wrote with these flags.")  # fmt: skip
             if not all_finite(self.checkpoint[key]):  # a NaN policy would roll out (argmax 0) or train on, exit 0
-                raise UserError(
-                    f"{flag} {path}: its {key} holds NaN or infinite weights, so it cannot act or learn; "
-                    "pass a checkpoint saved before its run diverged (runs/<run>/checkpoints/step-<N>.pt)."
-                )
+                raise UserError(f"{flag} {path}: its {key} holds NaN or infinite weights, so it cannot act or learn; pass a "
+                                "checkpoint saved before its run diverged (runs/<run>/checkpoints/step-<N>.pt).")  # fmt: skip
         rb = self.checkpoint.get("replay_buffer") if flag == "--resume" else None
         spaces = {"obs": envs.single_observation_space, "next_obs": envs.single_observation_space}
         for key, space in {**spaces, "actions": envs.single_action_space}.items() if rb is not None else ():
-            if tuple(rb[key].shape[1:]) != space.shape:
-                raise UserError(
-                    f"--resume {path} does not fit the networks of this run: its replay buffer's {key} "
-                    f"are {tuple(rb[key].shape[1:])}, this env's {space.shape}; pass another checkpoint.pt."
-                )
+            if (shape := tuple(rb[key].shape[1:])) != space.shape:
+                raise UserError(f"--resume {path} does not fit the networks of this run: its replay buffer's {key} are "
+                                f"{shape}, this env's {space.shape}; pass another checkpoint.pt.")  # fmt: skip
 
     @contextlib.contextmanager
     def closing(self, envs: gym.vector.VectorEnv, scorer: Optional[ThreadPoolExecutor] = None):
-        """Every exit drops the chunks still queued for the reward model (`scorer`'s), closes TensorBoard and the env
-        processes (they ignore SIGTERM: a process exiting under them would hang) and frees the run for a --resume, also
-        on an error, a second Ctrl-C or an env worker's death (one sentence naming it, not the broken pipe)."""
+        """Every exit (an error, a second Ctrl-C, a dead env worker: named) drops `scorer`'s queued chunks, closes
+        TensorBoard and the env processes (they ignore SIGTERM) and frees the run for a --resume."""
         self.envs, self.scorer, clean = envs, scorer, False
         try:
             yield
@@ -914,8 +903,7 @@ class Run:
         self.stop = install_stop_handlers()
 
     def restore(self, learner: dict, envs: gym.vector.VectorEnv, rb, recent: deque) -> np.ndarray:
-        """A resumed run as saved: learner, replay buffer, random streams, recent CLIP returns, and the envs' generators, so
-        that their reset (returned) starts the episodes the run would have (stock episodes in flight restart)."""
+        """A resumed run as saved: learner, buffer, random streams, recent returns; the envs' reset starts its episodes."""
         for name, module in learner.items():
             if torch.is_tensor(module):  # e.g. SAC's log entropy coefficient
                 module.data.copy_(self.checkpoint[name])
@@ -948,7 +936,7 @@ class Run:
         self.timing[part] = self.timing.get(part, 0.0) + time.perf_counter() - start
 
     def check_rewards(self, rewards: np.ndarray, step: int, networks: Callable[[], dict]) -> None:
-        """The NaN guard's first line: a NaN or inf reward stops the run (exit 1) before it poisons the buffer's Q-values."""
+        """The NaN guard's first line: a NaN or inf reward stops the run (exit 1) before it poisons the buffer."""
         if not np.all(np.isfinite(rewards)):
             hint = "; on a GPU, --clip-dtype bfloat16 has float32's range" if self.args.reward == "clip" else ""
             # rows are step-major: env i of step t is row t * num_envs + i, and `step` is the chunk's last step
@@ -962,8 +950,7 @@ class Run:
         self.last_finite.snapshot(networks, gradient_steps)
 
     def log_losses(self, step: int, losses: dict, finite: torch.Tensor, flags: str) -> None:
-        """After a training phase: a NaN or inf loss stops the run (reading `finite`: one host-device sync); losses/<name>,
-        charts/SPS and time/<part>_s every 10th phase (reading the losses is another)."""
+        """After a training phase: a NaN or inf loss stops the run; losses, SPS and times logged every 10th phase."""
         if not finite:
             values = ", ".join(f"{name} {torch.as_tensor(value).item()}" for name, value in losses.items())
             self.last_finite.stop(f"a loss ({values}) is not finite in the training phase at step {step}",
@@ -998,8 +985,7 @@ class Run:
             self.writer.add_scalar("eval/clip_return", result["clip_return"], step)
 
     def checkpoint_due(self, dones: np.ndarray) -> bool:
-        """A checkpoint after this step? Only where episodes end (stock ones restart on resume): every --checkpoint-frequency
-        steps and at the (last episode) end with --save-model, and after Ctrl-C or SIGTERM, which then stop the run."""
+        """A checkpoint after this step? Where episodes end: periodic and last with --save-model, and on a stop signal."""
         args = self.args
         self.dones = dones
         self.stopping = self.stop["requested"]  # read once: a signal arriving later is handled at the next step
@@ -1015,8 +1001,8 @@ class Run:
         args, step = self.args, (self.iteration + 1) * self.args.num_envs
         state.update(run_name=self.name, iteration=self.iteration + 1, global_step=step, args=asdict(args))
         state.update(rng=rng_state(envs), episodes={**self.episode_log.state_dict(), "recent": list(recent)})
-        state.update(clip_return=clip_return, replay_buffer=rb.state_dict() if args.save_buffer else None)
-        state.update(wandb_id=wandb_id(), script=self.source)
+        state.update(clip_return=clip_return, replay_buffer=rb.state_dict() if args.save_buffer else None, script=self.source)
+        state.update(wandb_id=wandb_id())
         modules = {k: m.detach() if torch.is_tensor(m) else m.state_dict() for k, m in learner.items() if m is not None}
         save_checkpoint(f"runs/{self.name}/checkpoint.pt", {**modules, **state})
         if self.periodic:
@@ -1029,8 +1015,7 @@ class Run:
         return self.stopping
 
     def finish(self, networks: Callable[[], dict], clip_return: float, evaluation: Callable[[int], list[dict]]) -> None:
-        """Where the time went; with --save-model the final networks (as step-<N>.pt where the run ended mid-episode: no
-        resumable state there) and --eval-episodes of the final policy (eval/gt_return, as CleanRL's dqn.py)."""
+        """Where the time went; with --save-model the final networks (mid-episode: a step-<N>.pt) and their evaluation."""
         args, step = self.args, (self.iteration + 1) * self.args.num_envs
         self.progress.update(step, final=True)
         elapsed, steps = time.time() - self.progress.start, step - self.progress.start_step
@@ -1051,16 +1036,14 @@ class Run:
 
 
 class EpisodeLog:
-    """Per-env sums of the running episodes, vectorised over envs; an ended episode's sums are logged and its env's
-    reset. `success(episode)` is an ended episode's charts/gt_success (the script's definition; None: not logged)."""
+    """Per-env sums of the running episodes, logged when one ends; `success(episode)`: its charts/gt_success (or None)."""
 
     def __init__(self, num_envs: int, state: Optional[dict] = None, success: Optional[Callable] = None):
         self.num_envs, self.success = num_envs, success
         self.sums = {"length": np.zeros(num_envs), **(state["sums"] if state is not None else {})}
 
     def add(self, values: dict[str, np.ndarray], latched: dict[str, np.ndarray], dones: np.ndarray) -> list[dict]:
-        """values: (T, num_envs) per-step terms to sum; latched: (T, num_envs) terms whose last value counts (e.g. success);
-        dones: (T, num_envs). Returns the ended episodes in step order, each with "t" (its row) and "env"."""
+        """(T, num_envs) terms summed (values) or last (latched); the ended episodes in step order, with "t" and "env"."""
         ended = []
         for t in range(len(dones)):
             self.sums["length"] += 1
@@ -1150,8 +1133,7 @@ def format_duration(seconds: float) -> str:
 
 
 class LastFinite:
-    """The NaN guard: an on-device copy of the networks, checked finite, about every 100 gradient steps; on a NaN the
-    last finite copy is saved beside (never over) the resumable checkpoint and the run stops with exit code 1."""
+    """The NaN guard: a finite copy of the networks every ~100 gradient steps, saved beside checkpoint.pt on a NaN."""
 
     def __init__(self, run_name: str, args):
         self.run_name, self.args, self.networks, self.steps = run_name, args, None, math.inf
@@ -1178,10 +1160,8 @@ STOP_PIPE: list[int] = []  # (read, write): Python's C signal handler writes a b
 
 
 def install_stop_handlers() -> dict:
-    """First Ctrl-C or SIGTERM: finish the current episodes, save a checkpoint, exit cleanly. Second: quit at once.
-    Counted per delivery: Python runs the handler once for every signal that arrived while the main thread was in one
-    C call (Warp's first kernel compile: two quick Ctrl-Cs were one, then a checkpoint and exit 0), but its C handler
-    writes each to the wakeup fd. "wakeup": the fd this replaced (Run.closing puts it back)."""
+    """First Ctrl-C or SIGTERM: checkpoint after the current episodes, exit cleanly; second: quit at once. Counted on the
+    wakeup fd (two during one C call run the handler once); "wakeup": the fd replaced (Run.closing puts it back)."""
     if not STOP_PIPE:
         STOP_PIPE.extend(os.pipe())
         for fd in STOP_PIPE:
@@ -1205,8 +1185,7 @@ def install_stop_handlers() -> dict:
 
 
 def quiet_writer_thread(writer: "torch.utils.tensorboard.SummaryWriter") -> "torch.utils.tensorboard.SummaryWriter":
-    """TensorBoard writes from a thread: a full disk there printed the thread's traceback, and TensorBoard raises the
-    same error at the next add_scalar, flush or close (one sentence, see cli). The thread's own print is dropped."""
+    """A full disk in TensorBoard's writer thread: its traceback dropped (the next add_scalar or close raises it)."""
     threading.excepthook = lambda hook: (
         None if type(hook.thread).__name__ == "_AsyncWriterThread" and isinstance(hook.exc_value, OSError)
         else threading.__excepthook__(hook)
@@ -1236,17 +1215,14 @@ def rng_state(envs: gym.vector.VectorEnv) -> dict:
 
 
 def save_step_checkpoint(run_name: str, step: int, networks: dict, args, clip_return: float, source: dict) -> None:
-    """runs/<run>/checkpoints/step-<N>.pt, all kept (the paper's): the networks only, with the run's training-time CLIP
-    return at that step, from which `success_eval.py best` picks across runs and across training time."""
+    """runs/<run>/checkpoints/step-<N>.pt, all kept: the networks and CLIP return (`success_eval.py best` picks one)."""
     os.makedirs(f"runs/{run_name}/checkpoints", exist_ok=True)
     state = {**networks, "args": asdict(args), "run_name": run_name, "global_step": step, "clip_return": clip_return}
-    state["script"] = source  # the script that wrote it: its file name and the sha256 of its source
-    save_checkpoint(f"runs/{run_name}/checkpoints/step-{step}.pt", state)
+    save_checkpoint(f"runs/{run_name}/checkpoints/step-{step}.pt", {**state, "script": source})
 
 
 def misfit(saved, fresh) -> Optional[str]:
-    """What keeps `saved` from loading into `fresh` (a module, an optimiser or a tensor), or None; other values: anything.
-    Modules and optimisers load it (strict), and torch says why not; an optimiser's moments it loads unchecked."""
+    """What keeps `saved` from loading into `fresh` (a module, optimiser or tensor; others take anything), or None."""
     if torch.is_tensor(fresh):
         shape = tuple(saved.shape) if torch.is_tensor(saved) else type(saved).__name__
         return None if shape == tuple(fresh.shape) else f"is {shape}, not {tuple(fresh.shape)}"
@@ -1303,17 +1279,14 @@ def save_video(frames: list[np.ndarray], path: str, fps: int) -> None:
 
 
 def evaluate(policy: Callable, eval_envs: gym.vector.VectorEnv, reward_model, episodes: int, seed: int) -> list[dict]:
-    """Episodes of `policy` (the script's: observations -> actions) in a one-env vector env: the frames and their rate,
-    the ground-truth and CLIP return of each; as CleanRL keeps its evaluations in cleanrl_utils. Every frame is checked
-    as training checks its frames, before any is scored or saved."""
+    """Episodes of `policy` in a one-env vector env: frames (checked as training's), frame rate, gt and CLIP returns."""
     results, name = [], eval_envs.envs[0].spec.id if eval_envs.envs[0].spec else type(eval_envs.envs[0].unwrapped).__name__
     for episode in range(episodes):
         obs, _ = eval_envs.reset(seed=seed + episode)
         frames = [eval_envs.call("render")[0]]
         if frame_problem(name, frames[0]):
             raise RunError(frame_problem(name, frames[0]) + ".")
-        gt_return = 0.0
-        done = False
+        gt_return, done = 0.0, False
         while not done:  # fixed length: --episode-length steps; stock: until the env terminates or truncates
             with torch.no_grad():
                 actions = policy(obs)
@@ -1331,9 +1304,8 @@ def evaluate(policy: Callable, eval_envs: gym.vector.VectorEnv, reward_model, ep
 
 
 def save_episodes(results: list[dict], run_name: str) -> None:
-    """--evaluate: each episode as an MP4 and its frames as PNGs under videos/<run_name>/eval-episode-<i>, the trained
-    run's folder. Written beside an earlier evaluation there, in a hidden folder, which replaces it (whole: a longer one
-    would leave frames past this one's end) only once complete: a failure or Ctrl-C meanwhile leaves the earlier one."""
+    """--evaluate: each episode as MP4 and PNGs in videos/<run_name>/eval-episode-<i>, replacing an earlier evaluation
+    whole, only once complete (written in a hidden folder first: a failure or Ctrl-C leaves the earlier one)."""
     os.makedirs(f"videos/{run_name}", exist_ok=True)
     partial = tempfile.mkdtemp(prefix=".eval-partial-", dir=f"videos/{run_name}")
     try:
