@@ -7,6 +7,7 @@ import copy
 import difflib
 import errno
 import hashlib
+import io
 import logging
 import math
 import os
@@ -124,24 +125,15 @@ def check_common_args(args, positive: str, unit_interval: str, network: str) -> 
     check_writable("runs")
     if args.capture_video or args.evaluate is not None:
         check_writable("videos")
-    if args.track and args.evaluate is None:
-        check_wandb_login()
-
-
-def check_wandb_login() -> None:
-    """--track needs a W&B login, or an offline mode: wandb.init's own error is a traceback once the run folder exists."""
-    import io
-
-    try:
-        import wandb
-    except ImportError:
-        raise UserError("--track needs the wandb package: pip install wandb, or drop --track.") from None
-    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled"):
-        return
-    with contextlib.redirect_stderr(io.StringIO()):  # wandb.init says the same again moments later
-        logged_in = wandb.login(prompt=False, verify=False)  # verify=False: no network round trip here
-    if not logged_in:
-        raise UserError("--track found no W&B login here; log in with `wandb login`, or set WANDB_MODE=offline.")
+    if args.track and args.evaluate is None:  # a login or offline mode: wandb.init's error is a traceback in the run
+        try:
+            import wandb
+        except ImportError:
+            raise UserError("--track needs the wandb package: pip install wandb, or drop --track.") from None
+        with contextlib.redirect_stderr(io.StringIO()):  # wandb.init says the same again moments later
+            offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled")
+            if not offline and not wandb.login(prompt=False, verify=False):  # verify=False: no network round trip here
+                raise UserError("--track found no W&B login here; log in with `wandb login`, or set WANDB_MODE=offline.")
 
 
 def is_device(name: str) -> bool:
@@ -227,9 +219,10 @@ def resolve_negatives(goal: tuple[str, ...], negatives: Optional[tuple], flag: s
     return negatives
 
 
-def memory_needs(args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple, env_bytes: float,
-                 activations: int) -> dict:  # fmt: skip
-    """{what: (the flag that sets it, bytes)}: a run's memory beyond the process as checked; `env_bytes`: one env's."""
+def check_resources(args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple, env_bytes: float,
+                    activations: int) -> int:  # fmt: skip
+    """Refuse a run too big for the available memory; the estimate (bytes). `env_bytes`: one env's; `activations`: a
+    sample's floats in the networks."""
     action_bytes = 8 if isinstance(action_space, gym.spaces.Discrete) else 4 * int(np.prod(action_space.shape))
     transition = 2 * 4 * int(np.prod(observation_space.shape)) + action_bytes + 4 + 4  # obs, next_obs, action, reward, done
     chunks = args.reward_batch_size * max(1, len(args.reward_devices))  # frames scored in one go: a chunk per device
@@ -248,13 +241,6 @@ def memory_needs(args, observation_space: gym.Space, action_space: gym.Space, fr
         # CLIP on the CPU: its weights (float32), and each chunk's frames as float32 before the squash to its input size
         needs["CLIP weights"] = ("--clip-model", 4 * clip_parameters(args.clip_model))
         needs["CLIP input"] = ("--reward-batch-size", 4 * min(args.reward_batch_size, waiting) * frame)
-    return needs
-
-
-def check_resources(args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple, env_bytes: float,
-                    activations: int) -> int:  # fmt: skip
-    """Refuse a run too big for the available memory; the estimate (bytes). `activations`: a sample's floats in the nets."""
-    needs = memory_needs(args, observation_space, action_space, frame_shape, env_bytes, activations)
     total, available, gib = sum(v for _, v in needs.values()), available_memory(), 2**30
     if total > gib or (available and total > 0.25 * available):  # said only when it matters (not 0.00 GiB for CartPole)
         terms = ", ".join(f"{k} {v / gib:.2f}" for k, (_, v) in needs.items() if v >= 0.005 * gib)
@@ -344,7 +330,9 @@ def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict
         return checkpoint
     if not {"iteration", "rng"} <= set(checkpoint):
         raise UserError(f"--resume {path} holds no resumable training state; pass a checkpoint.pt saved during training.")
-    check_run_state(checkpoint, path)
+    if missing := [k for k in ("episodes", "global_step", "run_name", "replay_buffer") if k not in checkpoint]:
+        raise UserError(f"--resume {path} was written by an older version of this script (it has no {', '.join(missing)}); "
+                        "start a new run, or resume it with the version that wrote it.")  # fmt: skip
     if os.path.abspath(os.path.dirname(path)) != os.path.abspath(f"runs/{checkpoint['run_name']}"):  # not another run's logs
         raise UserError(f"--resume {path} belongs to runs/{checkpoint['run_name']}/, not to {os.path.dirname(path) or '.'}/; "
                         "resume it from the folder that holds that run (or move the whole run folder there).")  # fmt: skip
@@ -385,50 +373,6 @@ def checkpoint_script(checkpoint: dict, name: str) -> dict:
         raise UserError(f"{name} was written by an older version of this script, which did not record the script (and so "
                         "the reward) that wrote it; train it again with this version.")  # fmt: skip
     return record
-
-
-def check_run_state(checkpoint: dict, path: str) -> None:
-    """--resume: a whole, consistent run state, checked before anything starts, not as a KeyError hours later."""
-    if missing := [k for k in ("episodes", "global_step", "run_name", "replay_buffer") if k not in checkpoint]:
-        raise UserError(f"--resume {path} was written by an older version of this script (it has no {', '.join(missing)}); "
-                        "start a new run, or resume it with the version that wrote it.")  # fmt: skip
-    args, rb, rng = checkpoint["args"], checkpoint["replay_buffer"], checkpoint["rng"]
-    num_envs, total = args.get("num_envs", 1), args.get("total_timesteps", 0)
-    unloadable = unloadable_rng(rng) if isinstance(rng, dict) else None
-    problems = [
-        (not 0 < checkpoint["iteration"] * num_envs == checkpoint["global_step"] <= total,
-         f"step {checkpoint['global_step']} (iteration {checkpoint['iteration']}) is not a step of its run of {total}"),
-        (not isinstance(rng, dict) or len(rng.get("envs", ())) != num_envs,
-         f"it holds {len(rng.get('envs', ())) if isinstance(rng, dict) else 'no'} env random states for {num_envs} envs"),
-        (unloadable is not None, f"its random state {unloadable} does not load"),
-    ]  # fmt: skip
-    if rb is not None:  # ReplayBuffer.state_dict: the filled part, `pos` where the next transition goes
-        size, pos = args.get("buffer_size", 0), rb.get("pos") if isinstance(rb, dict) else None
-        arrays = [v for k, v in rb.items() if k not in ("pos", "full")] if pos is not None else [None]
-        lengths = {len(v) if torch.is_tensor(v) else -1 for v in arrays}
-        fits = isinstance(pos, int) and 0 <= pos < size and lengths == {size if rb.get("full") else pos}
-        held = f"position {pos}, {'/'.join(map(str, sorted(lengths)))} transitions"
-        problems.append((not fits, f"its replay buffer ({held}) does not fit --buffer-size {size}"))
-    for failed, problem in problems:
-        if failed:
-            raise UserError(f"--resume {path} is inconsistent: {problem}; pass another checkpoint.pt of the run.")
-
-
-def unloadable_rng(rng: dict) -> Optional[str]:
-    """Which of a checkpoint's random states the libraries refuse to load, and why (tried, then put back), or None."""
-    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    try:
-        for key, load in [("python", random.setstate), ("numpy", np.random.set_state), ("torch", torch.set_rng_state)]:
-            try:
-                load(rng.get(key))
-            except Exception as e:  # noqa: BLE001 - whatever the library says of it, in one line
-                return f"{key} ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})"
-        bad = [i for i, g in enumerate(rng.get("envs", ())) if not isinstance(g, np.random.Generator)]
-        return f"envs[{bad[0]}] (not a numpy Generator)" if bad else None
-    finally:
-        random.setstate(saved[0])
-        np.random.set_state(saved[1])
-        torch.set_rng_state(saved[2])
 
 
 def check_intact(path: str, name: str, advice: str) -> None:
@@ -889,7 +833,11 @@ class Run:
         purge_step = self.start_iteration * args.num_envs if self.checkpoint else None  # drops a crash's logs after it
         from torch.utils.tensorboard import SummaryWriter  # here: half a second to import, which a refused flag needs not
 
-        self.writer = quiet_writer_thread(SummaryWriter(f"runs/{self.name}", purge_step=purge_step))
+        threading.excepthook = lambda hook: (  # a full disk in TensorBoard's writer thread: add_scalar or close says it
+            None if type(hook.thread).__name__ == "_AsyncWriterThread" and isinstance(hook.exc_value, OSError)
+            else threading.__excepthook__(hook)
+        )  # fmt: skip
+        self.writer = SummaryWriter(f"runs/{self.name}", purge_step=purge_step)
         if self.checkpoint is None:
             table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
             self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
@@ -1000,7 +948,11 @@ class Run:
         """checkpoint.pt (what --resume reads), when periodic the paper's step-<N>.pt too; True on a stop signal (ends)."""
         args, step = self.args, (self.iteration + 1) * self.args.num_envs
         state.update(run_name=self.name, iteration=self.iteration + 1, global_step=step, args=asdict(args))
-        state.update(rng=rng_state(envs), episodes={**self.episode_log.state_dict(), "recent": list(recent)})
+        # every random stream, which a resumed run continues
+        state["rng"] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                        "envs": list(envs.get_attr("np_random"))}  # fmt: skip
+        state.update(episodes={**self.episode_log.state_dict(), "recent": list(recent)})
         state.update(clip_return=clip_return, replay_buffer=rb.state_dict() if args.save_buffer else None, script=self.source)
         state.update(wandb_id=wandb_id())
         modules = {k: m.detach() if torch.is_tensor(m) else m.state_dict() for k, m in learner.items() if m is not None}
@@ -1042,21 +994,6 @@ class EpisodeLog:
         self.num_envs, self.success = num_envs, success
         self.sums = {"length": np.zeros(num_envs), **(state["sums"] if state is not None else {})}
 
-    def add(self, values: dict[str, np.ndarray], latched: dict[str, np.ndarray], dones: np.ndarray) -> list[dict]:
-        """(T, num_envs) terms summed (values) or last (latched); the ended episodes in step order, with "t" and "env"."""
-        ended = []
-        for t in range(len(dones)):
-            self.sums["length"] += 1
-            for k, v in values.items():
-                self.sums.setdefault(k, np.zeros(self.num_envs))[:] += v[t]
-            for k, v in latched.items():
-                self.sums[k] = np.array(v[t], dtype=float)  # e.g. success: latched by the env, cleared at its reset
-            for i in np.flatnonzero(dones[t]):
-                ended.append({"t": t, "env": i, **{k: float(v[i]) for k, v in self.sums.items()}})
-                for v in self.sums.values():
-                    v[i] = 0
-        return ended
-
     def log(self, args, writer, progress: "Progress", batch: dict, step: int, rewards, clip_rewards, components=()):
         """Adds a scored batch (step-major rows, the last step `step`), logs each ended episode at its step, returns them."""
         steps = len(rewards) // args.num_envs
@@ -1064,7 +1001,16 @@ class EpisodeLog:
         sums = {"return": rewards, "gt_return": gt[..., 0], "clip_return": clip_rewards}
         sums.update({f"gt/{name}": gt[..., 2 + c] for c, name in enumerate(components)})
         sums = {k: np.reshape(v, (steps, args.num_envs)) for k, v in sums.items()}
-        ended = self.add(sums, {"success": gt[..., 1]}, batch["dones"].reshape(steps, args.num_envs))
+        ended, dones = [], batch["dones"].reshape(steps, args.num_envs)
+        for t in range(steps):
+            self.sums["length"] += 1
+            for k, v in sums.items():
+                self.sums.setdefault(k, np.zeros(self.num_envs))[:] += v[t]
+            self.sums["success"] = np.array(gt[t, :, 1], dtype=float)  # latched by the env, cleared at its reset
+            for i in np.flatnonzero(dones[t]):
+                ended.append({"t": t, "env": i, **{k: float(v[i]) for k, v in self.sums.items()}})
+                for v in self.sums.values():
+                    v[i] = 0
         for ep in ended:
             ended_at = step - (steps - 1 - ep["t"]) * args.num_envs
             progress.episode(ep["gt_return"], ep["clip_return"])
@@ -1184,15 +1130,6 @@ def install_stop_handlers() -> dict:
     return stop
 
 
-def quiet_writer_thread(writer: "torch.utils.tensorboard.SummaryWriter") -> "torch.utils.tensorboard.SummaryWriter":
-    """A full disk in TensorBoard's writer thread: its traceback dropped (the next add_scalar or close raises it)."""
-    threading.excepthook = lambda hook: (
-        None if type(hook.thread).__name__ == "_AsyncWriterThread" and isinstance(hook.exc_value, OSError)
-        else threading.__excepthook__(hook)
-    )  # fmt: skip
-    return writer
-
-
 def make_run_folder(run_name: str) -> str:
     """Create runs/<run_name>/ exclusively: two runs started in the same second get different folders."""
     for name in [run_name, *(f"{run_name}-{i}" for i in range(1, 1000))]:
@@ -1205,13 +1142,6 @@ def make_run_folder(run_name: str) -> str:
 def wandb_id() -> Optional[str]:
     wandb = sys.modules.get("wandb")
     return wandb.run.id if wandb is not None and wandb.run is not None else None
-
-
-def rng_state(envs: gym.vector.VectorEnv) -> dict:
-    """Every random number generator the run draws from, so a resumed run continues the same streams."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "envs": list(envs.get_attr("np_random"))}  # fmt: skip
 
 
 def save_step_checkpoint(run_name: str, step: int, networks: dict, args, clip_return: float, source: dict) -> None:
@@ -1233,10 +1163,6 @@ def misfit(saved, fresh) -> Optional[str]:
     except Exception as e:  # noqa: BLE001 - whatever torch refuses it for, its first line (a module's: after a header)
         lines = str(e).split(":\n", 1)[-1].strip().splitlines()
         return f"does not load ({type(e).__name__}: {(lines or [''])[0].strip().rstrip('.')[:200]})"
-    for param, moments in fresh.state.items() if isinstance(fresh, torch.optim.Optimizer) else ():
-        for name, value in moments.items() if isinstance(moments, dict) else ():  # of another shape: fails at a step
-            if torch.is_tensor(value) and value.dim() and (not torch.is_tensor(param) or value.shape != param.shape):
-                return f"has a {name} of shape {tuple(value.shape)} that fits none of its parameters"
     return None
 
 
