@@ -4,10 +4,13 @@ loop. It imports no script or tool and reads only the flags both training script
 
 import contextlib
 import copy
+import ctypes
 import difflib
 import errno
+import functools
 import hashlib
 import io
+import json
 import logging
 import math
 import os
@@ -18,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 import zipfile
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +36,7 @@ import numpy as np
 import psutil
 import torch
 import torch.nn as nn
+import tyro
 
 
 # --- Errors and the entry point ---------------------------------------------------------------
@@ -54,10 +59,6 @@ NOTED: set[str] = set()  # the notes already printed (`note`)
 
 def cli(main: Callable, args_class, argv: Optional[list] = None, interrupted: str = "interrupted") -> None:
     """Every entry point: tyro's flags; bad input one sentence and exit 2, failures exit 1, Ctrl-C `interrupted` and 130."""
-    import warnings
-
-    import tyro
-
     warnings.filterwarnings("ignore", message=".*No pretrained weights.*")
     argv = sys.argv[1:] if argv is None else argv
     GIVEN.clear()  # a flag typed with its default value still says what the user wants (--resume, --evaluate)
@@ -89,16 +90,15 @@ def check_common_args(args, positive: str, unit_interval: str, network: str) -> 
         rounded = -(-args.total_timesteps // args.num_envs) * args.num_envs
         print(f"note: --total-timesteps {args.total_timesteps} rounded up to {rounded}, a multiple of --num-envs")
         args.total_timesteps = rounded
-    for name in positive.split():  # inf passes `> 0` and fails at the first update: finite too
-        if not 0 < getattr(args, name) < math.inf:
-            raise UserError(f"--{name.replace('_', '-')} must be positive and finite, got {getattr(args, name)}.")
-    for name in unit_interval.split():
-        if not 0 <= getattr(args, name) <= 1:
-            raise UserError(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}.")
+    value = functools.partial(getattr, args)
     unknown = [name for name in args.reward_devices if not is_device(name)]
     known = ["cpu", *(["cuda"] if torch.cuda.is_available() else []), *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
     projection = args.reward == "clip" and args.alpha > 0  # the prompts matter with the CLIP reward only
-    for failed, message in [
+    for failed, message in [  # inf passes `> 0` and fails at the first update: finite too
+        *((not 0 < value(n) < math.inf, f"--{n.replace('_', '-')} must be positive and finite, got {value(n)}.")
+          for n in positive.split()),
+        *((not 0 <= value(n) <= 1, f"--{n.replace('_', '-')} must be in [0, 1], got {value(n)}.")
+          for n in unit_interval.split()),
         (args.reward == "clip" and (not args.goal or not all(p.strip() for p in args.goal)),
          "--goal needs at least one non-empty prompt (only the paper's environments have a default)."),
         (projection and not all(p.strip() for p in args.baseline or [""]), "--baseline needs a prompt when --alpha > 0."),
@@ -165,8 +165,6 @@ def check_writable(folder: str, what: str = "", advice: str = "run from another"
 
 def check_clip_args(args, model_flag: str = "--clip-model", checkpoint_flag: str = "--clip-checkpoint") -> None:
     """Refuse an unknown CLIP model, tag, config or weights file before loading; the flags named as the caller names them."""
-    import json
-
     import open_clip
 
     if args.clip_model.endswith(".json"):
@@ -550,8 +548,6 @@ def say_reward_model_cost(reward_model: nn.Module, args, frame_shape: tuple[int,
 # --- The envs: frames with the step, workers that end with the run ----------------------------
 def make_vector_env(vector_env: type, env_fns: list, autoreset_mode, frames: bool = False) -> gym.vector.VectorEnv:
     """The training envs (`frames`: with infos["frames"]); env processes ignore Ctrl-C and SIGTERM and end with the run."""
-    import functools
-
     if vector_env is gym.vector.AsyncVectorEnv and sys.platform == "linux":
         env_fns = [functools.partial(die_with_parent, fn, os.getpid()) for fn in env_fns]
     handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -623,14 +619,7 @@ def check_renderer_args(args) -> None:
         raise UserError(f"--supersample must be between 1 and 8, got {args.supersample}.")
 
 
-MUJOCO_WARNED = []
-
-
-def mujoco_warning(message: str) -> None:
-    """MuJoCo's warnings (e.g. a NaN action: "the simulation is unstable"): the first of each process on stdout."""
-    if not MUJOCO_WARNED:
-        MUJOCO_WARNED.append(message)
-        print(f"warning: MuJoCo: {message.strip()} (its later warnings in this process are not shown)", flush=True)
+MUJOCO_WARNED = []  # MuJoCo's warnings (e.g. a NaN action: "the simulation is unstable"): the first of each process
 
 
 def import_mujoco():
@@ -648,15 +637,14 @@ def import_mujoco():
               f"{(str(e).splitlines() or [''])[0][:120]}); {fix}use MUJOCO_GL={'osmesa' if backend == 'egl' else 'egl'}.",
               file=sys.stderr)  # fmt: skip
         sys.exit(2)
-    mujoco.set_mju_user_warning(mujoco_warning)
+    mujoco.set_mju_user_warning(lambda message: MUJOCO_WARNED or MUJOCO_WARNED.append(print(
+        f"warning: MuJoCo: {message.strip()} (its later warnings in this process are not shown)", flush=True)))  # fmt: skip
     return mujoco
 
 
 def die_with_parent(env_fn: Callable, parent: int) -> gym.Env:
     """An env worker ends with the training process (PR_SET_PDEATHSIG): a SIGKILLed run left each printing a traceback."""
     if os.getpid() != parent:
-        import ctypes
-
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
         if os.getppid() != parent:  # the training process ended before the prctl
             os._exit(0)
@@ -762,8 +750,7 @@ class Run:
         self.writer = self.envs = self.scorer = None
 
     def check_fits(self, envs: gym.vector.VectorEnv, learner: dict) -> None:
-        """--resume, --evaluate: the checkpoint's entries load into `learner` (None: unused) and are finite; a resumed
-        replay buffer holds transitions of the spaces of `envs`."""
+        """--resume, --evaluate: the checkpoint's entries load into `learner` (None: unused) and are finite."""
         flag, path = ("--resume", self.args.resume) if self.args.resume is not None else ("--evaluate", self.args.evaluate)
         for key, fresh in learner.items():
             if fresh is None or (flag == "--evaluate" and key not in self.checkpoint):  # --evaluate: the networks it holds
@@ -777,12 +764,6 @@ class Run:
             if not all_finite(self.checkpoint[key]):  # a NaN policy would roll out (argmax 0) or train on, exit 0
                 raise UserError(f"{flag} {path}: its {key} holds NaN or infinite weights, so it cannot act or learn; pass a "
                                 "checkpoint saved before its run diverged (runs/<run>/checkpoints/step-<N>.pt).")  # fmt: skip
-        rb = self.checkpoint.get("replay_buffer") if flag == "--resume" else None
-        spaces = {"obs": envs.single_observation_space, "next_obs": envs.single_observation_space}
-        for key, space in {**spaces, "actions": envs.single_action_space}.items() if rb is not None else ():
-            if (shape := tuple(rb[key].shape[1:])) != space.shape:
-                raise UserError(f"--resume {path} does not fit the networks of this run: its replay buffer's {key} are "
-                                f"{shape}, this env's {space.shape}; pass another checkpoint.pt.")  # fmt: skip
 
     @contextlib.contextmanager
     def closing(self, envs: gym.vector.VectorEnv, scorer: Optional[ThreadPoolExecutor] = None):

@@ -173,8 +173,6 @@ def test_an_older_or_misfitting_checkpoint_is_one_sentence_before_anything_start
         (lambda c: c["target_network"].pop("network.4.bias"), ["--resume"], ["does not fit", "target_network"]),
         (lambda c: c.update(q_network=[1, 2]), ["--resume", "--evaluate"], ["q_network", "dict-like"]),
         (lambda c: c["optimizer"]["param_groups"].append({"params": []}), ["--resume"], ["optimizer", "parameter groups"]),
-        (lambda c: c["replay_buffer"].update(obs=torch.zeros(100, 6), next_obs=torch.zeros(100, 6)), ["--resume"],
-         ["replay buffer", "(6,)", "(4,)"]),
         (lambda c: c["args"].update(reward_family="ultra"), ["--resume", "--evaluate"], ["--reward-family ultra"]),
         (lambda c: c["q_network"]["network.0.bias"].fill_(float("nan")), ["--evaluate", "--resume"], ["NaN"]),
     ]  # fmt: skip
