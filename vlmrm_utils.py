@@ -651,21 +651,6 @@ def die_with_parent(env_fn: Callable, parent: int) -> gym.Env:
     return env_fn()
 
 
-def dead_worker(envs: gym.vector.VectorEnv, wait: float = 2.0) -> Optional[str]:
-    """Once a pipe to the env workers broke: which worker died and how (its signal or exit code); None if none did."""
-    processes, deadline = getattr(envs.unwrapped, "processes", []), time.monotonic() + wait
-    while True:  # the pipe breaks as the worker ends: its exit code follows within moments
-        for i, process in enumerate(processes):
-            if (code := process.exitcode) is not None:
-                how = f"exited with code {code}"
-                with contextlib.suppress(ValueError):
-                    how = f"killed by {signal.Signals(-code).name}" if code < 0 else how
-                return f"env worker {i} (pid {process.pid}) died ({how})"
-        if not processes or time.monotonic() > deadline:
-            return None
-        time.sleep(0.02)
-
-
 def close_envs(envs: gym.vector.VectorEnv, clean: bool = True) -> None:
     """Gymnasium's close waits unbounded for each worker's answer, which never comes after a second Ctrl-C mid-step or a
     dead worker: a clean close only after a normal end with no call pending (`clean`), else every worker is killed."""
@@ -774,12 +759,17 @@ class Run:
             yield
             clean = True  # a normal end (a first Ctrl-C's too): the workers close their envs; any other exit kills them
         except (EOFError, ConnectionError):  # a pipe to an env worker broke: which one died, and how?
-            died = dead_worker(envs)
-            if died is None:
+            processes, deadline = getattr(envs.unwrapped, "processes", []), time.monotonic() + 2.0
+            while not (dead := [p for p in processes if p.exitcode is not None]) and processes and time.monotonic() < deadline:
+                time.sleep(0.02)  # the pipe breaks as the worker ends: its exit code follows within moments
+            if not dead:
                 raise
+            how = f"exited with code {dead[0].exitcode}"
+            with contextlib.suppress(ValueError):
+                how = f"killed by {signal.Signals(-dead[0].exitcode).name}" if dead[0].exitcode < 0 else how
             resume = f"runs/{self.name}/checkpoint.pt"
             resume = f"; continue from its last checkpoint with --resume {resume}" if os.path.exists(resume) else ""
-            raise RunError(f"{died}{resume}.") from None
+            raise RunError(f"env worker {processes.index(dead[0])} (pid {dead[0].pid}) died ({how}){resume}.") from None
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -825,7 +815,8 @@ class Run:
         prompts = f", goal={args.goal}, baseline={args.baseline}, alpha={args.alpha}" if args.reward == "clip" else ""
         resumed = f", resumed at step {self.checkpoint['global_step']}" if self.checkpoint else ""
         print(f"run: runs/{self.name} on {self.device}, reward: {args.reward}{prompts}{resumed}")
-        self.episode_log = EpisodeLog(args.num_envs, self.checkpoint["episodes"] if self.checkpoint else None, success)
+        self.sums = {"length": np.zeros(args.num_envs), **(self.checkpoint["episodes"]["sums"] if self.checkpoint else {})}
+        self.success = success  # success(episode): an ended episode's charts/gt_success (None: not logged)
         self.last_finite = LastFinite(self.name, args)
         start_step = self.start_iteration * args.num_envs
         self.progress = Progress(args.total_timesteps, start_step, args.reward == "clip", max(10, args.num_envs))
@@ -847,8 +838,8 @@ class Run:
         torch.set_rng_state(self.checkpoint["rng"]["torch"])
         if self.checkpoint["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(self.checkpoint["rng"]["cuda"])
-        if self.args.episodes == "stock":
-            self.episode_log.restart()
+        for v in self.sums.values() if self.args.episodes == "stock" else ():  # episodes in flight restart: sums dropped
+            v[:] = 0
         recent.extend(self.checkpoint["episodes"]["recent"])
         return envs.reset(options={"reset_mask": np.ones(self.args.num_envs, dtype=bool)})[0]
 
@@ -886,14 +877,44 @@ class Run:
                                   hint=f"; lower {flags} or check the rewards")  # fmt: skip
         if self.iteration % (10 * self.args.train_frequency) == 0:
             scalars = {(n if "/" in n else f"losses/{n}"): torch.as_tensor(v).item() for n, v in losses.items()}
-            scalars["charts/SPS"] = self.progress.sps(step)
+            scalars["charts/SPS"] = int((step - self.progress.start_step) / max(time.time() - self.progress.start, 1e-9))
             scalars.update({f"time/{part}_s": seconds for part, seconds in self.times().items()})
             for tag, value in scalars.items():
                 self.writer.add_scalar(tag, value, step)
 
     def log_episodes(self, batch: dict, step: int, rewards: np.ndarray, clip_rewards: np.ndarray, components=()) -> list[dict]:
-        """The ended episodes of a scored batch whose last vector step is `step`, logged where they ended, oldest first."""
-        return self.episode_log.log(self.args, self.writer, self.progress, batch, step, rewards, clip_rewards, components)
+        """A scored batch (step-major rows, the last step `step`) added to the per-env sums of the running episodes: the
+        ended ones, each logged at its own step, oldest first."""
+        args, steps = self.args, len(rewards) // self.args.num_envs
+        gt = batch["gt"].reshape(steps, args.num_envs, -1)
+        sums = {"return": rewards, "gt_return": gt[..., 0], "clip_return": clip_rewards}
+        sums.update({f"gt/{name}": gt[..., 2 + c] for c, name in enumerate(components)})
+        sums = {k: np.reshape(v, (steps, args.num_envs)) for k, v in sums.items()}
+        ended, dones = [], batch["dones"].reshape(steps, args.num_envs)
+        for t in range(steps):
+            self.sums["length"] += 1
+            for k, v in sums.items():
+                self.sums.setdefault(k, np.zeros(args.num_envs))[:] += v[t]
+            self.sums["success"] = np.array(gt[t, :, 1], dtype=float)  # latched by the env, cleared at its reset
+            for i in np.flatnonzero(dones[t]):
+                ended.append({"t": t, "env": i, **{k: float(v[i]) for k, v in self.sums.items()}})
+                for v in self.sums.values():
+                    v[i] = 0
+        for ep in ended:
+            ended_at = step - (steps - 1 - ep["t"]) * args.num_envs
+            self.progress.episode(ep["gt_return"], ep["clip_return"])
+            if args.log_episodes:
+                print(f"global_step={ended_at}, episodic_return={ep['return']:.2f}, gt_return={ep['gt_return']:.1f}")
+            scalars = {"charts/episodic_return": ep["return"], "charts/episodic_length": ep["length"]}
+            scalars.update({"charts/gt_return": ep["gt_return"], **{n: ep[n] for n in ep if n.startswith("gt/")}})
+            if self.success is not None:
+                scalars["charts/gt_success"] = self.success(ep)
+            if args.reward == "clip":
+                scalars["charts/clip_return"] = ep["clip_return"]
+                scalars["charts/clip_reward_mean"] = ep["clip_return"] / ep["length"]
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, ended_at)
+        return ended
 
     def times(self) -> dict:
         """Seconds in each part of the loop; the envs' rendering (inside their step) apart from the step."""
@@ -933,9 +954,9 @@ class Run:
         state["rng"] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
                         "envs": list(envs.get_attr("np_random"))}  # fmt: skip
-        state.update(episodes={**self.episode_log.state_dict(), "recent": list(recent)})
+        state.update(episodes={"sums": copy.deepcopy(self.sums), "recent": list(recent)})
         state.update(clip_return=clip_return, replay_buffer=rb.state_dict() if args.save_buffer else None, script=self.source)
-        state.update(wandb_id=wandb_id())
+        state.update(wandb_id=getattr(getattr(sys.modules.get("wandb"), "run", None), "id", None))
         modules = {k: m.detach() if torch.is_tensor(m) else m.state_dict() for k, m in learner.items() if m is not None}
         save_checkpoint(f"runs/{self.name}/checkpoint.pt", {**modules, **state})
         if self.periodic:
@@ -954,7 +975,7 @@ class Run:
         elapsed, steps = time.time() - self.progress.start, step - self.progress.start_step
         times = ", ".join(f"{part} {seconds:.2f} s" for part, seconds in self.times().items())
         print(f"done: {steps} steps in {elapsed:.0f} s ({int(steps / max(elapsed, 1e-9))} SPS); time in {times}")
-        if args.track and wandb_id() is not None:
+        if args.track and "wandb" in sys.modules:  # wandb.finish: a no-op without a run
             sys.modules["wandb"].finish()
         if not args.save_model or self.stop["requested"]:
             return
@@ -968,54 +989,6 @@ class Run:
         print(f"roll the policy out with: python {self.script} --evaluate {final}")
 
 
-class EpisodeLog:
-    """Per-env sums of the running episodes, logged when one ends; `success(episode)`: its charts/gt_success (or None)."""
-
-    def __init__(self, num_envs: int, state: Optional[dict] = None, success: Optional[Callable] = None):
-        self.num_envs, self.success = num_envs, success
-        self.sums = {"length": np.zeros(num_envs), **(state["sums"] if state is not None else {})}
-
-    def log(self, args, writer, progress: "Progress", batch: dict, step: int, rewards, clip_rewards, components=()):
-        """Adds a scored batch (step-major rows, the last step `step`), logs each ended episode at its step, returns them."""
-        steps = len(rewards) // args.num_envs
-        gt = batch["gt"].reshape(steps, args.num_envs, -1)
-        sums = {"return": rewards, "gt_return": gt[..., 0], "clip_return": clip_rewards}
-        sums.update({f"gt/{name}": gt[..., 2 + c] for c, name in enumerate(components)})
-        sums = {k: np.reshape(v, (steps, args.num_envs)) for k, v in sums.items()}
-        ended, dones = [], batch["dones"].reshape(steps, args.num_envs)
-        for t in range(steps):
-            self.sums["length"] += 1
-            for k, v in sums.items():
-                self.sums.setdefault(k, np.zeros(self.num_envs))[:] += v[t]
-            self.sums["success"] = np.array(gt[t, :, 1], dtype=float)  # latched by the env, cleared at its reset
-            for i in np.flatnonzero(dones[t]):
-                ended.append({"t": t, "env": i, **{k: float(v[i]) for k, v in self.sums.items()}})
-                for v in self.sums.values():
-                    v[i] = 0
-        for ep in ended:
-            ended_at = step - (steps - 1 - ep["t"]) * args.num_envs
-            progress.episode(ep["gt_return"], ep["clip_return"])
-            if args.log_episodes:
-                print(f"global_step={ended_at}, episodic_return={ep['return']:.2f}, gt_return={ep['gt_return']:.1f}")
-            scalars = {"charts/episodic_return": ep["return"], "charts/episodic_length": ep["length"]}
-            scalars.update({"charts/gt_return": ep["gt_return"], **{n: ep[n] for n in ep if n.startswith("gt/")}})
-            if self.success is not None:
-                scalars["charts/gt_success"] = self.success(ep)
-            if args.reward == "clip":
-                scalars["charts/clip_return"] = ep["clip_return"]
-                scalars["charts/clip_reward_mean"] = ep["clip_return"] / ep["length"]
-            for tag, value in scalars.items():
-                writer.add_scalar(tag, value, ended_at)
-        return ended
-
-    def restart(self) -> None:  # stock episodes in flight restart on resume: their partial sums are dropped
-        for v in self.sums.values():
-            v[:] = 0
-
-    def state_dict(self) -> dict:
-        return {"sums": copy.deepcopy(self.sums)}
-
-
 class Progress:
     """One progress line: redrawn in place on a terminal, else printed every `interval` seconds (logs stay small)."""
 
@@ -1024,9 +997,6 @@ class Progress:
         self.interval, self.start = 0.5 if self.tty else interval, time.time()
         self.last, self.printed = self.start, None  # printed: the step of the last line in a log, not repeated at the end
         self.returns = deque(maxlen=recent)  # (gt_return, clip_return) of the last episodes
-
-    def sps(self, step: int) -> int:
-        return int((step - self.start_step) / max(time.time() - self.start, 1e-9))
 
     def episode(self, gt_return: float, clip_return: float) -> None:
         self.returns.append((gt_return, clip_return))
@@ -1120,11 +1090,6 @@ def make_run_folder(run_name: str) -> str:
     raise UserError(f"runs/{run_name} and 999 variants of it exist already; remove old runs or change --exp-name.")
 
 
-def wandb_id() -> Optional[str]:
-    wandb = sys.modules.get("wandb")
-    return wandb.run.id if wandb is not None and wandb.run is not None else None
-
-
 def save_step_checkpoint(run_name: str, step: int, networks: dict, args, clip_return: float, source: dict) -> None:
     """runs/<run>/checkpoints/step-<N>.pt, all kept: the networks and CLIP return (`success_eval.py best` picks one)."""
     os.makedirs(f"runs/{run_name}/checkpoints", exist_ok=True)
@@ -1180,8 +1145,7 @@ def save_checkpoint(path: str, state: dict) -> None:
 def save_video(frames: list[np.ndarray], path: str, fps: int) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     imageio.mimwrite(path, frames, fps=fps, macro_block_size=8)
-    if "wandb" in sys.modules and sys.modules["wandb"].run is not None:  # --track: the videos go to W&B too
-        wandb = sys.modules["wandb"]
+    if (wandb := sys.modules.get("wandb")) is not None and wandb.run is not None:  # --track: the videos go to W&B too
         wandb.log({f"videos/{Path(path).stem}": wandb.Video(path, format="mp4")})
 
 
