@@ -669,9 +669,8 @@ def close_envs(envs: gym.vector.VectorEnv, clean: bool = True) -> None:
     for process in processes:
         process.kill()
         process.join()
-    for pipe in base.parent_pipes:
-        if pipe is not None:
-            pipe.close()
+    for pipe in filter(None, base.parent_pipes):
+        pipe.close()
     base.closed = True  # gymnasium's own close would wait on the dead pipes again
     if interrupted is not None:
         raise interrupted
@@ -817,7 +816,7 @@ class Run:
         print(f"run: runs/{self.name} on {self.device}, reward: {args.reward}{prompts}{resumed}")
         self.sums = {"length": np.zeros(args.num_envs), **(self.checkpoint["episodes"]["sums"] if self.checkpoint else {})}
         self.success = success  # success(episode): an ended episode's charts/gt_success (None: not logged)
-        self.last_finite = LastFinite(self.name, args)
+        self.finite, self.finite_steps = None, math.inf  # the NaN guard's last finite networks (snapshot)
         start_step = self.start_iteration * args.num_envs
         self.progress = Progress(args.total_timesteps, start_step, args.reward == "clip", max(10, args.num_envs))
         self.stop = install_stop_handlers()
@@ -863,18 +862,33 @@ class Run:
             n, first = self.args.num_envs, int(np.flatnonzero(~np.isfinite(rewards))[0])
             at = step - (len(rewards) // n - 1 - first // n) * n
             bad = f"{np.sum(~np.isfinite(rewards))} of {len(rewards)} frames, the first at step {at} (env {first % n})"
-            self.last_finite.stop(f"the {self.args.reward} reward is not finite for {bad}", networks(), hint)
+            self.nonfinite(f"the {self.args.reward} reward is not finite for {bad}", networks(), hint)
 
     def snapshot(self, networks: Callable[[], dict], gradient_steps: int) -> None:
-        """Before a training phase: a finite copy of the networks, about every 100 gradient steps."""
-        self.last_finite.snapshot(networks, gradient_steps)
+        """The NaN guard, before a training phase: a finite copy of the networks, about every 100 gradient steps."""
+        if self.finite_steps >= 100:
+            copied = copy.deepcopy(networks())
+            if all_finite(copied):  # the last update of a phase has no loss that checks it: check the copy
+                self.finite, self.finite_steps = copied, 0
+        self.finite_steps += gradient_steps
+
+    def nonfinite(self, what: str, networks: Optional[dict] = None, hint: str = "") -> None:
+        """A NaN or inf: the last finite networks saved beside (never over) checkpoint.pt; the run stops (exit code 1)."""
+        networks = networks if networks is not None else self.finite
+        saved = "the networks were not finite already when training started"
+        if networks is not None:
+            path, checkpoint = f"runs/{self.name}/nonfinite_networks.pt", f"runs/{self.name}/checkpoint.pt"
+            save_checkpoint(path, {**networks, "args": asdict(self.args), "run_name": self.name})
+            kept = f" and the last resumable checkpoint {checkpoint} is kept" if os.path.exists(checkpoint) else ""
+            saved = f"finite networks from before it were saved to {path}{kept}"
+        raise NonFiniteError(f"{what}; {saved}{hint}.")
 
     def log_losses(self, step: int, losses: dict, finite: torch.Tensor, flags: str) -> None:
         """After a training phase: a NaN or inf loss stops the run; losses, SPS and times logged every 10th phase."""
         if not finite:
             values = ", ".join(f"{name} {torch.as_tensor(value).item()}" for name, value in losses.items())
-            self.last_finite.stop(f"a loss ({values}) is not finite in the training phase at step {step}",
-                                  hint=f"; lower {flags} or check the rewards")  # fmt: skip
+            self.nonfinite(f"a loss ({values}) is not finite in the training phase at step {step}",
+                           hint=f"; lower {flags} or check the rewards")  # fmt: skip
         if self.iteration % (10 * self.args.train_frequency) == 0:
             scalars = {(n if "/" in n else f"losses/{n}"): torch.as_tensor(v).item() for n, v in losses.items()}
             scalars["charts/SPS"] = int((step - self.progress.start_step) / max(time.time() - self.progress.start, 1e-9))
@@ -1027,30 +1041,6 @@ def format_duration(seconds: float) -> str:
         return "?"
     s = int(round(seconds))
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
-
-
-class LastFinite:
-    """The NaN guard: a finite copy of the networks every ~100 gradient steps, saved beside checkpoint.pt on a NaN."""
-
-    def __init__(self, run_name: str, args):
-        self.run_name, self.args, self.networks, self.steps = run_name, args, None, math.inf
-
-    def snapshot(self, networks: Callable[[], dict], gradient_steps: int) -> None:
-        if self.steps >= 100:
-            copied = copy.deepcopy(networks())
-            if all_finite(copied):  # the last update of a phase has no loss that checks it: check the copy
-                self.networks, self.steps = copied, 0
-        self.steps += gradient_steps
-
-    def stop(self, what: str, networks: Optional[dict] = None, hint: str = "") -> None:
-        networks = networks if networks is not None else self.networks
-        saved = "the networks were not finite already when training started"
-        if networks is not None:  # beside, never over, the resumable checkpoint
-            path, checkpoint = f"runs/{self.run_name}/nonfinite_networks.pt", f"runs/{self.run_name}/checkpoint.pt"
-            save_checkpoint(path, {**networks, "args": asdict(self.args), "run_name": self.run_name})
-            kept = f" and the last resumable checkpoint {checkpoint} is kept" if os.path.exists(checkpoint) else ""
-            saved = f"finite networks from before it were saved to {path}{kept}"
-        raise NonFiniteError(f"{what}; {saved}{hint}.")
 
 
 STOP_PIPE: list[int] = []  # (read, write): Python's C signal handler writes a byte to it per delivery (made once)
