@@ -90,14 +90,14 @@ def check_common_args(args, positive: str, unit_interval: str, network: str) -> 
         rounded = -(-args.total_timesteps // args.num_envs) * args.num_envs
         print(f"note: --total-timesteps {args.total_timesteps} rounded up to {rounded}, a multiple of --num-envs")
         args.total_timesteps = rounded
-    value = functools.partial(getattr, args)
+    value = vars(args)
     unknown = [name for name in args.reward_devices if not is_device(name)]
     known = ["cpu", *(["cuda"] if torch.cuda.is_available() else []), *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
     projection = args.reward == "clip" and args.alpha > 0  # the prompts matter with the CLIP reward only
     for failed, message in [  # inf passes `> 0` and fails at the first update: finite too
-        *((not 0 < value(n) < math.inf, f"--{n.replace('_', '-')} must be positive and finite, got {value(n)}.")
+        *((not 0 < value[n] < math.inf, f"--{n.replace('_', '-')} must be positive and finite, got {value[n]}.")
           for n in positive.split()),
-        *((not 0 <= value(n) <= 1, f"--{n.replace('_', '-')} must be in [0, 1], got {value(n)}.")
+        *((not 0 <= value[n] <= 1, f"--{n.replace('_', '-')} must be in [0, 1], got {value[n]}.")
           for n in unit_interval.split()),
         (args.reward == "clip" and (not args.goal or not all(p.strip() for p in args.goal)),
          "--goal needs at least one non-empty prompt (only the paper's environments have a default)."),
@@ -619,7 +619,14 @@ def check_renderer_args(args) -> None:
         raise UserError(f"--supersample must be between 1 and 8, got {args.supersample}.")
 
 
-MUJOCO_WARNED = []  # MuJoCo's warnings (e.g. a NaN action: "the simulation is unstable"): the first of each process
+MUJOCO_WARNED = []
+
+
+def mujoco_warning(message: str) -> None:
+    """MuJoCo's warnings (e.g. a NaN action: "the simulation is unstable"): the first of each process on stdout."""
+    if not MUJOCO_WARNED:
+        MUJOCO_WARNED.append(message)
+        print(f"warning: MuJoCo: {message.strip()} (its later warnings in this process are not shown)", flush=True)
 
 
 def import_mujoco():
@@ -637,8 +644,7 @@ def import_mujoco():
               f"{(str(e).splitlines() or [''])[0][:120]}); {fix}use MUJOCO_GL={'osmesa' if backend == 'egl' else 'egl'}.",
               file=sys.stderr)  # fmt: skip
         sys.exit(2)
-    mujoco.set_mju_user_warning(lambda message: MUJOCO_WARNED or MUJOCO_WARNED.append(print(
-        f"warning: MuJoCo: {message.strip()} (its later warnings in this process are not shown)", flush=True)))  # fmt: skip
+    mujoco.set_mju_user_warning(mujoco_warning)
     return mujoco
 
 
