@@ -1,5 +1,6 @@
 """The evaluation tools' own file handling (epic_eval.py, success_eval.py, reward_shape.py, sweep.py, label_server.py):
-files read with one sentence per problem, outputs written whole or not at all. The training scripts never use it."""
+files read with one sentence per problem, outputs written whole or not at all, and a checkpoint's own script loaded
+(import_script). The training scripts never use it."""
 
 import contextlib
 import csv
