@@ -62,6 +62,7 @@ from vlmrm_sac_humanoid import make_env as make_humanoid_env
 from vlmrm_tools import (
     check_new_folder,
     drop_partial_folder,
+    import_script,
     new_partial_folder,
     publish_folder,
     read_csv,
@@ -75,7 +76,6 @@ from vlmrm_utils import (
     check_renderer_args,
     check_writable,
     cli,
-    import_script,
     load_clip,
     resolve_negatives,
     same_prompts,

@@ -37,7 +37,7 @@ import torch
 import tyro
 
 # One source of truth: the environments, networks and reward model are those of the training script that wrote the
-# checkpoint (vlmrm_utils.import_script: vlmrm_dqn_classic.py, vlmrm_sac_humanoid.py or a copy of either).
+# checkpoint (vlmrm_tools.import_script: vlmrm_dqn_classic.py, vlmrm_sac_humanoid.py or a copy of either).
 from epic_eval import ClipArgs, model_label
 from label_server import SKIP, VIDEOS, make_label_server, read_labels, serve
 from vlmrm_dqn_classic import MOUNTAINCAR_GOAL
@@ -45,6 +45,7 @@ from vlmrm_tools import (
     check_new_folder,
     check_output_file,
     drop_partial_folder,
+    import_script,
     new_partial_folder,
     publish_folder,
     read_csv,
@@ -57,7 +58,6 @@ from vlmrm_utils import (
     check_clip_args,
     check_intact,
     cli,
-    import_script,
 )
 
 CARTPOLE_THETA, CARTPOLE_X = 12 * 2 * math.pi / 360, 2.4  # Gymnasium's CartPole limits: "upright"

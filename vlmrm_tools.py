@@ -1,19 +1,24 @@
 """The evaluation tools' own file handling (epic_eval.py, success_eval.py, reward_shape.py, sweep.py, label_server.py):
-files read with one sentence per problem, outputs written whole or not at all. The training scripts never use it."""
+files read with one sentence per problem, outputs written whole or not at all, and a checkpoint's own script loaded
+(import_script). The training scripts never use it."""
 
 import contextlib
 import csv
 import io
 import json
+import linecache
 import os
 import re
 import shutil
+import sys
 import time
-from typing import Callable
+import types
+from pathlib import Path
+from typing import Callable, Optional
 
 import filelock
 
-from vlmrm_utils import UserError, check_writable
+from vlmrm_utils import UserError, check_writable, checkpoint_script, script_changes, script_record
 
 PARTIAL = re.compile(r"^(\..+\.partial-\d+-\d+)(\.lock)?$")  # .<out>.partial-<pid>-<ns>: a folder being written, its lock
 PARTIAL_LOCKS: dict[str, filelock.UnixFileLock] = {}  # the partial folders this process writes -> its lock on each
@@ -177,3 +182,52 @@ def write_atomic(path: str, write: Callable) -> None:
         if isinstance(e, OSError):
             raise UserError(f"could not write {path} ({e.strerror}); nothing was written there.") from None
         raise
+
+
+def import_script(checkpoint: dict, name: str, path: Optional[str] = None):
+    """The module of the script that wrote `checkpoint` (the tools roll a copy's checkpoint out with the copy's reward,
+    env and networks): the file, unchanged, where it ran, beside the run folder holding `path` (an experiment folder
+    renamed) or beside this file; else the script as it was, kept in the checkpoint, or (an older checkpoint keeps none)
+    the file as edited since, either said in a note; or one sentence naming the script."""
+    record = checkpoint_script(checkpoint, name)
+    for module in list(sys.modules.values()):  # already imported (the training scripts, or a script loaded before)
+        file, loaded = getattr(module, "__file__", None) or "", getattr(module, "__script_sha256__", None)
+        if loaded == record["sha256"] or (  # one loaded here is its record's code, whatever its file holds now
+            loaded is None
+            and os.path.basename(file) == record["file"]
+            and os.path.isfile(file)
+            and script_record(file)["sha256"] == record["sha256"]
+        ):
+            return module
+    runs = next((p for p in Path(os.path.abspath(path)).parents if p.name == "runs"), None) if path else None
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), record["file"])
+    places = [record["path"], *([str(runs.parent / record["file"])] if runs else []), here]
+    found = {p: script_record(p) for p in dict.fromkeys(places) if os.path.isfile(p)}
+    file = next((p for p, r in found.items() if r["sha256"] == record["sha256"]), None)
+    edited = next(iter(found), None)  # else the file of that name, changed since
+    changed = f"changed since {name} was written ({script_changes(record, found[edited])})" if edited else ""
+    if file:
+        source, code_name = found[file]["source"], file
+    elif "source" in record:  # the code that wrote it, not the edited file; tracebacks show its own lines
+        changed = changed or f"is no longer at {record['path']}"
+        print(f"note: {record['file']} {changed}; using the script as it was, kept in the checkpoint")
+        file, source = edited or record["path"], record["source"]
+        code_name = f"{record['path']} (as kept in {name})"
+        linecache.cache[code_name] = (len(source), None, source.decode(errors="replace").splitlines(True), code_name)
+    elif edited:
+        print(f"note: {record['file']} {changed}; using it as it is now (the checkpoint, by older tools, keeps no copy)")
+        file, source, code_name = edited, found[edited]["source"], edited
+    else:
+        raise UserError(
+            f"{name} was written by {record['file']} (sha256 {record['sha256'][:12]}), which is no longer at "
+            f"{record['path']}{' or beside the run' if runs else ''}, and the checkpoint (written by older tools) keeps "
+            "no copy of it; put the script back there to use this checkpoint."
+        )
+    module_name = Path(file).stem
+    if module_name in sys.modules:  # another file of that name is loaded: this one under a name of its own
+        module_name += "_" + record["sha256"][:12]
+    module = types.ModuleType(module_name)
+    module.__file__, module.__script_sha256__ = file, record["sha256"]  # checkpoints of that sha256 use this module
+    sys.modules[module_name] = module  # its dataclasses look their module up while it is executed
+    exec(compile(source, code_name, "exec"), module.__dict__)
+    return module

@@ -4,10 +4,13 @@ loop. It imports no script or tool and reads only the flags both training script
 
 import contextlib
 import copy
+import ctypes
 import difflib
 import errno
+import functools
 import hashlib
-import linecache
+import io
+import json
 import logging
 import math
 import os
@@ -18,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-import types
+import warnings
 import zipfile
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +36,7 @@ import numpy as np
 import psutil
 import torch
 import torch.nn as nn
+import tyro
 
 
 # --- Errors and the entry point ---------------------------------------------------------------
@@ -45,8 +49,7 @@ class NonFiniteError(Exception):
 
 
 class RunError(Exception):
-    """A failure during the run that no flag could have refused (an env worker died, an env's frame of the wrong dtype
-    or shape, the reward model out of GPU memory): one sentence and exit code 1."""
+    """A failure no flag could have refused (a dead env worker, a bad frame, GPU memory): one sentence, exit code 1."""
 
 
 GIVEN: set[str] = set()  # the flags (as field names) on the command line that `cli` parsed
@@ -55,12 +58,7 @@ NOTED: set[str] = set()  # the notes already printed (`note`)
 
 
 def cli(main: Callable, args_class, argv: Optional[list] = None, interrupted: str = "interrupted") -> None:
-    """Every entry point: tyro's flags, then bad input is one sentence and exit 2, the machine's and the run's failures one
-    sentence and exit 1, Ctrl-C one line (`interrupted`, unless it says more) and exit 130."""
-    import warnings
-
-    import tyro
-
+    """Every entry point: tyro's flags; bad input one sentence and exit 2, failures exit 1, Ctrl-C `interrupted` and 130."""
     warnings.filterwarnings("ignore", message=".*No pretrained weights.*")
     argv = sys.argv[1:] if argv is None else argv
     GIVEN.clear()  # a flag typed with its default value still says what the user wants (--resume, --evaluate)
@@ -92,16 +90,15 @@ def check_common_args(args, positive: str, unit_interval: str, network: str) -> 
         rounded = -(-args.total_timesteps // args.num_envs) * args.num_envs
         print(f"note: --total-timesteps {args.total_timesteps} rounded up to {rounded}, a multiple of --num-envs")
         args.total_timesteps = rounded
-    for name in positive.split():  # inf passes `> 0` and fails at the first update: finite too
-        if not 0 < getattr(args, name) < math.inf:
-            raise UserError(f"--{name.replace('_', '-')} must be positive and finite, got {getattr(args, name)}.")
-    for name in unit_interval.split():
-        if not 0 <= getattr(args, name) <= 1:
-            raise UserError(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}.")
+    value = vars(args)
     unknown = [name for name in args.reward_devices if not is_device(name)]
     known = ["cpu", *(["cuda"] if torch.cuda.is_available() else []), *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
     projection = args.reward == "clip" and args.alpha > 0  # the prompts matter with the CLIP reward only
-    for failed, message in [
+    for failed, message in [  # inf passes `> 0` and fails at the first update: finite too
+        *((not 0 < value[n] < math.inf, f"--{n.replace('_', '-')} must be positive and finite, got {value[n]}.")
+          for n in positive.split()),
+        *((not 0 <= value[n] <= 1, f"--{n.replace('_', '-')} must be in [0, 1], got {value[n]}.")
+          for n in unit_interval.split()),
         (args.reward == "clip" and (not args.goal or not all(p.strip() for p in args.goal)),
          "--goal needs at least one non-empty prompt (only the paper's environments have a default)."),
         (projection and not all(p.strip() for p in args.baseline or [""]), "--baseline needs a prompt when --alpha > 0."),
@@ -128,24 +125,15 @@ def check_common_args(args, positive: str, unit_interval: str, network: str) -> 
     check_writable("runs")
     if args.capture_video or args.evaluate is not None:
         check_writable("videos")
-    if args.track and args.evaluate is None:
-        check_wandb_login()
-
-
-def check_wandb_login() -> None:
-    """--track needs a W&B login, or an offline mode: wandb.init's own error is a traceback once the run folder exists."""
-    import io
-
-    try:
-        import wandb
-    except ImportError:
-        raise UserError("--track needs the wandb package: pip install wandb, or drop --track.") from None
-    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled"):
-        return
-    with contextlib.redirect_stderr(io.StringIO()):  # wandb.init says the same again moments later
-        logged_in = wandb.login(prompt=False, verify=False)  # verify=False: no network round trip here
-    if not logged_in:
-        raise UserError("--track found no W&B login here; log in with `wandb login`, or set WANDB_MODE=offline.")
+    if args.track and args.evaluate is None:  # a login or offline mode: wandb.init's error is a traceback in the run
+        try:
+            import wandb
+        except ImportError:
+            raise UserError("--track needs the wandb package: pip install wandb, or drop --track.") from None
+        with contextlib.redirect_stderr(io.StringIO()):  # wandb.init says the same again moments later
+            offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled")
+            if not offline and not wandb.login(prompt=False, verify=False):  # verify=False: no network round trip here
+                raise UserError("--track found no W&B login here; log in with `wandb login`, or set WANDB_MODE=offline.")
 
 
 def is_device(name: str) -> bool:
@@ -177,8 +165,6 @@ def check_writable(folder: str, what: str = "", advice: str = "run from another"
 
 def check_clip_args(args, model_flag: str = "--clip-model", checkpoint_flag: str = "--clip-checkpoint") -> None:
     """Refuse an unknown CLIP model, tag, config or weights file before loading; the flags named as the caller names them."""
-    import json
-
     import open_clip
 
     if args.clip_model.endswith(".json"):
@@ -221,9 +207,7 @@ def same_prompts(goal: tuple[str, ...], baseline: tuple[str, ...]) -> bool:
     return {" ".join(p.lower().split()) for p in goal} == {" ".join(p.lower().split()) for p in baseline}
 
 
-def resolve_negatives(
-    goal: tuple[str, ...], negatives: Optional[tuple[str, ...]], flag: str, defaults: dict
-) -> tuple[str, ...]:
+def resolve_negatives(goal: tuple[str, ...], negatives: Optional[tuple], flag: str, defaults: dict) -> tuple[str, ...]:
     """The softmax family's negative prompts: --negatives, else the defaults of the default goal; one-sentence errors."""
     negatives = defaults.get(tuple(goal), ()) if negatives is None else tuple(negatives)
     if not negatives or not all(n.strip() for n in negatives):
@@ -233,9 +217,10 @@ def resolve_negatives(
     return negatives
 
 
-def memory_needs(args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple, env_bytes: float,
-                 activations: int) -> dict:  # fmt: skip
-    """{what: (the flag that sets it, bytes)}: a run's memory beyond the process as checked; `env_bytes`: one env's."""
+def check_resources(args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple, env_bytes: float,
+                    activations: int) -> int:  # fmt: skip
+    """Refuse a run too big for the available memory; the estimate (bytes). `env_bytes`: one env's; `activations`: a
+    sample's floats in the networks."""
     action_bytes = 8 if isinstance(action_space, gym.spaces.Discrete) else 4 * int(np.prod(action_space.shape))
     transition = 2 * 4 * int(np.prod(observation_space.shape)) + action_bytes + 4 + 4  # obs, next_obs, action, reward, done
     chunks = args.reward_batch_size * max(1, len(args.reward_devices))  # frames scored in one go: a chunk per device
@@ -254,13 +239,6 @@ def memory_needs(args, observation_space: gym.Space, action_space: gym.Space, fr
         # CLIP on the CPU: its weights (float32), and each chunk's frames as float32 before the squash to its input size
         needs["CLIP weights"] = ("--clip-model", 4 * clip_parameters(args.clip_model))
         needs["CLIP input"] = ("--reward-batch-size", 4 * min(args.reward_batch_size, waiting) * frame)
-    return needs
-
-
-def check_resources(args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple, env_bytes: float,
-                    activations: int) -> int:  # fmt: skip
-    """Refuse a run too big for the available memory; the estimate (bytes). `activations`: a sample's floats in the nets."""
-    needs = memory_needs(args, observation_space, action_space, frame_shape, env_bytes, activations)
     total, available, gib = sum(v for _, v in needs.values()), available_memory(), 2**30
     if total > gib or (available and total > 0.25 * available):  # said only when it matters (not 0.00 GiB for CartPole)
         terms = ", ".join(f"{k} {v / gib:.2f}" for k, (_, v) in needs.items() if v >= 0.005 * gib)
@@ -297,8 +275,7 @@ def available_memory() -> int:
 
 
 def check_checkpoint_disk(args, networks: dict[str, dict], rb) -> None:
-    """With --save-model: the disk the checkpoints take, and a run refused if they do not fit: a step file of networks
-    each --checkpoint-frequency steps, checkpoint.pt (at most 4x the networks, with the buffer) twice while replaced."""
+    """--save-model: a run refused if its checkpoints (step files, checkpoint.pt twice while replaced) do not fit."""
     if not args.save_model:
         return
     size = sum(p.numel() * p.element_size() for m in networks.values() for p in m.values()) + 2**16
@@ -337,46 +314,40 @@ def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict
     record, own = checkpoint_script(checkpoint, f"{flag} {path}"), script_record(sys.modules[args_class.__module__].__file__)
     same_file = record["file"] == own["file"] or os.path.realpath(record["path"]) == os.path.realpath(own["path"])
     if record["sha256"] != own["sha256"] and not same_file:  # equal hashes: the same code under another name (a link)
-        raise UserError(
-            f"{flag} {path} was written by {record['file']} (sha256 {record['sha256'][:12]}), whose reward, env and "
-            f"networks this {script} (sha256 {own['sha256'][:12]}) may not share; run it with {record['file']}."
-        )
+        raise UserError(f"{flag} {path} was written by {record['file']} (sha256 {record['sha256'][:12]}), whose reward, "
+                        f"env and networks this {script} (sha256 {own['sha256'][:12]}) may not share; run it with "
+                        f"{record['file']}.")  # fmt: skip
     if record["sha256"] != own["sha256"]:  # the research loop: fix a bug, add a log line, go on
         note(f"note: {script} changed since {path} was written ({script_changes(record, own)}): {flag} uses it as it is now")
     for key, kind in get_type_hints(args_class).items():  # the parser checks a choice typed, not one saved
         choices = get_args(kind) if get_origin(kind) is Literal else None
         if choices and key in saved and saved[key] not in choices:
-            raise UserError(
-                f"{flag} {path} holds --{key.replace('_', '-')} {saved[key]}, which {script} does not take "
-                f"({', '.join(map(str, choices))}); pass another checkpoint.pt."
-            )
-    if flag == "--resume" and not {"iteration", "rng"} <= set(checkpoint):
+            raise UserError(f"{flag} {path} holds --{key.replace('_', '-')} {saved[key]}, which {script} does not take "
+                            f"({', '.join(map(str, choices))}); pass another checkpoint.pt.")  # fmt: skip
+    if flag != "--resume":
+        return checkpoint
+    if not {"iteration", "rng"} <= set(checkpoint):
         raise UserError(f"--resume {path} holds no resumable training state; pass a checkpoint.pt saved during training.")
-    if flag == "--resume":
-        check_run_state(checkpoint, path)
-    if flag == "--resume" and os.path.abspath(os.path.dirname(path)) != os.path.abspath(f"runs/{checkpoint['run_name']}"):
-        raise UserError(  # the run continues in its own folder: a copy elsewhere would write into another run's logs
-            f"--resume {path} belongs to runs/{checkpoint['run_name']}/, not to {os.path.dirname(path) or '.'}/; "
-            "resume it from the folder that holds that run (or move the whole run folder there)."
-        )
-    if flag == "--resume":  # said now, before anything starts; start_run takes the lock itself
-        check_writable(f"runs/{checkpoint['run_name']}", "the run folder", "make it writable to resume the run")
-        lock_run(checkpoint["run_name"], keep=False)
+    if missing := [k for k in ("episodes", "global_step", "run_name", "replay_buffer") if k not in checkpoint]:
+        raise UserError(f"--resume {path} was written by an older version of this script (it has no {', '.join(missing)}); "
+                        "start a new run, or resume it with the version that wrote it.")  # fmt: skip
+    if os.path.abspath(os.path.dirname(path)) != os.path.abspath(f"runs/{checkpoint['run_name']}"):  # not another run's logs
+        raise UserError(f"--resume {path} belongs to runs/{checkpoint['run_name']}/, not to {os.path.dirname(path) or '.'}/; "
+                        "resume it from the folder that holds that run (or move the whole run folder there).")  # fmt: skip
+    check_writable(f"runs/{checkpoint['run_name']}", "the run folder", "make it writable to resume the run")
+    lock_run(checkpoint["run_name"], keep=False)  # said now, before anything starts; Run.start takes the lock itself
     return checkpoint
 
 
 def script_record(path: str) -> dict:
-    """What a checkpoint says of the script that wrote it: its file name, where it ran, a hash of its source, and the
-    source itself (tens of kB): the tools run a checkpoint with the code that wrote it after the file is edited."""
-    with open(path, "rb") as f:
-        source = f.read()
-    sha256 = hashlib.sha256(source).hexdigest()
-    return {"file": os.path.basename(path), "path": os.path.abspath(path), "sha256": sha256, "source": source}
+    """The script that wrote a checkpoint: name, place, hash and source (the tools run it as it was, edited since)."""
+    source = Path(path).read_bytes()
+    return {"file": os.path.basename(path), "path": os.path.abspath(path), "sha256": hashlib.sha256(source).hexdigest(),
+            "source": source}  # fmt: skip
 
 
 def script_changes(record: dict, now: dict) -> str:
-    """How the script `now` differs from the one that wrote a checkpoint: both hashes, and the lines that differ where
-    the checkpoint keeps its source."""
+    """How the script `now` differs from the one that wrote a checkpoint: both hashes, and how many lines if known."""
     changes = f"sha256 {record['sha256'][:12]} -> {now['sha256'][:12]}"
     if isinstance(record.get("source"), bytes):
         then, current = (r["source"].decode(errors="replace").splitlines() for r in (record, now))
@@ -394,120 +365,16 @@ def note(line: str) -> None:
 
 
 def checkpoint_script(checkpoint: dict, name: str) -> dict:
-    """The record of the script that wrote `checkpoint`; one written before scripts were recorded is refused: a copy
-    of a script (README: change the reward) would be read silently with the original's reward."""
+    """The record of the script that wrote `checkpoint`; none (older) is refused: a copy's reward would be read wrongly."""
     record = checkpoint.get("script")
     if not (isinstance(record, dict) and {"file", "path", "sha256"} <= record.keys()):
-        raise UserError(
-            f"{name} was written by an older version of this script, which did not record the script (and so the "
-            "reward) that wrote it; train it again with this version."
-        )
+        raise UserError(f"{name} was written by an older version of this script, which did not record the script (and so "
+                        "the reward) that wrote it; train it again with this version.")  # fmt: skip
     return record
 
 
-def import_script(checkpoint: dict, name: str, path: Optional[str] = None):
-    """The module of the script that wrote `checkpoint` (the tools roll a copy's checkpoint out with the copy's reward,
-    env and networks): the file, unchanged, where it ran, beside the run folder holding `path` (an experiment folder
-    renamed) or beside this file; else the script as it was, kept in the checkpoint, or (an older checkpoint keeps none)
-    the file as edited since, either said in a note; or one sentence naming the script."""
-    record = checkpoint_script(checkpoint, name)
-    for module in list(sys.modules.values()):  # already imported (the training scripts, or a script loaded before)
-        file, loaded = getattr(module, "__file__", None) or "", getattr(module, "__script_sha256__", None)
-        if loaded == record["sha256"] or (  # one loaded here is its record's code, whatever its file holds now
-            loaded is None
-            and os.path.basename(file) == record["file"]
-            and os.path.isfile(file)
-            and script_record(file)["sha256"] == record["sha256"]
-        ):
-            return module
-    runs = next((p for p in Path(os.path.abspath(path)).parents if p.name == "runs"), None) if path else None
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), record["file"])
-    places = [record["path"], *([str(runs.parent / record["file"])] if runs else []), here]
-    found = {p: script_record(p) for p in dict.fromkeys(places) if os.path.isfile(p)}
-    file = next((p for p, r in found.items() if r["sha256"] == record["sha256"]), None)
-    edited = next(iter(found), None)  # else the file of that name, changed since
-    changed = f"changed since {name} was written ({script_changes(record, found[edited])})" if edited else ""
-    if file:
-        source, code_name = found[file]["source"], file
-    elif "source" in record:  # the code that wrote it, not the edited file; tracebacks show its own lines
-        changed = changed or f"is no longer at {record['path']}"
-        print(f"note: {record['file']} {changed}; using the script as it was, kept in the checkpoint")
-        file, source = edited or record["path"], record["source"]
-        code_name = f"{record['path']} (as kept in {name})"
-        linecache.cache[code_name] = (len(source), None, source.decode(errors="replace").splitlines(True), code_name)
-    elif edited:
-        print(f"note: {record['file']} {changed}; using it as it is now (the checkpoint, by older tools, keeps no copy)")
-        file, source, code_name = edited, found[edited]["source"], edited
-    else:
-        raise UserError(
-            f"{name} was written by {record['file']} (sha256 {record['sha256'][:12]}), which is no longer at "
-            f"{record['path']}{' or beside the run' if runs else ''}, and the checkpoint (written by older tools) keeps "
-            "no copy of it; put the script back there to use this checkpoint."
-        )
-    module_name = Path(file).stem
-    if module_name in sys.modules:  # another file of that name is loaded: this one under a name of its own
-        module_name += "_" + record["sha256"][:12]
-    module = types.ModuleType(module_name)
-    module.__file__, module.__script_sha256__ = file, record["sha256"]  # checkpoints of that sha256 use this module
-    sys.modules[module_name] = module  # its dataclasses look their module up while it is executed
-    exec(compile(source, code_name, "exec"), module.__dict__)
-    return module
-
-
-def check_run_state(checkpoint: dict, path: str) -> None:
-    """--resume: a run state this version reads whole, and consistent (valid checksums do not make it so: a hand edit, a
-    bug), checked before anything starts instead of a KeyError, or empty buffer slots sampled, hours later."""
-    missing = [k for k in ("episodes", "global_step", "run_name", "replay_buffer") if k not in checkpoint]
-    if missing:
-        raise UserError(
-            f"--resume {path} was written by an older version of this script (it has no {', '.join(missing)}); "
-            "start a new run, or resume it with the version that wrote it."
-        )
-    args, rb, rng = checkpoint["args"], checkpoint["replay_buffer"], checkpoint["rng"]
-    num_envs, total = args.get("num_envs", 1), args.get("total_timesteps", 0)
-    unloadable = unloadable_rng(rng) if isinstance(rng, dict) else None
-    problems = [
-        (not 0 < checkpoint["iteration"] * num_envs == checkpoint["global_step"] <= total,
-         f"step {checkpoint['global_step']} (iteration {checkpoint['iteration']}) is not a step of its run of {total}"),
-        (not isinstance(rng, dict) or len(rng.get("envs", ())) != num_envs,
-         f"it holds {len(rng.get('envs', ())) if isinstance(rng, dict) else 'no'} env random states for {num_envs} envs"),
-        (unloadable is not None, f"its random state {unloadable} does not load"),
-    ]  # fmt: skip
-    if rb is not None:  # ReplayBuffer.state_dict: the filled part, `pos` where the next transition goes
-        size, pos = args.get("buffer_size", 0), rb.get("pos") if isinstance(rb, dict) else None
-        arrays = [v for k, v in rb.items() if k not in ("pos", "full")] if pos is not None else [None]
-        lengths = {len(v) if torch.is_tensor(v) else -1 for v in arrays}
-        fits = isinstance(pos, int) and 0 <= pos < size and lengths == {size if rb.get("full") else pos}
-        held = "/".join(map(str, sorted(lengths)))
-        problems.append(
-            (not fits, f"its replay buffer (position {pos}, {held} transitions) does not fit --buffer-size {size}")
-        )
-    for failed, problem in problems:
-        if failed:
-            raise UserError(f"--resume {path} is inconsistent: {problem}; pass another checkpoint.pt of the run.")
-
-
-def unloadable_rng(rng: dict) -> Optional[str]:
-    """Which of a checkpoint's random states the libraries refuse to load (and why), tried as restore loads them and
-    put back: found before anything starts, not as a traceback after the envs, CLIP and an event file started."""
-    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    try:
-        for key, load in [("python", random.setstate), ("numpy", np.random.set_state), ("torch", torch.set_rng_state)]:
-            try:
-                load(rng.get(key))
-            except Exception as e:  # noqa: BLE001 - whatever the library says of it, in one line
-                return f"{key} ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})"
-        bad = [i for i, g in enumerate(rng.get("envs", ())) if not isinstance(g, np.random.Generator)]
-        return f"envs[{bad[0]}] (not a numpy Generator)" if bad else None
-    finally:
-        random.setstate(saved[0])
-        np.random.set_state(saved[1])
-        torch.set_rng_state(saved[2])
-
-
 def check_intact(path: str, name: str, advice: str) -> None:
-    """Every loaded checkpoint first: torch.save's zip keeps a CRC-32 of each entry, and a flipped byte in the weights (a
-    bad disk, a damaged copy) would otherwise load silently as another number. A file that is no zip: torch.load says."""
+    """The CRC-32 of each entry of torch.save's zip: torch.load would read a flipped byte silently as another number."""
     try:
         archive = zipfile.ZipFile(path)
     except Exception:  # noqa: BLE001 - not a zip (truncated, foreign): left to torch.load's own error
@@ -525,8 +392,7 @@ RUN_LOCKS: dict[str, filelock.UnixFileLock] = {}  # runs/<run>/run.lock of the r
 
 
 def lock_run(run_name: str, keep: bool = True) -> None:
-    """One process trains a run folder: an flock the kernel drops when its holder ends (even by SIGKILL, never stale),
-    so a --resume of a run still training is refused. Held (keep), the files a killed writer left (*.tmp) are removed."""
+    """One process trains a run folder (an flock, never stale); held (keep), a killed writer's *.tmp files are removed."""
     path = os.path.abspath(f"runs/{run_name}/run.lock")
     if path in RUN_LOCKS or not (keep or os.path.exists(path)):
         return
@@ -555,26 +421,19 @@ def unlock_runs() -> None:
 
 
 def resumed_args(args, checkpoint: dict):
-    """The run's own flags; a flag given next to --resume that would change them is refused, never silently ignored,
-    except a larger --total-timesteps: it extends the run (same folder, TensorBoard and random streams)."""
+    """The run's own flags; one given that would change them is refused, but a larger --total-timesteps extends the run."""
     args_class = type(args)
     saved, default = checkpoint["args"], vars(args_class())
-    changed = [
-        k
-        for k, v in vars(args).items()
-        if k not in ("resume", "total_timesteps") and (k in GIVEN or default[k] != v) and v != saved.get(k, default[k])
-    ]
-    if changed:
+    if changed := [k for k, v in vars(args).items() if k not in ("resume", "total_timesteps")
+                   and (k in GIVEN or default[k] != v) and v != saved.get(k, default[k])]:  # fmt: skip
         flags = ", ".join("--" + k.replace("_", "-") for k in changed)
         raise UserError(f"--resume continues a run with its own flags; drop {flags} (or start a new run).")
     total = saved["total_timesteps"]
     given = "total_timesteps" in GIVEN or args.total_timesteps != default["total_timesteps"]
     if given and args.total_timesteps != total:
         if args.total_timesteps < checkpoint["global_step"]:
-            raise UserError(
-                f"--total-timesteps {args.total_timesteps} is below the step the run reached, {checkpoint['global_step']}; "
-                "pass a larger value to extend it."
-            )
+            raise UserError(f"--total-timesteps {args.total_timesteps} is below the step the run reached, "
+                            f"{checkpoint['global_step']}; pass a larger value to extend it.")  # fmt: skip
         total = args.total_timesteps
         print(f"note: the run is extended from {saved['total_timesteps']} to {total} steps")
     return args_class(**{"episodes": "fixed", **saved, "resume": args.resume, "total_timesteps": total})  # older: fixed
@@ -641,10 +500,9 @@ def fetch_clip_weights(args) -> bool:
             return True
         except Exception as e:  # noqa: BLE001 - every failure here has the same fixes
             why = (str(e).splitlines() or [type(e).__name__])[0][:160]
-    raise UserError(
-        f"could not download the {name}/{args.clip_pretrained} CLIP weights ({why}); check the network connection, "
-        "point --clip-cache-dir at a folder that holds them, or pass a weights file with --clip-checkpoint."
-    )
+    raise UserError(f"could not download the {name}/{args.clip_pretrained} CLIP weights ({why}); check the network "
+                    "connection, point --clip-cache-dir at a folder that holds them, or pass a weights file with "
+                    "--clip-checkpoint.")  # fmt: skip
 
 
 def warn_long_prompts(tokenizer, args) -> None:
@@ -689,10 +547,7 @@ def say_reward_model_cost(reward_model: nn.Module, args, frame_shape: tuple[int,
 
 # --- The envs: frames with the step, workers that end with the run ----------------------------
 def make_vector_env(vector_env: type, env_fns: list, autoreset_mode, frames: bool = False) -> gym.vector.VectorEnv:
-    """The training envs; `frames`: (observation, frame) pairs travel through shared memory, into infos["frames"]. Env
-    processes ignore Ctrl-C and SIGTERM (the main process decides when to stop and closes them) and end with it."""
-    import functools
-
+    """The training envs (`frames`: with infos["frames"]); env processes ignore Ctrl-C and SIGTERM and end with the run."""
     if vector_env is gym.vector.AsyncVectorEnv and sys.platform == "linux":
         env_fns = [functools.partial(die_with_parent, fn, os.getpid()) for fn in env_fns]
     handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -705,8 +560,7 @@ def make_vector_env(vector_env: type, env_fns: list, autoreset_mode, frames: boo
 
 
 class FrameSpace(gym.spaces.Box):
-    """uint8 frames of one shape, bounds 0 and 255 held as views: gymnasium's Box holds four arrays of the frame's size
-    (bounds and their masks), in every env and, batched, four per env in the vector env: gigabytes for many envs."""
+    """uint8 frames with bounds as views: gymnasium's Box holds four frame-sized arrays per env (gigabytes for many)."""
 
     def __init__(self, shape: tuple, dtype=np.uint8):  # float64: the states --renderer warp draws, unbounded
         super().__init__(*((0, 255) if dtype == np.uint8 else (-np.inf, np.inf)), (1,), dtype)
@@ -721,9 +575,7 @@ def _batch_frame_space(space: FrameSpace, n: int = 1) -> FrameSpace:
 
 
 def frame_problem(name: str, frame, shape: Optional[tuple] = None) -> Optional[str]:
-    """What is wrong with a frame env `name` rendered for the reward model and the videos (a uint8 (H, W, 3) array, of
-    `shape` when given), or None. Training checks it in the env, where it is made: the vector env's shared memory would
-    cast floats in [0, 1] to black; --evaluate before a frame is scored or saved."""
+    """What is wrong with a frame env `name` rendered (not a uint8 (H, W, 3) array of `shape`), or None."""
     if isinstance(frame, np.ndarray) and frame.dtype == np.uint8 and frame.ndim == 3 and frame.shape[-1] == 3:
         if shape is None or frame.shape == tuple(shape):
             return None
@@ -738,8 +590,7 @@ def frame_problem(name: str, frame, shape: Optional[tuple] = None) -> Optional[s
 
 
 class FramesInInfo(gym.vector.VectorWrapper):
-    """The vector side of FrameAfterStep: the envs' own observations, each step's frames in infos["frames"], and the
-    seconds spent rendering (in-process envs render one after another; env processes at once)."""
+    """The vector side of FrameAfterStep: the envs' observations, their frames in infos["frames"], seconds rendering."""
 
     def __init__(self, envs: gym.vector.VectorEnv):
         super().__init__(envs)
@@ -779,9 +630,7 @@ def mujoco_warning(message: str) -> None:
 
 
 def import_mujoco():
-    """MuJoCo, which picks its OpenGL backend when imported: headless EGL unless MUJOCO_GL says otherwise (PyOpenGL must
-    agree), its warnings on stdout (not MUJOCO_LOG.TXT, which it leaves in the working directory). A backend whose
-    library is missing (MUJOCO_GL=osmesa without libOSMesa) is one sentence and exit code 2, not an import traceback."""
+    """MuJoCo on headless EGL unless MUJOCO_GL says otherwise, warnings on stdout; a missing backend: one sentence, exit 2."""
     backend = os.environ.setdefault("MUJOCO_GL", "egl")
     if backend in ("egl", "osmesa"):
         os.environ.setdefault("PYOPENGL_PLATFORM", backend)
@@ -791,50 +640,26 @@ def import_mujoco():
     except (ImportError, AttributeError, OSError, RuntimeError) as e:  # osmesa without its library: PyOpenGL's GL is None
         library = {"egl": "libegl1", "osmesa": "libosmesa6", "glfw": "libglfw3 and a display"}.get(backend)
         fix = f"install {library} (e.g. apt install {library.split()[0]}) or " if library else ""
-        print(
-            f"error: MuJoCo could not start its OpenGL backend MUJOCO_GL={backend} ({type(e).__name__}: "
-            f"{(str(e).splitlines() or [''])[0][:120]}); {fix}use MUJOCO_GL={'osmesa' if backend == 'egl' else 'egl'}.",
-            file=sys.stderr,
-        )
+        print(f"error: MuJoCo could not start its OpenGL backend MUJOCO_GL={backend} ({type(e).__name__}: "
+              f"{(str(e).splitlines() or [''])[0][:120]}); {fix}use MUJOCO_GL={'osmesa' if backend == 'egl' else 'egl'}.",
+              file=sys.stderr)  # fmt: skip
         sys.exit(2)
     mujoco.set_mju_user_warning(mujoco_warning)
     return mujoco
 
 
 def die_with_parent(env_fn: Callable, parent: int) -> gym.Env:
-    """An env worker ends with the training process (PR_SET_PDEATHSIG; a SIGKILLed run left each printing a traceback),
-    not the training process itself (gymnasium builds an env there for its spaces) with whatever started it."""
+    """An env worker ends with the training process (PR_SET_PDEATHSIG): a SIGKILLed run left each printing a traceback."""
     if os.getpid() != parent:
-        import ctypes
-
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
         if os.getppid() != parent:  # the training process ended before the prctl
             os._exit(0)
     return env_fn()
 
 
-def dead_worker(envs: gym.vector.VectorEnv, wait: float = 2.0) -> Optional[str]:
-    """Once a pipe to the env workers broke: which worker died and how (its signal or exit code); None if none did."""
-    processes, deadline = getattr(envs.unwrapped, "processes", []), time.monotonic() + wait
-    while True:  # the pipe breaks as the worker ends: its exit code follows within moments
-        for i, process in enumerate(processes):
-            if (code := process.exitcode) is not None:
-                how = f"exited with code {code}"
-                with contextlib.suppress(ValueError):
-                    how = f"killed by {signal.Signals(-code).name}" if code < 0 else how
-                return f"env worker {i} (pid {process.pid}) died ({how})"
-        if not processes or time.monotonic() > deadline:
-            return None
-        time.sleep(0.02)
-
-
 def close_envs(envs: gym.vector.VectorEnv, clean: bool = True) -> None:
-    """Close the envs. Gymnasium tells its workers to close over their pipes and waits, without a bound, for each to
-    answer. An answer may never come: after a second Ctrl-C inside a step whose first replies were read (gymnasium's close
-    then waits for those again), or once a worker died (its pipe raises before the others are told, and at exit
-    multiprocessing would join them for ever: they ignore SIGTERM). So a clean close is only tried after a normal end
-    with no call pending (`clean`: no error or interrupt); otherwise, or if it fails or is interrupted, every worker
-    is killed: the process ends at once."""
+    """Gymnasium's close waits unbounded for each worker's answer, which never comes after a second Ctrl-C mid-step or a
+    dead worker: a clean close only after a normal end with no call pending (`clean`), else every worker is killed."""
     base = envs.unwrapped
     processes = getattr(base, "processes", None)
     if processes is None:  # envs in process: nothing to wait for
@@ -850,9 +675,8 @@ def close_envs(envs: gym.vector.VectorEnv, clean: bool = True) -> None:
     for process in processes:
         process.kill()
         process.join()
-    for pipe in base.parent_pipes:
-        if pipe is not None:
-            pipe.close()
+    for pipe in filter(None, base.parent_pipes):
+        pipe.close()
     base.closed = True  # gymnasium's own close would wait on the dead pipes again
     if interrupted is not None:
         raise interrupted
@@ -869,8 +693,7 @@ def set_torch_threads(args, device: torch.device) -> torch.device:
 
 
 def run_flags(args, evaluate_as_trained: str) -> tuple[object, Optional[dict]]:
-    """The run's flags and checkpoint (None: a new run): --resume's own flags; --evaluate's flags named in
-    `evaluate_as_trained` as trained, unless given (`cli` knows which; in process: not their default)."""
+    """The run's flags and checkpoint (None: new): --resume's own; `evaluate_as_trained` as trained unless given."""
     checkpoint = None
     if args.resume is not None:
         checkpoint = read_checkpoint(args.resume, type(args))
@@ -884,8 +707,8 @@ def run_flags(args, evaluate_as_trained: str) -> tuple[object, Optional[dict]]:
 
 
 class Run:
-    """A training run around the loop each script writes out, in calls at fixed points: seeds, run folder, TensorBoard, W&B,
-    progress, NaN guard, checkpoints, videos, final evaluation; of the script it calls only what hands it data."""
+    """The run around each script's loop, called at fixed points: seeds, run folder, TensorBoard, W&B, progress, NaN
+    guard, checkpoints, videos, final evaluation; of the script it calls only what hands it data."""
 
     def __init__(self, args, checkpoint: Optional[dict] = None):
         self.checkpoint = checkpoint  # of --resume (the run to continue) or --evaluate (the policy to roll out)
@@ -917,54 +740,41 @@ class Run:
         self.writer = self.envs = self.scorer = None
 
     def check_fits(self, envs: gym.vector.VectorEnv, learner: dict) -> None:
-        """--resume and --evaluate, before anything starts: the checkpoint's entries fit the `learner` built as this run
-        builds it (on the CPU, from the spaces of `envs`; None: not used by this run; a value that is neither a module,
-        an optimiser nor a tensor: needed), and are finite; a resumed replay buffer holds transitions of these spaces."""
+        """--resume, --evaluate: the checkpoint's entries load into `learner` (None: unused) and are finite."""
         flag, path = ("--resume", self.args.resume) if self.args.resume is not None else ("--evaluate", self.args.evaluate)
         for key, fresh in learner.items():
             if fresh is None or (flag == "--evaluate" and key not in self.checkpoint):  # --evaluate: the networks it holds
                 continue
             if key not in self.checkpoint:
-                raise UserError(
-                    f"{flag} {path} was written by an older version of this script (it has no {key}); start a new run, "
-                    "or resume it with the version that wrote it."
-                )
-            problem = misfit(self.checkpoint[key], fresh)
-            if problem:
-                raise UserError(
-                    f"{flag} {path} does not fit the networks of this run: its {key} {problem}; pass a "
-                    f"checkpoint.pt that {self.script} wrote with these flags."
-                )
+                raise UserError(f"{flag} {path} was written by an older version of this script (it has no {key}); start "
+                                "a new run, or resume it with the version that wrote it.")  # fmt: skip
+            if problem := misfit(self.checkpoint[key], fresh):
+                raise UserError(f"{flag} {path} does not fit the networks of this run: its {key} {problem}; pass a "
+                                f"checkpoint.pt that {self.script} wrote with these flags.")  # fmt: skip
             if not all_finite(self.checkpoint[key]):  # a NaN policy would roll out (argmax 0) or train on, exit 0
-                raise UserError(
-                    f"{flag} {path}: its {key} holds NaN or infinite weights, so it cannot act or learn; "
-                    "pass a checkpoint saved before its run diverged (runs/<run>/checkpoints/step-<N>.pt)."
-                )
-        rb = self.checkpoint.get("replay_buffer") if flag == "--resume" else None
-        spaces = {"obs": envs.single_observation_space, "next_obs": envs.single_observation_space}
-        for key, space in {**spaces, "actions": envs.single_action_space}.items() if rb is not None else ():
-            if tuple(rb[key].shape[1:]) != space.shape:
-                raise UserError(
-                    f"--resume {path} does not fit the networks of this run: its replay buffer's {key} "
-                    f"are {tuple(rb[key].shape[1:])}, this env's {space.shape}; pass another checkpoint.pt."
-                )
+                raise UserError(f"{flag} {path}: its {key} holds NaN or infinite weights, so it cannot act or learn; pass a "
+                                "checkpoint saved before its run diverged (runs/<run>/checkpoints/step-<N>.pt).")  # fmt: skip
 
     @contextlib.contextmanager
     def closing(self, envs: gym.vector.VectorEnv, scorer: Optional[ThreadPoolExecutor] = None):
-        """Every exit drops the chunks still queued for the reward model (`scorer`'s), closes TensorBoard and the env
-        processes (they ignore SIGTERM: a process exiting under them would hang) and frees the run for a --resume, also
-        on an error, a second Ctrl-C or an env worker's death (one sentence naming it, not the broken pipe)."""
+        """Every exit (an error, a second Ctrl-C, a dead env worker: named) drops `scorer`'s queued chunks, closes
+        TensorBoard and the env processes (they ignore SIGTERM) and frees the run for a --resume."""
         self.envs, self.scorer, clean = envs, scorer, False
         try:
             yield
             clean = True  # a normal end (a first Ctrl-C's too): the workers close their envs; any other exit kills them
         except (EOFError, ConnectionError):  # a pipe to an env worker broke: which one died, and how?
-            died = dead_worker(envs)
-            if died is None:
+            processes, deadline = getattr(envs.unwrapped, "processes", []), time.monotonic() + 2.0
+            while not (dead := [p for p in processes if p.exitcode is not None]) and processes and time.monotonic() < deadline:
+                time.sleep(0.02)  # the pipe breaks as the worker ends: its exit code follows within moments
+            if not dead:
                 raise
+            how = f"exited with code {dead[0].exitcode}"
+            with contextlib.suppress(ValueError):
+                how = f"killed by {signal.Signals(-dead[0].exitcode).name}" if dead[0].exitcode < 0 else how
             resume = f"runs/{self.name}/checkpoint.pt"
             resume = f"; continue from its last checkpoint with --resume {resume}" if os.path.exists(resume) else ""
-            raise RunError(f"{died}{resume}.") from None
+            raise RunError(f"env worker {processes.index(dead[0])} (pid {dead[0].pid}) died ({how}){resume}.") from None
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -999,22 +809,26 @@ class Run:
         purge_step = self.start_iteration * args.num_envs if self.checkpoint else None  # drops a crash's logs after it
         from torch.utils.tensorboard import SummaryWriter  # here: half a second to import, which a refused flag needs not
 
-        self.writer = quiet_writer_thread(SummaryWriter(f"runs/{self.name}", purge_step=purge_step))
+        threading.excepthook = lambda hook: (  # a full disk in TensorBoard's writer thread: add_scalar or close says it
+            None if type(hook.thread).__name__ == "_AsyncWriterThread" and isinstance(hook.exc_value, OSError)
+            else threading.__excepthook__(hook)
+        )  # fmt: skip
+        self.writer = SummaryWriter(f"runs/{self.name}", purge_step=purge_step)
         if self.checkpoint is None:
             table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
             self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
         prompts = f", goal={args.goal}, baseline={args.baseline}, alpha={args.alpha}" if args.reward == "clip" else ""
         resumed = f", resumed at step {self.checkpoint['global_step']}" if self.checkpoint else ""
         print(f"run: runs/{self.name} on {self.device}, reward: {args.reward}{prompts}{resumed}")
-        self.episode_log = EpisodeLog(args.num_envs, self.checkpoint["episodes"] if self.checkpoint else None, success)
-        self.last_finite = LastFinite(self.name, args)
+        self.sums = {"length": np.zeros(args.num_envs), **(self.checkpoint["episodes"]["sums"] if self.checkpoint else {})}
+        self.success = success  # success(episode): an ended episode's charts/gt_success (None: not logged)
+        self.finite, self.finite_steps = None, math.inf  # the NaN guard's last finite networks (snapshot)
         start_step = self.start_iteration * args.num_envs
         self.progress = Progress(args.total_timesteps, start_step, args.reward == "clip", max(10, args.num_envs))
         self.stop = install_stop_handlers()
 
     def restore(self, learner: dict, envs: gym.vector.VectorEnv, rb, recent: deque) -> np.ndarray:
-        """A resumed run as saved: learner, replay buffer, random streams, recent CLIP returns, and the envs' generators, so
-        that their reset (returned) starts the episodes the run would have (stock episodes in flight restart)."""
+        """A resumed run as saved: learner, buffer, random streams, recent returns; the envs' reset starts its episodes."""
         for name, module in learner.items():
             if torch.is_tensor(module):  # e.g. SAC's log entropy coefficient
                 module.data.copy_(self.checkpoint[name])
@@ -1029,8 +843,8 @@ class Run:
         torch.set_rng_state(self.checkpoint["rng"]["torch"])
         if self.checkpoint["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(self.checkpoint["rng"]["cuda"])
-        if self.args.episodes == "stock":
-            self.episode_log.restart()
+        for v in self.sums.values() if self.args.episodes == "stock" else ():  # episodes in flight restart: sums dropped
+            v[:] = 0
         recent.extend(self.checkpoint["episodes"]["recent"])
         return envs.reset(options={"reset_mask": np.ones(self.args.num_envs, dtype=bool)})[0]
 
@@ -1047,36 +861,80 @@ class Run:
         self.timing[part] = self.timing.get(part, 0.0) + time.perf_counter() - start
 
     def check_rewards(self, rewards: np.ndarray, step: int, networks: Callable[[], dict]) -> None:
-        """The NaN guard's first line: a NaN or inf reward stops the run (exit 1) before it poisons the buffer's Q-values."""
+        """The NaN guard's first line: a NaN or inf reward stops the run (exit 1) before it poisons the buffer."""
         if not np.all(np.isfinite(rewards)):
             hint = "; on a GPU, --clip-dtype bfloat16 has float32's range" if self.args.reward == "clip" else ""
             # rows are step-major: env i of step t is row t * num_envs + i, and `step` is the chunk's last step
             n, first = self.args.num_envs, int(np.flatnonzero(~np.isfinite(rewards))[0])
             at = step - (len(rewards) // n - 1 - first // n) * n
             bad = f"{np.sum(~np.isfinite(rewards))} of {len(rewards)} frames, the first at step {at} (env {first % n})"
-            self.last_finite.stop(f"the {self.args.reward} reward is not finite for {bad}", networks(), hint)
+            self.nonfinite(f"the {self.args.reward} reward is not finite for {bad}", networks(), hint)
 
     def snapshot(self, networks: Callable[[], dict], gradient_steps: int) -> None:
-        """Before a training phase: a finite copy of the networks, about every 100 gradient steps."""
-        self.last_finite.snapshot(networks, gradient_steps)
+        """The NaN guard, before a training phase: a finite copy of the networks, about every 100 gradient steps."""
+        if self.finite_steps >= 100:
+            copied = copy.deepcopy(networks())
+            if all_finite(copied):  # the last update of a phase has no loss that checks it: check the copy
+                self.finite, self.finite_steps = copied, 0
+        self.finite_steps += gradient_steps
+
+    def nonfinite(self, what: str, networks: Optional[dict] = None, hint: str = "") -> None:
+        """A NaN or inf: the last finite networks saved beside (never over) checkpoint.pt; the run stops (exit code 1)."""
+        networks = networks if networks is not None else self.finite
+        saved = "the networks were not finite already when training started"
+        if networks is not None:
+            path, checkpoint = f"runs/{self.name}/nonfinite_networks.pt", f"runs/{self.name}/checkpoint.pt"
+            save_checkpoint(path, {**networks, "args": asdict(self.args), "run_name": self.name})
+            kept = f" and the last resumable checkpoint {checkpoint} is kept" if os.path.exists(checkpoint) else ""
+            saved = f"finite networks from before it were saved to {path}{kept}"
+        raise NonFiniteError(f"{what}; {saved}{hint}.")
 
     def log_losses(self, step: int, losses: dict, finite: torch.Tensor, flags: str) -> None:
-        """After a training phase: a NaN or inf loss stops the run (reading `finite`: one host-device sync); losses/<name>,
-        charts/SPS and time/<part>_s every 10th phase (reading the losses is another)."""
+        """After a training phase: a NaN or inf loss stops the run; losses, SPS and times logged every 10th phase."""
         if not finite:
             values = ", ".join(f"{name} {torch.as_tensor(value).item()}" for name, value in losses.items())
-            self.last_finite.stop(f"a loss ({values}) is not finite in the training phase at step {step}",
-                                  hint=f"; lower {flags} or check the rewards")  # fmt: skip
+            self.nonfinite(f"a loss ({values}) is not finite in the training phase at step {step}",
+                           hint=f"; lower {flags} or check the rewards")  # fmt: skip
         if self.iteration % (10 * self.args.train_frequency) == 0:
             scalars = {(n if "/" in n else f"losses/{n}"): torch.as_tensor(v).item() for n, v in losses.items()}
-            scalars["charts/SPS"] = self.progress.sps(step)
+            scalars["charts/SPS"] = int((step - self.progress.start_step) / max(time.time() - self.progress.start, 1e-9))
             scalars.update({f"time/{part}_s": seconds for part, seconds in self.times().items()})
             for tag, value in scalars.items():
                 self.writer.add_scalar(tag, value, step)
 
     def log_episodes(self, batch: dict, step: int, rewards: np.ndarray, clip_rewards: np.ndarray, components=()) -> list[dict]:
-        """The ended episodes of a scored batch whose last vector step is `step`, logged where they ended, oldest first."""
-        return self.episode_log.log(self.args, self.writer, self.progress, batch, step, rewards, clip_rewards, components)
+        """A scored batch (step-major rows, the last step `step`) added to the per-env sums of the running episodes: the
+        ended ones, each logged at its own step, oldest first."""
+        args, steps = self.args, len(rewards) // self.args.num_envs
+        gt = batch["gt"].reshape(steps, args.num_envs, -1)
+        sums = {"return": rewards, "gt_return": gt[..., 0], "clip_return": clip_rewards}
+        sums.update({f"gt/{name}": gt[..., 2 + c] for c, name in enumerate(components)})
+        sums = {k: np.reshape(v, (steps, args.num_envs)) for k, v in sums.items()}
+        ended, dones = [], batch["dones"].reshape(steps, args.num_envs)
+        for t in range(steps):
+            self.sums["length"] += 1
+            for k, v in sums.items():
+                self.sums.setdefault(k, np.zeros(args.num_envs))[:] += v[t]
+            self.sums["success"] = np.array(gt[t, :, 1], dtype=float)  # latched by the env, cleared at its reset
+            for i in np.flatnonzero(dones[t]):
+                ended.append({"t": t, "env": i, **{k: float(v[i]) for k, v in self.sums.items()}})
+                for v in self.sums.values():
+                    v[i] = 0
+        for ep in ended:
+            ended_at = step - (steps - 1 - ep["t"]) * args.num_envs
+            self.progress.episode(ep["gt_return"], ep["clip_return"])
+            if args.log_episodes:
+                print(f"global_step={ended_at}, episodic_return={ep['return']:.2f}, gt_return={ep['gt_return']:.1f}")
+            scalars = {"charts/episodic_return": ep["return"], "charts/episodic_length": ep["length"]}
+            scalars.update({"charts/gt_return": ep["gt_return"], **{n: ep[n] for n in ep if n.startswith("gt/")}})
+            if self.success is not None:
+                scalars["charts/gt_success"] = self.success(ep)
+            if args.reward == "clip":
+                scalars["charts/clip_return"] = ep["clip_return"]
+                scalars["charts/clip_reward_mean"] = ep["clip_return"] / ep["length"]
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, ended_at)
+        return ended
 
     def times(self) -> dict:
         """Seconds in each part of the loop; the envs' rendering (inside their step) apart from the step."""
@@ -1097,8 +955,7 @@ class Run:
             self.writer.add_scalar("eval/clip_return", result["clip_return"], step)
 
     def checkpoint_due(self, dones: np.ndarray) -> bool:
-        """A checkpoint after this step? Only where episodes end (stock ones restart on resume): every --checkpoint-frequency
-        steps and at the (last episode) end with --save-model, and after Ctrl-C or SIGTERM, which then stop the run."""
+        """A checkpoint after this step? Where episodes end: periodic and last with --save-model, and on a stop signal."""
         args = self.args
         self.dones = dones
         self.stopping = self.stop["requested"]  # read once: a signal arriving later is handled at the next step
@@ -1113,9 +970,13 @@ class Run:
         """checkpoint.pt (what --resume reads), when periodic the paper's step-<N>.pt too; True on a stop signal (ends)."""
         args, step = self.args, (self.iteration + 1) * self.args.num_envs
         state.update(run_name=self.name, iteration=self.iteration + 1, global_step=step, args=asdict(args))
-        state.update(rng=rng_state(envs), episodes={**self.episode_log.state_dict(), "recent": list(recent)})
-        state.update(clip_return=clip_return, replay_buffer=rb.state_dict() if args.save_buffer else None)
-        state.update(wandb_id=wandb_id(), script=self.source)
+        # every random stream, which a resumed run continues
+        state["rng"] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                        "envs": list(envs.get_attr("np_random"))}  # fmt: skip
+        state.update(episodes={"sums": copy.deepcopy(self.sums), "recent": list(recent)})
+        state.update(clip_return=clip_return, replay_buffer=rb.state_dict() if args.save_buffer else None, script=self.source)
+        state.update(wandb_id=getattr(getattr(sys.modules.get("wandb"), "run", None), "id", None))
         modules = {k: m.detach() if torch.is_tensor(m) else m.state_dict() for k, m in learner.items() if m is not None}
         save_checkpoint(f"runs/{self.name}/checkpoint.pt", {**modules, **state})
         if self.periodic:
@@ -1128,14 +989,13 @@ class Run:
         return self.stopping
 
     def finish(self, networks: Callable[[], dict], clip_return: float, evaluation: Callable[[int], list[dict]]) -> None:
-        """Where the time went; with --save-model the final networks (as step-<N>.pt where the run ended mid-episode: no
-        resumable state there) and --eval-episodes of the final policy (eval/gt_return, as CleanRL's dqn.py)."""
+        """Where the time went; with --save-model the final networks (mid-episode: a step-<N>.pt) and their evaluation."""
         args, step = self.args, (self.iteration + 1) * self.args.num_envs
         self.progress.update(step, final=True)
         elapsed, steps = time.time() - self.progress.start, step - self.progress.start_step
         times = ", ".join(f"{part} {seconds:.2f} s" for part, seconds in self.times().items())
         print(f"done: {steps} steps in {elapsed:.0f} s ({int(steps / max(elapsed, 1e-9))} SPS); time in {times}")
-        if args.track and wandb_id() is not None:
+        if args.track and "wandb" in sys.modules:  # wandb.finish: a no-op without a run
             sys.modules["wandb"].finish()
         if not args.save_model or self.stop["requested"]:
             return
@@ -1149,62 +1009,6 @@ class Run:
         print(f"roll the policy out with: python {self.script} --evaluate {final}")
 
 
-class EpisodeLog:
-    """Per-env sums of the running episodes, vectorised over envs; an ended episode's sums are logged and its env's
-    reset. `success(episode)` is an ended episode's charts/gt_success (the script's definition; None: not logged)."""
-
-    def __init__(self, num_envs: int, state: Optional[dict] = None, success: Optional[Callable] = None):
-        self.num_envs, self.success = num_envs, success
-        self.sums = {"length": np.zeros(num_envs), **(state["sums"] if state is not None else {})}
-
-    def add(self, values: dict[str, np.ndarray], latched: dict[str, np.ndarray], dones: np.ndarray) -> list[dict]:
-        """values: (T, num_envs) per-step terms to sum; latched: (T, num_envs) terms whose last value counts (e.g. success);
-        dones: (T, num_envs). Returns the ended episodes in step order, each with "t" (its row) and "env"."""
-        ended = []
-        for t in range(len(dones)):
-            self.sums["length"] += 1
-            for k, v in values.items():
-                self.sums.setdefault(k, np.zeros(self.num_envs))[:] += v[t]
-            for k, v in latched.items():
-                self.sums[k] = np.array(v[t], dtype=float)  # e.g. success: latched by the env, cleared at its reset
-            for i in np.flatnonzero(dones[t]):
-                ended.append({"t": t, "env": i, **{k: float(v[i]) for k, v in self.sums.items()}})
-                for v in self.sums.values():
-                    v[i] = 0
-        return ended
-
-    def log(self, args, writer, progress: "Progress", batch: dict, step: int, rewards, clip_rewards, components=()):
-        """Adds a scored batch (step-major rows, the last step `step`), logs each ended episode at its step, returns them."""
-        steps = len(rewards) // args.num_envs
-        gt = batch["gt"].reshape(steps, args.num_envs, -1)
-        sums = {"return": rewards, "gt_return": gt[..., 0], "clip_return": clip_rewards}
-        sums.update({f"gt/{name}": gt[..., 2 + c] for c, name in enumerate(components)})
-        sums = {k: np.reshape(v, (steps, args.num_envs)) for k, v in sums.items()}
-        ended = self.add(sums, {"success": gt[..., 1]}, batch["dones"].reshape(steps, args.num_envs))
-        for ep in ended:
-            ended_at = step - (steps - 1 - ep["t"]) * args.num_envs
-            progress.episode(ep["gt_return"], ep["clip_return"])
-            if args.log_episodes:
-                print(f"global_step={ended_at}, episodic_return={ep['return']:.2f}, gt_return={ep['gt_return']:.1f}")
-            scalars = {"charts/episodic_return": ep["return"], "charts/episodic_length": ep["length"]}
-            scalars.update({"charts/gt_return": ep["gt_return"], **{n: ep[n] for n in ep if n.startswith("gt/")}})
-            if self.success is not None:
-                scalars["charts/gt_success"] = self.success(ep)
-            if args.reward == "clip":
-                scalars["charts/clip_return"] = ep["clip_return"]
-                scalars["charts/clip_reward_mean"] = ep["clip_return"] / ep["length"]
-            for tag, value in scalars.items():
-                writer.add_scalar(tag, value, ended_at)
-        return ended
-
-    def restart(self) -> None:  # stock episodes in flight restart on resume: their partial sums are dropped
-        for v in self.sums.values():
-            v[:] = 0
-
-    def state_dict(self) -> dict:
-        return {"sums": copy.deepcopy(self.sums)}
-
-
 class Progress:
     """One progress line: redrawn in place on a terminal, else printed every `interval` seconds (logs stay small)."""
 
@@ -1213,9 +1017,6 @@ class Progress:
         self.interval, self.start = 0.5 if self.tty else interval, time.time()
         self.last, self.printed = self.start, None  # printed: the step of the last line in a log, not repeated at the end
         self.returns = deque(maxlen=recent)  # (gt_return, clip_return) of the last episodes
-
-    def sps(self, step: int) -> int:
-        return int((step - self.start_step) / max(time.time() - self.start, 1e-9))
 
     def episode(self, gt_return: float, clip_return: float) -> None:
         self.returns.append((gt_return, clip_return))
@@ -1248,39 +1049,12 @@ def format_duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
-class LastFinite:
-    """The NaN guard: an on-device copy of the networks, checked finite, about every 100 gradient steps; on a NaN the
-    last finite copy is saved beside (never over) the resumable checkpoint and the run stops with exit code 1."""
-
-    def __init__(self, run_name: str, args):
-        self.run_name, self.args, self.networks, self.steps = run_name, args, None, math.inf
-
-    def snapshot(self, networks: Callable[[], dict], gradient_steps: int) -> None:
-        if self.steps >= 100:
-            copied = copy.deepcopy(networks())
-            if all_finite(copied):  # the last update of a phase has no loss that checks it: check the copy
-                self.networks, self.steps = copied, 0
-        self.steps += gradient_steps
-
-    def stop(self, what: str, networks: Optional[dict] = None, hint: str = "") -> None:
-        networks = networks if networks is not None else self.networks
-        saved = "the networks were not finite already when training started"
-        if networks is not None:  # beside, never over, the resumable checkpoint
-            path, checkpoint = f"runs/{self.run_name}/nonfinite_networks.pt", f"runs/{self.run_name}/checkpoint.pt"
-            save_checkpoint(path, {**networks, "args": asdict(self.args), "run_name": self.run_name})
-            kept = f" and the last resumable checkpoint {checkpoint} is kept" if os.path.exists(checkpoint) else ""
-            saved = f"finite networks from before it were saved to {path}{kept}"
-        raise NonFiniteError(f"{what}; {saved}{hint}.")
-
-
 STOP_PIPE: list[int] = []  # (read, write): Python's C signal handler writes a byte to it per delivery (made once)
 
 
 def install_stop_handlers() -> dict:
-    """First Ctrl-C or SIGTERM: finish the current episodes, save a checkpoint, exit cleanly. Second: quit at once.
-    Counted per delivery: Python runs the handler once for every signal that arrived while the main thread was in one
-    C call (Warp's first kernel compile: two quick Ctrl-Cs were one, then a checkpoint and exit 0), but its C handler
-    writes each to the wakeup fd. "wakeup": the fd this replaced (Run.closing puts it back)."""
+    """First Ctrl-C or SIGTERM: checkpoint after the current episodes, exit cleanly; second: quit at once. Counted on the
+    wakeup fd (two during one C call run the handler once); "wakeup": the fd replaced (Run.closing puts it back)."""
     if not STOP_PIPE:
         STOP_PIPE.extend(os.pipe())
         for fd in STOP_PIPE:
@@ -1303,16 +1077,6 @@ def install_stop_handlers() -> dict:
     return stop
 
 
-def quiet_writer_thread(writer: "torch.utils.tensorboard.SummaryWriter") -> "torch.utils.tensorboard.SummaryWriter":
-    """TensorBoard writes from a thread: a full disk there printed the thread's traceback, and TensorBoard raises the
-    same error at the next add_scalar, flush or close (one sentence, see cli). The thread's own print is dropped."""
-    threading.excepthook = lambda hook: (
-        None if type(hook.thread).__name__ == "_AsyncWriterThread" and isinstance(hook.exc_value, OSError)
-        else threading.__excepthook__(hook)
-    )  # fmt: skip
-    return writer
-
-
 def make_run_folder(run_name: str) -> str:
     """Create runs/<run_name>/ exclusively: two runs started in the same second get different folders."""
     for name in [run_name, *(f"{run_name}-{i}" for i in range(1, 1000))]:
@@ -1322,30 +1086,15 @@ def make_run_folder(run_name: str) -> str:
     raise UserError(f"runs/{run_name} and 999 variants of it exist already; remove old runs or change --exp-name.")
 
 
-def wandb_id() -> Optional[str]:
-    wandb = sys.modules.get("wandb")
-    return wandb.run.id if wandb is not None and wandb.run is not None else None
-
-
-def rng_state(envs: gym.vector.VectorEnv) -> dict:
-    """Every random number generator the run draws from, so a resumed run continues the same streams."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "envs": list(envs.get_attr("np_random"))}  # fmt: skip
-
-
 def save_step_checkpoint(run_name: str, step: int, networks: dict, args, clip_return: float, source: dict) -> None:
-    """runs/<run>/checkpoints/step-<N>.pt, all kept (the paper's): the networks only, with the run's training-time CLIP
-    return at that step, from which `success_eval.py best` picks across runs and across training time."""
+    """runs/<run>/checkpoints/step-<N>.pt, all kept: the networks and CLIP return (`success_eval.py best` picks one)."""
     os.makedirs(f"runs/{run_name}/checkpoints", exist_ok=True)
     state = {**networks, "args": asdict(args), "run_name": run_name, "global_step": step, "clip_return": clip_return}
-    state["script"] = source  # the script that wrote it: its file name and the sha256 of its source
-    save_checkpoint(f"runs/{run_name}/checkpoints/step-{step}.pt", state)
+    save_checkpoint(f"runs/{run_name}/checkpoints/step-{step}.pt", {**state, "script": source})
 
 
 def misfit(saved, fresh) -> Optional[str]:
-    """What keeps `saved` from loading into `fresh` (a module, an optimiser or a tensor), or None; other values: anything.
-    Modules and optimisers load it (strict), and torch says why not; an optimiser's moments it loads unchecked."""
+    """What keeps `saved` from loading into `fresh` (a module, optimiser or tensor; others take anything), or None."""
     if torch.is_tensor(fresh):
         shape = tuple(saved.shape) if torch.is_tensor(saved) else type(saved).__name__
         return None if shape == tuple(fresh.shape) else f"is {shape}, not {tuple(fresh.shape)}"
@@ -1356,10 +1105,6 @@ def misfit(saved, fresh) -> Optional[str]:
     except Exception as e:  # noqa: BLE001 - whatever torch refuses it for, its first line (a module's: after a header)
         lines = str(e).split(":\n", 1)[-1].strip().splitlines()
         return f"does not load ({type(e).__name__}: {(lines or [''])[0].strip().rstrip('.')[:200]})"
-    for param, moments in fresh.state.items() if isinstance(fresh, torch.optim.Optimizer) else ():
-        for name, value in moments.items() if isinstance(moments, dict) else ():  # of another shape: fails at a step
-            if torch.is_tensor(value) and value.dim() and (not torch.is_tensor(param) or value.shape != param.shape):
-                return f"has a {name} of shape {tuple(value.shape)} that fits none of its parameters"
     return None
 
 
@@ -1396,23 +1141,19 @@ def save_checkpoint(path: str, state: dict) -> None:
 def save_video(frames: list[np.ndarray], path: str, fps: int) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     imageio.mimwrite(path, frames, fps=fps, macro_block_size=8)
-    if "wandb" in sys.modules and sys.modules["wandb"].run is not None:  # --track: the videos go to W&B too
-        wandb = sys.modules["wandb"]
+    if (wandb := sys.modules.get("wandb")) is not None and wandb.run is not None:  # --track: the videos go to W&B too
         wandb.log({f"videos/{Path(path).stem}": wandb.Video(path, format="mp4")})
 
 
 def evaluate(policy: Callable, eval_envs: gym.vector.VectorEnv, reward_model, episodes: int, seed: int) -> list[dict]:
-    """Episodes of `policy` (the script's: observations -> actions) in a one-env vector env: the frames and their rate,
-    the ground-truth and CLIP return of each; as CleanRL keeps its evaluations in cleanrl_utils. Every frame is checked
-    as training checks its frames, before any is scored or saved."""
+    """Episodes of `policy` in a one-env vector env: frames (checked as training's), frame rate, gt and CLIP returns."""
     results, name = [], eval_envs.envs[0].spec.id if eval_envs.envs[0].spec else type(eval_envs.envs[0].unwrapped).__name__
     for episode in range(episodes):
         obs, _ = eval_envs.reset(seed=seed + episode)
         frames = [eval_envs.call("render")[0]]
         if frame_problem(name, frames[0]):
             raise RunError(frame_problem(name, frames[0]) + ".")
-        gt_return = 0.0
-        done = False
+        gt_return, done = 0.0, False
         while not done:  # fixed length: --episode-length steps; stock: until the env terminates or truncates
             with torch.no_grad():
                 actions = policy(obs)
@@ -1430,9 +1171,8 @@ def evaluate(policy: Callable, eval_envs: gym.vector.VectorEnv, reward_model, ep
 
 
 def save_episodes(results: list[dict], run_name: str) -> None:
-    """--evaluate: each episode as an MP4 and its frames as PNGs under videos/<run_name>/eval-episode-<i>, the trained
-    run's folder. Written beside an earlier evaluation there, in a hidden folder, which replaces it (whole: a longer one
-    would leave frames past this one's end) only once complete: a failure or Ctrl-C meanwhile leaves the earlier one."""
+    """--evaluate: each episode as MP4 and PNGs in videos/<run_name>/eval-episode-<i>, replacing an earlier evaluation
+    whole, only once complete (written in a hidden folder first: a failure or Ctrl-C leaves the earlier one)."""
     os.makedirs(f"videos/{run_name}", exist_ok=True)
     partial = tempfile.mkdtemp(prefix=".eval-partial-", dir=f"videos/{run_name}")
     try:

@@ -1,5 +1,5 @@
 """Issue 41: a checkpoint is read with the script that wrote it and refused, in one sentence before anything starts, when
-it does not fit (another script or version, other shapes, an older format, NaN weights, inconsistent contents)."""
+it does not fit (another script or version, other shapes, an older format, NaN weights)."""
 
 import shutil
 import sys
@@ -11,6 +11,7 @@ from conftest import ROOT, TINY_CLIP, assert_refused, only_run
 import epic_eval
 import success_eval
 import vlmrm_dqn_classic as classic
+import vlmrm_tools
 import vlmrm_utils
 
 RUN = dict(reward="gt", episodes="fixed", episode_length=50, learning_starts=50, save_model=True, save_buffer=True)
@@ -54,7 +55,7 @@ def forget_copies():
 def test_a_copied_scripts_checkpoint_is_used_with_its_own_script_or_refused(in_tmp, forget_copies):
     copy = in_tmp / "my_reward.py"
     copy.write_text((ROOT / "vlmrm_dqn_classic.py").read_text() + "\nMY_REWARD = 10  # the user's own reward\n")
-    mine = vlmrm_utils.import_script({"script": vlmrm_utils.script_record(str(copy))}, "my_reward.py")
+    mine = vlmrm_tools.import_script({"script": vlmrm_utils.script_record(str(copy))}, "my_reward.py")
     mine.main(mine.Args(**dict(RUN, save_buffer=False), total_timesteps=100, checkpoint_frequency=100, eval_episodes=1))
     checkpoint = str(only_run(in_tmp) / "checkpoint.pt")
     assert torch.load(checkpoint, weights_only=False)["script"]["file"] == "my_reward.py"
@@ -73,7 +74,7 @@ def train_copy(folder, text: str):
     """A copy of the DQN script (`text` added to it) in `folder`, and its checkpoint.pt of a 100-step run there."""
     copy = folder / "my_reward.py"
     copy.write_text((ROOT / "vlmrm_dqn_classic.py").read_text() + text)
-    mine = vlmrm_utils.import_script({"script": vlmrm_utils.script_record(str(copy))}, "my_reward.py")
+    mine = vlmrm_tools.import_script({"script": vlmrm_utils.script_record(str(copy))}, "my_reward.py")
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(folder)
         mine.main(mine.Args(**dict(RUN, save_buffer=False), total_timesteps=100, checkpoint_frequency=100, eval_episodes=1))
@@ -130,7 +131,7 @@ def test_the_same_script_under_a_symlinked_name_reads_its_checkpoints(in_tmp, fo
     """Issue 46 item 9: a checkpoint of `mine.py`, a link to the script, is the script's own (it was refused with two
     equal hashes); edited through the link's target, it is read with the note."""
     (in_tmp / "mine.py").symlink_to(ROOT / "vlmrm_dqn_classic.py")
-    mine = vlmrm_utils.import_script({"script": vlmrm_utils.script_record(str(in_tmp / "mine.py"))}, "mine.py")
+    mine = vlmrm_tools.import_script({"script": vlmrm_utils.script_record(str(in_tmp / "mine.py"))}, "mine.py")
     mine.main(mine.Args(**dict(RUN, save_buffer=False), total_timesteps=100, checkpoint_frequency=100, eval_episodes=1))
     checkpoint = str(only_run(in_tmp) / "checkpoint.pt")
     assert torch.load(checkpoint, weights_only=False)["script"]["file"] == "mine.py"
@@ -141,7 +142,7 @@ def test_the_same_script_under_a_symlinked_name_reads_its_checkpoints(in_tmp, fo
     (in_tmp / "mine.py").unlink()
     (in_tmp / "mine.py").symlink_to(target)
     target.write_text(target.read_text() + "# edited\n")
-    edited = vlmrm_utils.import_script({"script": vlmrm_utils.script_record(str(target))}, "my_reward.py")
+    edited = vlmrm_tools.import_script({"script": vlmrm_utils.script_record(str(target))}, "my_reward.py")
     edited.main(edited.Args(evaluate=checkpoint, eval_episodes=1))
     assert f"note: my_reward.py changed since {checkpoint} was written" in capsys.readouterr().out
 
@@ -171,18 +172,9 @@ def test_an_older_or_misfitting_checkpoint_is_one_sentence_before_anything_start
          ["does not fit", "network.0.weight", "[120, 5]"]),  # torch's load_state_dict says it (torch.Size([120, 5]))
         (lambda c: c["target_network"].pop("network.4.bias"), ["--resume"], ["does not fit", "target_network"]),
         (lambda c: c.update(q_network=[1, 2]), ["--resume", "--evaluate"], ["q_network", "dict-like"]),
-        (lambda c: c["optimizer"]["state"][0].update(exp_avg=torch.zeros(3)), ["--resume"], ["optimizer", "exp_avg"]),
         (lambda c: c["optimizer"]["param_groups"].append({"params": []}), ["--resume"], ["optimizer", "parameter groups"]),
-        (lambda c: c["replay_buffer"].update(obs=torch.zeros(100, 6), next_obs=torch.zeros(100, 6)), ["--resume"],
-         ["replay buffer", "(6,)", "(4,)"]),
-        (lambda c: c["rng"].update(envs=c["rng"]["envs"] * 2), ["--resume"], ["2 env random states for 1 envs"]),
-        (lambda c: c["rng"].update(torch=torch.zeros(3, dtype=torch.uint8)), ["--resume"], ["random state torch"]),
-        (lambda c: c["rng"].update(python="abc"), ["--resume"], ["random state python"]),
-        (lambda c: c["rng"].update(envs=[None]), ["--resume"], ["random state envs[0]"]),
         (lambda c: c["args"].update(reward_family="ultra"), ["--resume", "--evaluate"], ["--reward-family ultra"]),
         (lambda c: c["q_network"]["network.0.bias"].fill_(float("nan")), ["--evaluate", "--resume"], ["NaN"]),
-        (lambda c: c["replay_buffer"].update(pos=5000), ["--resume"], ["inconsistent", "position 5000"]),
-        (lambda c: c.update(iteration=2_000_000, global_step=2_000_000), ["--resume"], ["inconsistent", "step 2000000"]),
     ]  # fmt: skip
     for change, flags, words in cases:
         edit(path, change)

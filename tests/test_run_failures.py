@@ -128,7 +128,7 @@ def test_a_wrong_frame_from_an_env_worker_is_one_sentence(in_tmp, monkeypatch):
 def test_the_nan_guard_names_the_step_of_the_first_bad_frame():
     run = object.__new__(vlmrm_utils.Run)
     run.args = SimpleNamespace(reward="clip", num_envs=4)
-    run.last_finite = vlmrm_utils.LastFinite("run", run.args)
+    run.name, run.finite = "run", None  # the NaN guard's state (Run.start)
     rewards = np.zeros(12, np.float32)  # rows are step-major: 3 vector steps of 4 envs, the last one is step 108
     rewards[[5, 11]] = np.nan  # env 1 at step 104, env 3 at step 108
     with pytest.raises(vlmrm_utils.NonFiniteError, match=r"not finite for 2 of 12 frames, the first at step 104 \(env 1\)"):
