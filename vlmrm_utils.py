@@ -334,9 +334,29 @@ def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict
     if os.path.abspath(os.path.dirname(path)) != os.path.abspath(f"runs/{checkpoint['run_name']}"):  # not another run's logs
         raise UserError(f"--resume {path} belongs to runs/{checkpoint['run_name']}/, not to {os.path.dirname(path) or '.'}/; "
                         "resume it from the folder that holds that run (or move the whole run folder there).")  # fmt: skip
+    if problem := unloadable_rng(checkpoint["rng"], checkpoint["args"].get("num_envs", 1)):
+        raise UserError(f"--resume {path} is inconsistent: its random state {problem}; pass another checkpoint.pt.")
     check_writable(f"runs/{checkpoint['run_name']}", "the run folder", "make it writable to resume the run")
     lock_run(checkpoint["run_name"], keep=False)  # said now, before anything starts; Run.start takes the lock itself
     return checkpoint
+
+
+def unloadable_rng(rng, num_envs: int) -> Optional[str]:
+    """Which random state of a checkpoint the libraries refuse, tried as Run.restore loads them and put back (issue 46: a
+    malformed torch state was a traceback after the envs, CLIP and an event file had started)."""
+    if not isinstance(rng, dict) or len(rng.get("envs", ())) != num_envs:
+        return f"holds {len(rng.get('envs', ())) if isinstance(rng, dict) else 'no'} env states for {num_envs} envs"
+    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        for key, load in [("python", random.setstate), ("numpy", np.random.set_state), ("torch", torch.set_rng_state)]:
+            try:
+                load(rng.get(key))
+            except Exception as e:  # noqa: BLE001 - whatever the library says of it, in one line
+                return f"{key} does not load ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})"
+    finally:
+        random.setstate(saved[0]), np.random.set_state(saved[1]), torch.set_rng_state(saved[2])
+    bad = [i for i, g in enumerate(rng["envs"]) if not isinstance(g, np.random.Generator)]
+    return f"envs[{bad[0]}] is not a numpy Generator" if bad else None
 
 
 def script_record(path: str) -> dict:

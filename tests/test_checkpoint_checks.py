@@ -174,6 +174,10 @@ def test_an_older_or_misfitting_checkpoint_is_one_sentence_before_anything_start
         (lambda c: c.update(q_network=[1, 2]), ["--resume", "--evaluate"], ["q_network", "dict-like"]),
         (lambda c: c["optimizer"]["param_groups"].append({"params": []}), ["--resume"], ["optimizer", "parameter groups"]),
         (lambda c: c["args"].update(reward_family="ultra"), ["--resume", "--evaluate"], ["--reward-family ultra"]),
+        (lambda c: c["rng"].update(envs=c["rng"]["envs"] * 2), ["--resume"], ["2 env states for 1 envs"]),
+        (lambda c: c["rng"].update(torch=torch.zeros(3, dtype=torch.uint8)), ["--resume"], ["random state torch"]),
+        (lambda c: c["rng"].update(python="abc"), ["--resume"], ["random state python"]),
+        (lambda c: c["rng"].update(envs=[None]), ["--resume"], ["random state envs[0]"]),
         (lambda c: c["q_network"]["network.0.bias"].fill_(float("nan")), ["--evaluate", "--resume"], ["NaN"]),
     ]  # fmt: skip
     for change, flags, words in cases:
