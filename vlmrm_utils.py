@@ -1,6 +1,5 @@
-"""Plumbing shared by the training scripts and tools, as CleanRL's `cleanrl_utils` (the method lives in each script):
-the entry point, the checks before a run, checkpoints, CLIP's weights, the envs' frames and `Run`, the run around the
-loop. It imports no script or tool and reads only the flags both training scripts share."""
+"""Plumbing shared by the training scripts and tools, as CleanRL's `cleanrl_utils` (the method lives in each script); it
+imports no script or tool and reads only the flags both training scripts share (its sections say what it holds)."""
 
 import contextlib
 import copy
@@ -87,8 +86,7 @@ def check_common_args(args, positive: str, unit_interval: str, network: str) -> 
         rounded = -(-args.total_timesteps // args.num_envs) * args.num_envs
         print(f"note: --total-timesteps {args.total_timesteps} rounded up to {rounded}, a multiple of --num-envs")
         args.total_timesteps = rounded
-    value = vars(args)
-    unknown = [name for name in args.reward_devices if not is_device(name)]
+    value, unknown = vars(args), [name for name in args.reward_devices if not is_device(name)]
     known = ["cpu", *(["cuda"] if torch.cuda.is_available() else []), *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
     projection = args.reward == "clip" and args.alpha > 0  # the prompts matter with the CLIP reward only
     for failed, message in [  # inf passes `> 0` and fails at the first update: finite too
@@ -334,19 +332,17 @@ def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict
 
 
 def unloadable_rng(rng, num_envs: int) -> Optional[str]:
-    """Which random state of a checkpoint the libraries refuse, tried as Run.restore loads them and put back (issue 46: a
-    malformed torch state was a traceback after the envs, CLIP and an event file had started)."""
+    """A checkpoint's random state the libraries refuse, tried as Run.restore loads it (issue 46: a traceback, late)."""
     if not isinstance(rng, dict) or len(rng.get("envs", ())) != num_envs:
         return f"holds {len(rng.get('envs', ())) if isinstance(rng, dict) else 'no'} env states for {num_envs} envs"
-    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    try:
-        for key, load in [("python", random.setstate), ("numpy", np.random.set_state), ("torch", torch.set_rng_state)]:
-            try:
-                load(rng.get(key))
-            except Exception as e:  # noqa: BLE001 - whatever the library says of it, in one line
-                return f"{key} does not load ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})"
-    finally:
-        random.setstate(saved[0]), np.random.set_state(saved[1]), torch.set_rng_state(saved[2])
+    for key, load, state in [("python", random.setstate, random.getstate()), ("numpy", np.random.set_state,
+                             np.random.get_state()), ("torch", torch.set_rng_state, torch.get_rng_state())]:  # fmt: skip
+        try:
+            load(rng.get(key))
+        except Exception as e:  # noqa: BLE001 - whatever the library says of it, in one line
+            return f"{key} does not load ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})"
+        finally:
+            load(state)  # put back
     bad = [i for i, g in enumerate(rng["envs"]) if not isinstance(g, np.random.Generator)]
     return f"envs[{bad[0]}] is not a numpy Generator" if bad else None
 
@@ -384,13 +380,10 @@ def check_intact(path: str, name: str, advice: str) -> None:
         archive = zipfile.ZipFile(path)
     except Exception:  # noqa: BLE001 - not a zip (truncated, foreign): left to torch.load's own error
         return
-    with archive:
-        try:
-            damaged = archive.testzip() is not None
-        except Exception:  # noqa: BLE001 - a header field itself flipped (a length, a compression method)
-            damaged = True
-    if damaged:
-        raise UserError(f"{name} is damaged: its bytes do not match the checksums saved in it (a bad disk or copy); {advice}.")
+    with archive, contextlib.suppress(Exception):  # an exception: a header field itself flipped (a length, a compression)
+        if archive.testzip() is None:
+            return
+    raise UserError(f"{name} is damaged: its bytes do not match the checksums saved in it (a bad disk or copy); {advice}.")
 
 
 RUN_LOCKS: dict[str, filelock.UnixFileLock] = {}  # runs/<run>/run.lock of the run this process trains -> its lock
