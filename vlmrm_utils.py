@@ -86,14 +86,13 @@ def check_common_args(args, positive: str, unit_interval: str, network: str) -> 
         rounded = -(-args.total_timesteps // args.num_envs) * args.num_envs
         print(f"note: --total-timesteps {args.total_timesteps} rounded up to {rounded}, a multiple of --num-envs")
         args.total_timesteps = rounded
-    value, unknown = vars(args), [name for name in args.reward_devices if not is_device(name)]
+    v, unknown = vars(args), [name for name in args.reward_devices if not is_device(name)]
     known = ["cpu", *(["cuda"] if torch.cuda.is_available() else []), *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
     projection = args.reward == "clip" and args.alpha > 0  # the prompts matter with the CLIP reward only
     for failed, message in [  # inf passes `> 0` and fails at the first update: finite too
-        *((not 0 < value[n] < math.inf, f"--{n.replace('_', '-')} must be positive and finite, got {value[n]}.")
+        *((not 0 < v[n] < math.inf, f"--{n.replace('_', '-')} must be positive and finite, got {v[n]}.")
           for n in positive.split()),
-        *((not 0 <= value[n] <= 1, f"--{n.replace('_', '-')} must be in [0, 1], got {value[n]}.")
-          for n in unit_interval.split()),
+        *((not 0 <= v[n] <= 1, f"--{n.replace('_', '-')} must be in [0, 1], got {v[n]}.") for n in unit_interval.split()),
         (args.reward == "clip" and (not args.goal or not all(p.strip() for p in args.goal)),
          "--goal needs at least one non-empty prompt (only the paper's environments have a default)."),
         (projection and not all(p.strip() for p in args.baseline or [""]), "--baseline needs a prompt when --alpha > 0."),
@@ -218,7 +217,7 @@ def check_resources(args, observation_space: gym.Space, action_space: gym.Space,
     chunks = args.reward_batch_size * max(1, len(args.reward_devices))  # frames scored in one go: a chunk per device
     waiting = -(-chunks // args.num_envs) * args.num_envs  # in whole vector steps
     held = 4 * waiting + 2 * args.num_envs  # 2 chunks with CLIP, a 3rd waiting and its copy; a step's frames in 2 places
-    frame, clip = int(np.prod(frame_shape)), args.reward == "clip"
+    frame, clip, cuda = int(np.prod(frame_shape)), args.reward == "clip", args.cuda and torch.cuda.is_available()
     copies = 2 if args.save_buffer and args.resume is None else 1  # --resume loads the saved buffer, then copies it in
     needs = {
         "--buffer-size": ("--buffer-size", args.buffer_size * transition * copies),
@@ -226,11 +225,9 @@ def check_resources(args, observation_space: gym.Space, action_space: gym.Space,
         f"{args.num_envs} envs": ("--num-envs", args.num_envs * env_bytes),
         "frames in flight": ("--num-envs" if waiting == args.num_envs else "--reward-batch-size", held * frame * clip),
     }
-    cuda = args.cuda and torch.cuda.is_available()
     if clip and all(torch.device(d).type == "cpu" for d in args.reward_devices or ["cuda" if cuda else "cpu"]):
-        # CLIP on the CPU: its weights (float32), and each chunk's frames as float32 before the squash to its input size
-        needs["CLIP weights"] = ("--clip-model", 4 * clip_parameters(args.clip_model))
-        needs["CLIP input"] = ("--reward-batch-size", 4 * min(args.reward_batch_size, waiting) * frame)
+        needs["CLIP weights"] = ("--clip-model", 4 * clip_parameters(args.clip_model))  # on the CPU: float32 weights
+        needs["CLIP input"] = ("--reward-batch-size", 4 * min(args.reward_batch_size, waiting) * frame)  # float32, unsquashed
     total, available, gib = sum(v for _, v in needs.values()), available_memory(), 2**30
     if total > gib or (available and total > 0.25 * available):  # said only when it matters (not 0.00 GiB for CartPole)
         terms = ", ".join(f"{k} {v / gib:.2f}" for k, (_, v) in needs.items() if v >= 0.005 * gib)
@@ -299,10 +296,9 @@ def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict
     saved = checkpoint.get("args") if isinstance(checkpoint, dict) else None
     if not isinstance(saved, dict) or not set(saved) <= {f.name for f in fields(args_class)}:
         raise UserError(f"{flag} {path} was written by another script; pass a checkpoint.pt of {script}.")
-    # the reward, env and networks are the code of the script that wrote it: this file (edited since: said), or a refusal
     record, own = checkpoint_script(checkpoint, f"{flag} {path}"), script_record(sys.modules[args_class.__module__].__file__)
     same_file = record["file"] == own["file"] or os.path.realpath(record["path"]) == os.path.realpath(own["path"])
-    if record["sha256"] != own["sha256"] and not same_file:  # equal hashes: the same code under another name (a link)
+    if record["sha256"] != own["sha256"] and not same_file:  # the reward, env and nets are its code; equal hashes: a link
         raise UserError(f"{flag} {path} was written by {record['file']} (sha256 {record['sha256'][:12]}), whose reward, "
                         f"env and networks this {script} (sha256 {own['sha256'][:12]}) may not share; run it with "
                         f"{record['file']}.")  # fmt: skip
@@ -420,8 +416,7 @@ def unlock_runs() -> None:
 
 def resumed_args(args, checkpoint: dict):
     """The run's own flags; one given that would change them is refused, but a larger --total-timesteps extends the run."""
-    args_class, saved = type(args), checkpoint["args"]
-    default = vars(args_class())
+    args_class, saved, default = type(args), checkpoint["args"], vars(type(args)())
     if changed := [k for k, v in vars(args).items() if k not in ("resume", "total_timesteps")
                    and (k in GIVEN or default[k] != v) and v != saved.get(k, default[k])]:  # fmt: skip
         flags = ", ".join("--" + k.replace("_", "-") for k in changed)
@@ -475,10 +470,9 @@ def fetch_clip_weights(args) -> bool:
         return False  # a weights file, random weights, or a tag that create_model refuses
     offline, hub.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE, True
     try:
-        open_clip.download_pretrained(cfg, cache_dir=cache)  # offline: from the cache, or an error at once
-        return True
-    except Exception:  # noqa: BLE001 - not in the cache
-        pass
+        with contextlib.suppress(Exception):  # not in the cache: fetched below
+            open_clip.download_pretrained(cfg, cache_dir=cache)  # offline: from the cache, or an error at once
+            return True
     finally:
         hub.HF_HUB_OFFLINE = offline
     params = clip_parameters(args.clip_model)
