@@ -306,8 +306,7 @@ def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict
             f"{script_changes(record, own)}): {flag} uses it as it is now") not in NOTED:  # fmt: skip
         NOTED.add(line), print(line)  # the research loop: fix a bug, add a log line, go on
     for key, kind in get_type_hints(args_class).items():  # the parser checks a choice typed, not one saved
-        choices = get_args(kind) if get_origin(kind) is Literal else None
-        if choices and key in saved and saved[key] not in choices:
+        if get_origin(kind) is Literal and key in saved and saved[key] not in (choices := get_args(kind)):
             raise UserError(f"{flag} {path} holds --{key.replace('_', '-')} {saved[key]}, which {script} does not take "
                             f"({', '.join(map(str, choices))}); pass another checkpoint.pt.")  # fmt: skip
     if flag != "--resume":
@@ -390,9 +389,8 @@ def lock_run(run_name: str, keep: bool = True) -> None:
     path = os.path.abspath(f"runs/{run_name}/run.lock")
     if path in RUN_LOCKS or not (keep or os.path.exists(path)):
         return
-    lock = filelock.UnixFileLock(path, timeout=0)
     try:
-        lock.acquire()
+        (lock := filelock.UnixFileLock(path, timeout=0)).acquire()
     except filelock.Timeout:
         holder = Path(path).read_text(errors="replace").strip() or "?"
         raise UserError(f"runs/{run_name} is being trained by another process (pid {holder}); wait for it to end.") from None
