@@ -1,6 +1,5 @@
-"""Plumbing shared by the training scripts and tools, as CleanRL's `cleanrl_utils` (the method lives in each script):
-the entry point, the checks before a run, checkpoints, CLIP's weights, the envs' frames and `Run`, the run around the
-loop. It imports no script or tool and reads only the flags both training scripts share."""
+"""Plumbing shared by the training scripts and tools, as CleanRL's `cleanrl_utils` (the method lives in each script); it
+imports no script or tool and reads only the flags both training scripts share (its sections say what it holds)."""
 
 import contextlib
 import copy
@@ -53,25 +52,22 @@ class RunError(Exception):
 
 
 GIVEN: set[str] = set()  # the flags (as field names) on the command line that `cli` parsed
-GIVEN_ARGS: list = []  # the parsed flags, for the errors `cli` words
-NOTED: set[str] = set()  # the notes already printed (`note`)
+NOTED: set[str] = set()  # the notes already printed: --evaluate reads a checkpoint twice (for its flags, then to check it)
 
 
 def cli(main: Callable, args_class, argv: Optional[list] = None, interrupted: str = "interrupted") -> None:
     """Every entry point: tyro's flags; bad input one sentence and exit 2, failures exit 1, Ctrl-C `interrupted` and 130."""
     warnings.filterwarnings("ignore", message=".*No pretrained weights.*")
-    argv = sys.argv[1:] if argv is None else argv
-    GIVEN.clear()  # a flag typed with its default value still says what the user wants (--resume, --evaluate)
-    flags = [a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--") and a != "--"]
-    GIVEN.update(name.removeprefix("no_") for name in flags)  # --no-cuda gives cuda
+    args, argv = None, sys.argv[1:] if argv is None else argv  # args: the parsed flags, for the errors worded here
+    GIVEN.clear()  # a flag typed with its default value still says what the user wants (--resume, --evaluate); no_cuda: cuda
+    GIVEN.update(a[2:].split("=")[0].replace("-", "_").removeprefix("no_") for a in argv if a.startswith("--") and a != "--")
     try:
-        GIVEN_ARGS[:] = [tyro.cli(args_class, args=argv)]
-        main(GIVEN_ARGS[0])
+        main(args := tyro.cli(args_class, args=argv))
     except (UserError, NonFiniteError, RunError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, UserError) else 1)
     except torch.cuda.OutOfMemoryError:  # torch's message is 20 lines; the flag that sets the reward's memory is one
-        size = f" {GIVEN_ARGS[0].reward_batch_size}" if GIVEN_ARGS and hasattr(GIVEN_ARGS[0], "reward_batch_size") else ""
+        size = f" {args.reward_batch_size}" if hasattr(args, "reward_batch_size") else ""
         print(f"error: out of GPU memory; lower --reward-batch-size{size} (the frames CLIP scores at once on each device) "
               "or --batch-size.", file=sys.stderr)  # fmt: skip
         sys.exit(1)
@@ -90,15 +86,13 @@ def check_common_args(args, positive: str, unit_interval: str, network: str) -> 
         rounded = -(-args.total_timesteps // args.num_envs) * args.num_envs
         print(f"note: --total-timesteps {args.total_timesteps} rounded up to {rounded}, a multiple of --num-envs")
         args.total_timesteps = rounded
-    value = vars(args)
-    unknown = [name for name in args.reward_devices if not is_device(name)]
+    v, unknown = vars(args), [name for name in args.reward_devices if not is_device(name)]
     known = ["cpu", *(["cuda"] if torch.cuda.is_available() else []), *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
     projection = args.reward == "clip" and args.alpha > 0  # the prompts matter with the CLIP reward only
     for failed, message in [  # inf passes `> 0` and fails at the first update: finite too
-        *((not 0 < value[n] < math.inf, f"--{n.replace('_', '-')} must be positive and finite, got {value[n]}.")
+        *((not 0 < v[n] < math.inf, f"--{n.replace('_', '-')} must be positive and finite, got {v[n]}.")
           for n in positive.split()),
-        *((not 0 <= value[n] <= 1, f"--{n.replace('_', '-')} must be in [0, 1], got {value[n]}.")
-          for n in unit_interval.split()),
+        *((not 0 <= v[n] <= 1, f"--{n.replace('_', '-')} must be in [0, 1], got {v[n]}.") for n in unit_interval.split()),
         (args.reward == "clip" and (not args.goal or not all(p.strip() for p in args.goal)),
          "--goal needs at least one non-empty prompt (only the paper's environments have a default)."),
         (projection and not all(p.strip() for p in args.baseline or [""]), "--baseline needs a prompt when --alpha > 0."),
@@ -148,7 +142,7 @@ def is_device(name: str) -> bool:
 def check_writable(folder: str, what: str = "", advice: str = "run from another") -> None:
     """Outputs must be writable before hours of training produce them (the folder itself may not exist yet)."""
     existing = os.path.abspath(folder)
-    where = f"{what} {os.path.abspath(folder)}/" if what else f"{os.path.abspath(folder)}/"
+    where = f"{what} {existing}/".lstrip()
     while not os.path.exists(existing):
         if os.path.islink(existing):  # a loop or a dangling link: making folders under it fails with [Errno 17]
             try:
@@ -167,6 +161,7 @@ def check_clip_args(args, model_flag: str = "--clip-model", checkpoint_flag: str
     """Refuse an unknown CLIP model, tag, config or weights file before loading; the flags named as the caller names them."""
     import open_clip
 
+    tags = ["none", *open_clip.list_pretrained_tags_by_model(Path(args.clip_model).stem)]  # a config: named as a model
     if args.clip_model.endswith(".json"):
         if not os.path.isfile(args.clip_model):
             raise UserError(f"{model_flag} {args.clip_model}: no such model config file.")
@@ -178,18 +173,15 @@ def check_clip_args(args, model_flag: str = "--clip-model", checkpoint_flag: str
         if not isinstance(config, dict) or not all(isinstance(config.get(k), t) for k, t in required.items()):
             raise UserError(f"{model_flag} {args.clip_model} is not an open_clip model config (it needs an integer "
                             "embed_dim, vision_cfg and text_cfg, as in tests/vlmrm-tiny-test.json).")  # fmt: skip
-        tags = ["none", *open_clip.list_pretrained_tags_by_model(Path(args.clip_model).stem)]  # a config named as a model
         if args.clip_checkpoint is None and args.clip_pretrained not in tags and not os.path.isfile(args.clip_pretrained):
             raise UserError(f"{model_flag} {args.clip_model} is a model config, which has no --clip-pretrained "
                             f"{args.clip_pretrained} weights; add --clip-pretrained none (random weights, for tests) or a "
                             f"weights file with {checkpoint_flag}.")  # fmt: skip
     elif args.clip_model not in open_clip.list_models():
         raise UserError(f"{model_flag} {args.clip_model} is not an open_clip architecture (see open_clip.list_models()).")
-    elif args.clip_checkpoint is None:
-        tags = ["none", *open_clip.list_pretrained_tags_by_model(args.clip_model)]
-        if args.clip_pretrained not in tags:  # the default tag is ViT-bigG-14's: name the model's own, not what was not typed
-            given = "" if args.clip_pretrained == "laion2b_s39b_b160k" else f" ({args.clip_pretrained} is not one of them)"
-            raise UserError(f"{model_flag} {args.clip_model} needs --clip-pretrained, one of: {', '.join(tags)}{given}.")
+    elif args.clip_checkpoint is None and args.clip_pretrained not in tags:  # the default tag, ViT-bigG-14's: left unsaid
+        given = "" if args.clip_pretrained == "laion2b_s39b_b160k" else f" ({args.clip_pretrained} is not one of them)"
+        raise UserError(f"{model_flag} {args.clip_model} needs --clip-pretrained, one of: {', '.join(tags)}{given}.")
     if args.clip_checkpoint is not None and not os.path.isfile(args.clip_checkpoint):
         raise UserError(f"{checkpoint_flag} {args.clip_checkpoint}: no such file.")
 
@@ -219,14 +211,13 @@ def resolve_negatives(goal: tuple[str, ...], negatives: Optional[tuple], flag: s
 
 def check_resources(args, observation_space: gym.Space, action_space: gym.Space, frame_shape: tuple, env_bytes: float,
                     activations: int) -> int:  # fmt: skip
-    """Refuse a run too big for the available memory; the estimate (bytes). `env_bytes`: one env's; `activations`: a
-    sample's floats in the networks."""
+    """Refuse a run too big for the available memory; the estimate in bytes (`activations`: a sample's floats in the nets)."""
     action_bytes = 8 if isinstance(action_space, gym.spaces.Discrete) else 4 * int(np.prod(action_space.shape))
     transition = 2 * 4 * int(np.prod(observation_space.shape)) + action_bytes + 4 + 4  # obs, next_obs, action, reward, done
     chunks = args.reward_batch_size * max(1, len(args.reward_devices))  # frames scored in one go: a chunk per device
     waiting = -(-chunks // args.num_envs) * args.num_envs  # in whole vector steps
     held = 4 * waiting + 2 * args.num_envs  # 2 chunks with CLIP, a 3rd waiting and its copy; a step's frames in 2 places
-    frame, clip = int(np.prod(frame_shape)), args.reward == "clip"
+    frame, clip, cuda = int(np.prod(frame_shape)), args.reward == "clip", args.cuda and torch.cuda.is_available()
     copies = 2 if args.save_buffer and args.resume is None else 1  # --resume loads the saved buffer, then copies it in
     needs = {
         "--buffer-size": ("--buffer-size", args.buffer_size * transition * copies),
@@ -234,11 +225,9 @@ def check_resources(args, observation_space: gym.Space, action_space: gym.Space,
         f"{args.num_envs} envs": ("--num-envs", args.num_envs * env_bytes),
         "frames in flight": ("--num-envs" if waiting == args.num_envs else "--reward-batch-size", held * frame * clip),
     }
-    cuda = args.cuda and torch.cuda.is_available()
     if clip and all(torch.device(d).type == "cpu" for d in args.reward_devices or ["cuda" if cuda else "cpu"]):
-        # CLIP on the CPU: its weights (float32), and each chunk's frames as float32 before the squash to its input size
-        needs["CLIP weights"] = ("--clip-model", 4 * clip_parameters(args.clip_model))
-        needs["CLIP input"] = ("--reward-batch-size", 4 * min(args.reward_batch_size, waiting) * frame)
+        needs["CLIP weights"] = ("--clip-model", 4 * clip_parameters(args.clip_model))  # on the CPU: float32 weights
+        needs["CLIP input"] = ("--reward-batch-size", 4 * min(args.reward_batch_size, waiting) * frame)  # float32, unsquashed
     total, available, gib = sum(v for _, v in needs.values()), available_memory(), 2**30
     if total > gib or (available and total > 0.25 * available):  # said only when it matters (not 0.00 GiB for CartPole)
         terms = ", ".join(f"{k} {v / gib:.2f}" for k, (_, v) in needs.items() if v >= 0.005 * gib)
@@ -278,6 +267,7 @@ def check_checkpoint_disk(args, networks: dict[str, dict], rb) -> None:
     """--save-model: a run refused if its checkpoints (step files, checkpoint.pt twice while replaced) do not fit."""
     if not args.save_model:
         return
+    format_bytes = lambda n: f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"  # noqa: E731
     size = sum(p.numel() * p.element_size() for m in networks.values() for p in m.values()) + 2**16
     buffer = sum(v.nbytes for v in rb.data.values()) if args.save_buffer else 0
     count, state = args.total_timesteps // args.checkpoint_frequency, 4 * size + buffer
@@ -289,10 +279,6 @@ def check_checkpoint_disk(args, networks: dict[str, dict], rb) -> None:
         advice = "lower --buffer-size or drop --save-buffer" if buffer else "free some disk space"
         raise UserError(f"the checkpoints take up to {format_bytes(total)} ({what}), but {format_bytes(free)} is free; "
                         + ("raise --checkpoint-frequency." if size * count > 2 * state else f"{advice}."))  # fmt: skip
-
-
-def format_bytes(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 # --- A resumed or evaluated run: its checkpoint and its flags ---------------------------------
@@ -310,18 +296,17 @@ def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict
     saved = checkpoint.get("args") if isinstance(checkpoint, dict) else None
     if not isinstance(saved, dict) or not set(saved) <= {f.name for f in fields(args_class)}:
         raise UserError(f"{flag} {path} was written by another script; pass a checkpoint.pt of {script}.")
-    # the reward, env and networks are the code of the script that wrote it: this file (edited since: said), or a refusal
     record, own = checkpoint_script(checkpoint, f"{flag} {path}"), script_record(sys.modules[args_class.__module__].__file__)
     same_file = record["file"] == own["file"] or os.path.realpath(record["path"]) == os.path.realpath(own["path"])
-    if record["sha256"] != own["sha256"] and not same_file:  # equal hashes: the same code under another name (a link)
+    if record["sha256"] != own["sha256"] and not same_file:  # the reward, env and nets are its code; equal hashes: a link
         raise UserError(f"{flag} {path} was written by {record['file']} (sha256 {record['sha256'][:12]}), whose reward, "
                         f"env and networks this {script} (sha256 {own['sha256'][:12]}) may not share; run it with "
                         f"{record['file']}.")  # fmt: skip
-    if record["sha256"] != own["sha256"]:  # the research loop: fix a bug, add a log line, go on
-        note(f"note: {script} changed since {path} was written ({script_changes(record, own)}): {flag} uses it as it is now")
+    if record["sha256"] != own["sha256"] and (line := f"note: {script} changed since {path} was written ("
+            f"{script_changes(record, own)}): {flag} uses it as it is now") not in NOTED:  # fmt: skip
+        NOTED.add(line), print(line)  # the research loop: fix a bug, add a log line, go on
     for key, kind in get_type_hints(args_class).items():  # the parser checks a choice typed, not one saved
-        choices = get_args(kind) if get_origin(kind) is Literal else None
-        if choices and key in saved and saved[key] not in choices:
+        if get_origin(kind) is Literal and key in saved and saved[key] not in (choices := get_args(kind)):
             raise UserError(f"{flag} {path} holds --{key.replace('_', '-')} {saved[key]}, which {script} does not take "
                             f"({', '.join(map(str, choices))}); pass another checkpoint.pt.")  # fmt: skip
     if flag != "--resume":
@@ -342,19 +327,17 @@ def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict
 
 
 def unloadable_rng(rng, num_envs: int) -> Optional[str]:
-    """Which random state of a checkpoint the libraries refuse, tried as Run.restore loads them and put back (issue 46: a
-    malformed torch state was a traceback after the envs, CLIP and an event file had started)."""
+    """A checkpoint's random state the libraries refuse, tried as Run.restore loads it (issue 46: a traceback, late)."""
     if not isinstance(rng, dict) or len(rng.get("envs", ())) != num_envs:
         return f"holds {len(rng.get('envs', ())) if isinstance(rng, dict) else 'no'} env states for {num_envs} envs"
-    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    try:
-        for key, load in [("python", random.setstate), ("numpy", np.random.set_state), ("torch", torch.set_rng_state)]:
-            try:
-                load(rng.get(key))
-            except Exception as e:  # noqa: BLE001 - whatever the library says of it, in one line
-                return f"{key} does not load ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})"
-    finally:
-        random.setstate(saved[0]), np.random.set_state(saved[1]), torch.set_rng_state(saved[2])
+    for key, load, state in [("python", random.setstate, random.getstate()), ("numpy", np.random.set_state,
+                             np.random.get_state()), ("torch", torch.set_rng_state, torch.get_rng_state())]:  # fmt: skip
+        try:
+            load(rng.get(key))
+        except Exception as e:  # noqa: BLE001 - whatever the library says of it, in one line
+            return f"{key} does not load ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})"
+        finally:
+            load(state)  # put back
     bad = [i for i, g in enumerate(rng["envs"]) if not isinstance(g, np.random.Generator)]
     return f"envs[{bad[0]}] is not a numpy Generator" if bad else None
 
@@ -377,13 +360,6 @@ def script_changes(record: dict, now: dict) -> str:
     return changes
 
 
-def note(line: str) -> None:
-    """Prints a note once a process: a checkpoint is read twice (--evaluate: for its flags, then by the checks)."""
-    if line not in NOTED:
-        NOTED.add(line)
-        print(line)
-
-
 def checkpoint_script(checkpoint: dict, name: str) -> dict:
     """The record of the script that wrote `checkpoint`; none (older) is refused: a copy's reward would be read wrongly."""
     record = checkpoint.get("script")
@@ -399,13 +375,10 @@ def check_intact(path: str, name: str, advice: str) -> None:
         archive = zipfile.ZipFile(path)
     except Exception:  # noqa: BLE001 - not a zip (truncated, foreign): left to torch.load's own error
         return
-    with archive:
-        try:
-            damaged = archive.testzip() is not None
-        except Exception:  # noqa: BLE001 - a header field itself flipped (a length, a compression method)
-            damaged = True
-    if damaged:
-        raise UserError(f"{name} is damaged: its bytes do not match the checksums saved in it (a bad disk or copy); {advice}.")
+    with archive, contextlib.suppress(Exception):  # an exception: a header field itself flipped (a length, a compression)
+        if archive.testzip() is None:
+            return
+    raise UserError(f"{name} is damaged: its bytes do not match the checksums saved in it (a bad disk or copy); {advice}.")
 
 
 RUN_LOCKS: dict[str, filelock.UnixFileLock] = {}  # runs/<run>/run.lock of the run this process trains -> its lock
@@ -416,9 +389,8 @@ def lock_run(run_name: str, keep: bool = True) -> None:
     path = os.path.abspath(f"runs/{run_name}/run.lock")
     if path in RUN_LOCKS or not (keep or os.path.exists(path)):
         return
-    lock = filelock.UnixFileLock(path, timeout=0)
     try:
-        lock.acquire()
+        (lock := filelock.UnixFileLock(path, timeout=0)).acquire()
     except filelock.Timeout:
         holder = Path(path).read_text(errors="replace").strip() or "?"
         raise UserError(f"runs/{run_name} is being trained by another process (pid {holder}); wait for it to end.") from None
@@ -442,15 +414,13 @@ def unlock_runs() -> None:
 
 def resumed_args(args, checkpoint: dict):
     """The run's own flags; one given that would change them is refused, but a larger --total-timesteps extends the run."""
-    args_class = type(args)
-    saved, default = checkpoint["args"], vars(args_class())
+    args_class, saved, default = type(args), checkpoint["args"], vars(type(args)())
     if changed := [k for k, v in vars(args).items() if k not in ("resume", "total_timesteps")
                    and (k in GIVEN or default[k] != v) and v != saved.get(k, default[k])]:  # fmt: skip
         flags = ", ".join("--" + k.replace("_", "-") for k in changed)
         raise UserError(f"--resume continues a run with its own flags; drop {flags} (or start a new run).")
     total = saved["total_timesteps"]
-    given = "total_timesteps" in GIVEN or args.total_timesteps != default["total_timesteps"]
-    if given and args.total_timesteps != total:
+    if ("total_timesteps" in GIVEN or args.total_timesteps != default["total_timesteps"]) and args.total_timesteps != total:
         if args.total_timesteps < checkpoint["global_step"]:
             raise UserError(f"--total-timesteps {args.total_timesteps} is below the step the run reached, "
                             f"{checkpoint['global_step']}; pass a larger value to extend it.")  # fmt: skip
@@ -498,28 +468,25 @@ def fetch_clip_weights(args) -> bool:
         return False  # a weights file, random weights, or a tag that create_model refuses
     offline, hub.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE, True
     try:
-        open_clip.download_pretrained(cfg, cache_dir=cache)  # offline: from the cache, or an error at once
-        return True
-    except Exception:  # noqa: BLE001 - not in the cache
-        pass
+        with contextlib.suppress(Exception):  # not in the cache: fetched below
+            open_clip.download_pretrained(cfg, cache_dir=cache)  # offline: from the cache, or an error at once
+            return True
     finally:
         hub.HF_HUB_OFFLINE = offline
     params = clip_parameters(args.clip_model)
     size = f" ({params / 1e6:,.0f}M parameters, about {params * 4 / 1e9:.1f} GB as float32)" if params else ""
     where = cache or "the Hugging Face cache"
     print(f"fetching the {name}/{args.clip_pretrained} CLIP weights{size} from {hub.ENDPOINT} into {where}", flush=True)
-    why = "HF_HUB_OFFLINE is set and they are not in the cache" if offline else None
+    why, reached = "HF_HUB_OFFLINE is set and they are not in the cache", False
     try:  # the hub's own client, once: open_clip's download retries a network that is down for a minute (46 s here)
         if not offline:
             huggingface_hub.get_session().head(hub.ENDPOINT, timeout=5)
-    except Exception as e:  # noqa: BLE001 - a name, a connection or a proxy that fails: said in seconds
-        why = f"{hub.ENDPOINT} cannot be reached: {(str(e).splitlines() or [type(e).__name__])[0]}"
-    if why is None:
-        try:
+            reached = True
             open_clip.download_pretrained(cfg, cache_dir=cache)
             return True
-        except Exception as e:  # noqa: BLE001 - every failure here has the same fixes
-            why = (str(e).splitlines() or [type(e).__name__])[0][:160]
+    except Exception as e:  # noqa: BLE001 - a name, a connection or a proxy that fails: said in seconds; then same fixes
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        why = first[:160] if reached else f"{hub.ENDPOINT} cannot be reached: {first}"
     raise UserError(f"could not download the {name}/{args.clip_pretrained} CLIP weights ({why}); check the network "
                     "connection, point --clip-cache-dir at a folder that holds them, or pass a weights file with "
                     "--clip-checkpoint.")  # fmt: skip
@@ -541,8 +508,7 @@ def warn_long_prompts(tokenizer, args) -> None:
 def say_reward_model_cost(reward_model: nn.Module, args, frame_shape: tuple[int, int, int]) -> None:
     """Measured before training: on CPU the reward model's time per frame (and advice), on a GPU each replica's peak memory."""
     if reward_model.device.type == "cuda":
-        devices = [device for _, device in reward_model.replicas]
-        for device in devices:
+        for device in (devices := [device for _, device in reward_model.replicas]):
             torch.cuda.reset_peak_memory_stats(device)
         try:
             reward_model(np.zeros((args.reward_batch_size * len(devices), *frame_shape), dtype=np.uint8))  # a chunk each
