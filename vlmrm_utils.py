@@ -570,12 +570,12 @@ def make_vector_env(vector_env: type, env_fns: list, autoreset_mode, frames: boo
     """The training envs (`frames`: with infos["frames"]); env processes ignore Ctrl-C and SIGTERM and end with the run."""
     if vector_env is gym.vector.AsyncVectorEnv and sys.platform == "linux":
         env_fns = [functools.partial(die_with_parent, fn, os.getpid()) for fn in env_fns]
-    handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    handlers = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         envs = vector_env(env_fns, autoreset_mode=autoreset_mode)
     finally:
-        signal.signal(signal.SIGINT, handlers[0])
-        signal.signal(signal.SIGTERM, handlers[1])
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
     return FramesInInfo(envs) if frames else envs
 
 
@@ -678,8 +678,7 @@ def die_with_parent(env_fn: Callable, parent: int) -> gym.Env:
 
 
 def close_envs(envs: gym.vector.VectorEnv, clean: bool = True) -> None:
-    """Gymnasium's close waits unbounded for each worker's answer, which never comes after a second Ctrl-C mid-step or a
-    dead worker: a clean close only after a normal end with no call pending (`clean`), else every worker is killed."""
+    """A clean close only after a normal end with no call pending (`clean`), else every worker killed: gymnasium's waits."""
     base = envs.unwrapped
     processes = getattr(base, "processes", None)
     if processes is None:  # envs in process: nothing to wait for
@@ -727,8 +726,7 @@ def run_flags(args, evaluate_as_trained: str) -> tuple[object, Optional[dict]]:
 
 
 class Run:
-    """The run around each script's loop, called at fixed points: seeds, run folder, TensorBoard, W&B, progress, NaN
-    guard, checkpoints, videos, final evaluation; of the script it calls only what hands it data."""
+    """The run around each script's loop: seeds, folder, TensorBoard, W&B, progress, NaN guard, checkpoints, videos."""
 
     def __init__(self, args, checkpoint: Optional[dict] = None):
         self.checkpoint = checkpoint  # of --resume (the run to continue) or --evaluate (the policy to roll out)
@@ -742,20 +740,17 @@ class Run:
                       f"episode end, to extend the run from, and the final networks go to checkpoints/step-"
                       f"{args.total_timesteps}.pt")  # fmt: skip
         self.name = (checkpoint or {}).get("run_name", f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
-        random.seed(args.seed)
-        np.random.seed(args.seed)
-        torch.manual_seed(args.seed)
+        for seed in (random.seed, np.random.seed, torch.manual_seed):
+            seed(args.seed)
         torch.backends.cudnn.deterministic = args.torch_deterministic
         self.device = set_torch_threads(args, torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu"))
         if args.reward == "clip":  # a download that cannot happen fails here, in seconds, before the envs start
             fetch_clip_weights(args)
         self.timing = dict.fromkeys(["env", "render", "reward_model", "reward_wait", "learning"], 0.0)
         self.start_iteration = self.checkpoint["iteration"] if args.resume is not None else 0
-        self.last_iteration = args.total_timesteps // args.num_envs - 1
-        self.iteration = self.start_iteration - 1
+        self.last_iteration, self.iteration = args.total_timesteps // args.num_envs - 1, self.start_iteration - 1
         self.last_save = self.start_iteration * args.num_envs  # the step of the last checkpoint
-        self.stop = {"requested": False}
-        self.stopping = self.periodic = False
+        self.stop, self.stopping, self.periodic = {"requested": False}, False, False
         self.dones = np.ones(args.num_envs, dtype=bool)  # as they stay when no step is left
         self.writer = self.envs = self.scorer = None
 
@@ -777,8 +772,7 @@ class Run:
 
     @contextlib.contextmanager
     def closing(self, envs: gym.vector.VectorEnv, scorer: Optional[ThreadPoolExecutor] = None):
-        """Every exit (an error, a second Ctrl-C, a dead env worker: named) drops `scorer`'s queued chunks, closes
-        TensorBoard and the env processes (they ignore SIGTERM) and frees the run for a --resume."""
+        """Every exit (a dead env worker: named) drops `scorer`'s queue, closes TensorBoard and the envs, frees the run."""
         self.envs, self.scorer, clean = envs, scorer, False
         try:
             yield
@@ -826,14 +820,14 @@ class Run:
                 project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args),
                 name=self.name, save_code=True, **(resumed if resumed.get("id") else {}),
             )  # fmt: skip
-        purge_step = self.start_iteration * args.num_envs if self.checkpoint else None  # drops a crash's logs after it
         from torch.utils.tensorboard import SummaryWriter  # here: half a second to import, which a refused flag needs not
 
         threading.excepthook = lambda hook: (  # a full disk in TensorBoard's writer thread: add_scalar or close says it
             None if type(hook.thread).__name__ == "_AsyncWriterThread" and isinstance(hook.exc_value, OSError)
             else threading.__excepthook__(hook)
         )  # fmt: skip
-        self.writer = SummaryWriter(f"runs/{self.name}", purge_step=purge_step)
+        start_step = self.start_iteration * args.num_envs  # purge_step: drops a crash's logs after it
+        self.writer = SummaryWriter(f"runs/{self.name}", purge_step=start_step if self.checkpoint else None)
         if self.checkpoint is None:
             table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
             self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
@@ -843,7 +837,6 @@ class Run:
         self.sums = {"length": np.zeros(args.num_envs), **(self.checkpoint["episodes"]["sums"] if self.checkpoint else {})}
         self.success = success  # success(episode): an ended episode's charts/gt_success (None: not logged)
         self.finite, self.finite_steps = None, math.inf  # the NaN guard's last finite networks (snapshot)
-        start_step = self.start_iteration * args.num_envs
         self.progress = Progress(args.total_timesteps, start_step, args.reward == "clip", max(10, args.num_envs))
         self.stop = install_stop_handlers()
 
@@ -923,8 +916,7 @@ class Run:
                 self.writer.add_scalar(tag, value, step)
 
     def log_episodes(self, batch: dict, step: int, rewards: np.ndarray, clip_rewards: np.ndarray, components=()) -> list[dict]:
-        """A scored batch (step-major rows, the last step `step`) added to the per-env sums of the running episodes: the
-        ended ones, each logged at its own step, oldest first."""
+        """A scored batch (step-major rows, last step `step`) added to the episodes' sums: the ended ones, logged in order."""
         args, steps = self.args, len(rewards) // self.args.num_envs
         gt = batch["gt"].reshape(steps, args.num_envs, -1)
         sums = {"return": rewards, "gt_return": gt[..., 0], "clip_return": clip_rewards}
@@ -976,8 +968,7 @@ class Run:
 
     def checkpoint_due(self, dones: np.ndarray) -> bool:
         """A checkpoint after this step? Where episodes end: periodic and last with --save-model, and on a stop signal."""
-        args = self.args
-        self.dones = dones
+        args, self.dones = self.args, dones
         self.stopping = self.stop["requested"]  # read once: a signal arriving later is handled at the next step
         boundary = dones.all() or args.episodes == "stock"
         period = (self.iteration + 1) * args.num_envs // args.checkpoint_frequency
@@ -1055,11 +1046,9 @@ class Progress:
             gt_return, clip_return = np.mean(self.returns, axis=0)
             line += f" | last {len(self.returns)} episodes: gt_return {gt_return:.1f}"
             line += f", clip_return {clip_return:.2f}" if self.clip else ""
-        if self.tty:  # back to the line start: the next update, or any other message, overwrites it
-            print("\r\x1b[K" + line, end="\n" if final else "\r", flush=True)
-        else:
-            print(line, flush=True)
-            self.printed = step
+        # on a terminal, back to the line start: the next update, or any other message, overwrites it
+        print(("\r\x1b[K" if self.tty else "") + line, end="\r" if self.tty and not final else "\n", flush=True)
+        self.printed = step
 
 
 def format_duration(seconds: float) -> str:
@@ -1073,8 +1062,7 @@ STOP_PIPE: list[int] = []  # (read, write): Python's C signal handler writes a b
 
 
 def install_stop_handlers() -> dict:
-    """First Ctrl-C or SIGTERM: checkpoint after the current episodes, exit cleanly; second: quit at once. Counted on the
-    wakeup fd (two during one C call run the handler once); "wakeup": the fd replaced (Run.closing puts it back)."""
+    """First Ctrl-C or SIGTERM: checkpoint, exit; second: quit. Counted on the wakeup fd (two in one C call: one handler)."""
     if not STOP_PIPE:
         STOP_PIPE.extend(os.pipe())
         for fd in STOP_PIPE:
@@ -1109,8 +1097,8 @@ def make_run_folder(run_name: str) -> str:
 def save_step_checkpoint(run_name: str, step: int, networks: dict, args, clip_return: float, source: dict) -> None:
     """runs/<run>/checkpoints/step-<N>.pt, all kept: the networks and CLIP return (`success_eval.py best` picks one)."""
     os.makedirs(f"runs/{run_name}/checkpoints", exist_ok=True)
-    state = {**networks, "args": asdict(args), "run_name": run_name, "global_step": step, "clip_return": clip_return}
-    save_checkpoint(f"runs/{run_name}/checkpoints/step-{step}.pt", {**state, "script": source})
+    state = {"args": asdict(args), "run_name": run_name, "global_step": step, "clip_return": clip_return, "script": source}
+    save_checkpoint(f"runs/{run_name}/checkpoints/step-{step}.pt", {**networks, **state})
 
 
 def misfit(saved, fresh) -> Optional[str]:
@@ -1185,14 +1173,12 @@ def evaluate(policy: Callable, eval_envs: gym.vector.VectorEnv, reward_model, ep
                 raise RunError(frame_problem(name, frames[-1], frames[0].shape) + ".")
         # the reset frame scores no transition: the reward of step t is the score of frame t + 1
         clip_return = float(reward_model(np.stack(frames[1:])).sum()) if reward_model is not None else math.nan
-        fps = eval_envs.metadata["render_fps"]
-        results.append(dict(frames=frames, gt_return=gt_return, clip_return=clip_return, fps=fps))
+        results.append(dict(frames=frames, gt_return=gt_return, clip_return=clip_return, fps=eval_envs.metadata["render_fps"]))
     return results
 
 
 def save_episodes(results: list[dict], run_name: str) -> None:
-    """--evaluate: each episode as MP4 and PNGs in videos/<run_name>/eval-episode-<i>, replacing an earlier evaluation
-    whole, only once complete (written in a hidden folder first: a failure or Ctrl-C leaves the earlier one)."""
+    """--evaluate: MP4 and PNGs per episode, replacing an earlier evaluation only once complete (hidden folder first)."""
     os.makedirs(f"videos/{run_name}", exist_ok=True)
     partial = tempfile.mkdtemp(prefix=".eval-partial-", dir=f"videos/{run_name}")
     try:
