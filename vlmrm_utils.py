@@ -816,10 +816,9 @@ class Run:
             import wandb
 
             resumed = {"id": self.checkpoint.get("wandb_id"), "resume": "allow"} if self.checkpoint else {}
-            wandb.init(  # W&B's own folder is ./wandb, as CleanRL's: inside runs/<run> it would sync copies of itself
-                project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args),
-                name=self.name, save_code=True, **(resumed if resumed.get("id") else {}),
-            )  # fmt: skip
+            # W&B's own folder is ./wandb, as CleanRL's: inside runs/<run> it would sync copies of itself
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args),
+                       name=self.name, save_code=True, **(resumed if resumed.get("id") else {}))  # fmt: skip
         from torch.utils.tensorboard import SummaryWriter  # here: half a second to import, which a refused flag needs not
 
         threading.excepthook = lambda hook: (  # a full disk in TensorBoard's writer thread: add_scalar or close says it
@@ -862,7 +861,6 @@ class Run:
         return envs.reset(options={"reset_mask": np.ones(self.args.num_envs, dtype=bool)})[0]
 
     def iterations(self):
-        """The vector steps left, from a resumed run's own; the progress line after each."""
         for self.iteration in range(self.start_iteration, self.last_iteration + 1):
             yield self.iteration
             self.progress.update((self.iteration + 1) * self.args.num_envs)
@@ -1117,7 +1115,6 @@ def misfit(saved, fresh) -> Optional[str]:
 
 
 def all_finite(state) -> bool:
-    """True when every floating-point tensor of a (nested) state dict is finite."""
     if isinstance(state, (dict, list, tuple)):
         return all(map(all_finite, state.values() if isinstance(state, dict) else state))
     return not (torch.is_tensor(state) and state.is_floating_point()) or bool(torch.isfinite(state).all())
@@ -1201,6 +1198,5 @@ def save_episodes(results: list[dict], run_name: str) -> None:
 
 
 def returns_text(result: dict) -> str:
-    """An evaluation episode's returns; the CLIP return only where there is one (not with --reward gt)."""
     clip = f"clip_return={result['clip_return']:.2f} " if math.isfinite(result["clip_return"]) else ""
     return f"{clip}gt_return={result['gt_return']:.1f}"
