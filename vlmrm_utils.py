@@ -679,8 +679,7 @@ def die_with_parent(env_fn: Callable, parent: int) -> gym.Env:
 
 def close_envs(envs: gym.vector.VectorEnv, clean: bool = True) -> None:
     """A clean close only after a normal end with no call pending (`clean`), else every worker killed: gymnasium's waits."""
-    base = envs.unwrapped
-    processes = getattr(base, "processes", None)
+    processes = getattr(base := envs.unwrapped, "processes", None)
     if processes is None:  # envs in process: nothing to wait for
         return envs.close()
     interrupted = None
@@ -813,10 +812,9 @@ class Run:
             self.name = make_run_folder(self.name)
         lock_run(self.name)
         if args.track:  # as CleanRL: W&B mirrors the TensorBoard logs, with the flags as config and the script's code
-            import wandb
+            import wandb  # its own folder is ./wandb, as CleanRL's: inside runs/<run> it would sync copies of itself
 
             resumed = {"id": self.checkpoint.get("wandb_id"), "resume": "allow"} if self.checkpoint else {}
-            # W&B's own folder is ./wandb, as CleanRL's: inside runs/<run> it would sync copies of itself
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args),
                        name=self.name, save_code=True, **(resumed if resumed.get("id") else {}))  # fmt: skip
         from torch.utils.tensorboard import SummaryWriter  # here: half a second to import, which a refused flag needs not
@@ -875,9 +873,8 @@ class Run:
         """The NaN guard's first line: a NaN or inf reward stops the run (exit 1) before it poisons the buffer."""
         if not np.all(np.isfinite(rewards)):
             hint = "; on a GPU, --clip-dtype bfloat16 has float32's range" if self.args.reward == "clip" else ""
-            # rows are step-major: env i of step t is row t * num_envs + i, and `step` is the chunk's last step
             n, first = self.args.num_envs, int(np.flatnonzero(~np.isfinite(rewards))[0])
-            at = step - (len(rewards) // n - 1 - first // n) * n
+            at = step - (len(rewards) // n - 1 - first // n) * n  # step-major rows: env i of step t is row t * n + i
             bad = f"{np.sum(~np.isfinite(rewards))} of {len(rewards)} frames, the first at step {at} (env {first % n})"
             self.nonfinite(f"the {self.args.reward} reward is not finite for {bad}", networks(), hint)
 
@@ -953,12 +950,11 @@ class Run:
 
     def video(self, evaluation: Callable[[int], list[dict]]) -> None:
         """--capture-video, every --video-frequency steps and at the end: an episode of `evaluation` as MP4, returns logged."""
-        args = self.args
-        step, next_step = self.iteration * args.num_envs, (self.iteration + 1) * args.num_envs
-        new_period = step // args.video_frequency != next_step // args.video_frequency
+        args, step = self.args, (self.iteration + 1) * self.args.num_envs
+        new_period = (step - args.num_envs) // args.video_frequency != step // args.video_frequency
         if not (args.capture_video and (new_period or self.iteration == self.last_iteration)):
             return
-        result, step = evaluation(1)[0], next_step
+        result = evaluation(1)[0]
         save_video(result["frames"], f"videos/{self.name}/step-{step}.mp4", result["fps"])
         self.writer.add_scalar("eval/gt_return", result["gt_return"], step)
         if math.isfinite(result["clip_return"]):
@@ -1037,14 +1033,12 @@ class Progress:
         elapsed, self.last = now - self.start, now
         sps = (step - self.start_step) / max(elapsed, 1e-9)
         left = (self.total - step) / sps if sps > 0 and elapsed >= 5 else math.inf  # "?" until a few seconds measured
-        left = format_duration(0 if step >= self.total else left)
         line = f"step {step}/{self.total} ({100 * step / self.total:.0f}%) | {sps:.0f} steps/s"
-        line += f" | elapsed {format_duration(elapsed)} | left {left}"
+        line += f" | elapsed {format_duration(elapsed)} | left {format_duration(0 if step >= self.total else left)}"
         if self.returns:
             gt_return, clip_return = np.mean(self.returns, axis=0)
             line += f" | last {len(self.returns)} episodes: gt_return {gt_return:.1f}"
             line += f", clip_return {clip_return:.2f}" if self.clip else ""
-        # on a terminal, back to the line start: the next update, or any other message, overwrites it
         print(("\r\x1b[K" if self.tty else "") + line, end="\r" if self.tty and not final else "\n", flush=True)
         self.printed = step
 
@@ -1150,6 +1144,7 @@ def save_video(frames: list[np.ndarray], path: str, fps: int) -> None:
         wandb.log({f"videos/{Path(path).stem}": wandb.Video(path, format="mp4")})
 
 
+@torch.no_grad()
 def evaluate(policy: Callable, eval_envs: gym.vector.VectorEnv, reward_model, episodes: int, seed: int) -> list[dict]:
     """Episodes of `policy` in a one-env vector env: frames (checked as training's), frame rate, gt and CLIP returns."""
     results, name = [], eval_envs.envs[0].spec.id if eval_envs.envs[0].spec else type(eval_envs.envs[0].unwrapped).__name__
@@ -1160,11 +1155,8 @@ def evaluate(policy: Callable, eval_envs: gym.vector.VectorEnv, reward_model, ep
             raise RunError(frame_problem(name, frames[0]) + ".")
         gt_return, done = 0.0, False
         while not done:  # fixed length: --episode-length steps; stock: until the env terminates or truncates
-            with torch.no_grad():
-                actions = policy(obs)
-            obs, gt_rewards, terminations, truncations, _ = eval_envs.step(actions)
-            done = bool(terminations[0] or truncations[0])
-            gt_return += float(gt_rewards[0])
+            obs, gt_rewards, terminations, truncations, _ = eval_envs.step(policy(obs))
+            done, gt_return = bool(terminations[0] or truncations[0]), gt_return + float(gt_rewards[0])
             frames.append(eval_envs.call("render")[0])
             if frame_problem(name, frames[-1], frames[0].shape):  # one video, one batch for the reward model: one shape
                 raise RunError(frame_problem(name, frames[-1], frames[0].shape) + ".")
