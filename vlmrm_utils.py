@@ -589,9 +589,7 @@ class FrameSpace(gym.spaces.Box):
         self.bounded_below = self.bounded_above = np.broadcast_to(dtype == np.uint8, shape)
 
 
-@gym.vector.utils.batch_space.register(FrameSpace)
-def _batch_frame_space(space: FrameSpace, n: int = 1) -> FrameSpace:
-    return FrameSpace((n, *space.shape), space.dtype)
+gym.vector.utils.batch_space.register(FrameSpace, lambda space, n=1: FrameSpace((n, *space.shape), space.dtype))
 
 
 def frame_problem(name: str, frame, shape: Optional[tuple] = None) -> Optional[str]:
@@ -639,13 +637,10 @@ def check_renderer_args(args) -> None:
         raise UserError(f"--supersample must be between 1 and 8, got {args.supersample}.")
 
 
-MUJOCO_WARNED = []
-
-
-def mujoco_warning(message: str) -> None:
+def mujoco_warning(message: str, warned: list = []) -> None:  # `warned`: made once, the process's
     """MuJoCo's warnings (e.g. a NaN action: "the simulation is unstable"): the first of each process on stdout."""
-    if not MUJOCO_WARNED:
-        MUJOCO_WARNED.append(message)
+    if not warned:
+        warned.append(message)
         print(f"warning: MuJoCo: {message.strip()} (its later warnings in this process are not shown)", flush=True)
 
 
@@ -703,19 +698,15 @@ def close_envs(envs: gym.vector.VectorEnv, clean: bool = True) -> None:
 # --- The run around the loop: folder, progress, episodes, NaN guard, checkpoints, videos ---------------
 def set_torch_threads(args, device: torch.device) -> torch.device:
     """One torch thread on CPU unless asked otherwise: measured 8-12x faster for these small networks on a shared CPU."""
-    if args.torch_threads is None and device.type == "cpu":
-        torch.set_num_threads(1)
-    elif args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
+    if args.torch_threads or (args.torch_threads is None and device.type == "cpu"):
+        torch.set_num_threads(args.torch_threads or 1)
     return device
 
 
 def run_flags(args, evaluate_as_trained: str) -> tuple[object, Optional[dict]]:
     """The run's flags and checkpoint (None: new): --resume's own; `evaluate_as_trained` as trained unless given."""
-    checkpoint = None
-    if args.resume is not None:
-        checkpoint = read_checkpoint(args.resume, type(args))
-        args = resumed_args(args, checkpoint)
+    checkpoint = None if args.resume is None else read_checkpoint(args.resume, type(args))
+    args = args if checkpoint is None else resumed_args(args, checkpoint)
     if args.evaluate is not None:
         checkpoint, default = read_checkpoint(args.evaluate, type(args), "--evaluate"), vars(type(args)())
         for key in evaluate_as_trained.split():
