@@ -536,12 +536,12 @@ def make_vector_env(vector_env: type, env_fns: list, autoreset_mode, frames: boo
     """The training envs (`frames`: with infos["frames"]); env processes ignore Ctrl-C and SIGTERM and end with the run."""
     if vector_env is gym.vector.AsyncVectorEnv and sys.platform == "linux":
         env_fns = [functools.partial(die_with_parent, fn, os.getpid()) for fn in env_fns]
-    handlers = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    handlers = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         envs = vector_env(env_fns, autoreset_mode=autoreset_mode)
     finally:
-        signal.signal(signal.SIGINT, handlers[0])
-        signal.signal(signal.SIGTERM, handlers[1])
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
     return FramesInInfo(envs) if frames else envs
 
 
@@ -555,9 +555,7 @@ class FrameSpace(gym.spaces.Box):
         self.bounded_below = self.bounded_above = np.broadcast_to(dtype == np.uint8, shape)
 
 
-@gym.vector.utils.batch_space.register(FrameSpace)
-def _batch_frame_space(space: FrameSpace, n: int = 1) -> FrameSpace:
-    return FrameSpace((n, *space.shape), space.dtype)
+gym.vector.utils.batch_space.register(FrameSpace, lambda space, n=1: FrameSpace((n, *space.shape), space.dtype))
 
 
 def frame_problem(name: str, frame, shape: Optional[tuple] = None) -> Optional[str]:
@@ -605,13 +603,10 @@ def check_renderer_args(args) -> None:
         raise UserError(f"--supersample must be between 1 and 8, got {args.supersample}.")
 
 
-MUJOCO_WARNED = []
-
-
-def mujoco_warning(message: str) -> None:
+def mujoco_warning(message: str, warned: list = []) -> None:  # `warned`: made once, the process's
     """MuJoCo's warnings (e.g. a NaN action: "the simulation is unstable"): the first of each process on stdout."""
-    if not MUJOCO_WARNED:
-        MUJOCO_WARNED.append(message)
+    if not warned:
+        warned.append(message)
         print(f"warning: MuJoCo: {message.strip()} (its later warnings in this process are not shown)", flush=True)
 
 
@@ -644,10 +639,8 @@ def die_with_parent(env_fn: Callable, parent: int) -> gym.Env:
 
 
 def close_envs(envs: gym.vector.VectorEnv, clean: bool = True) -> None:
-    """Gymnasium's close waits unbounded for each worker's answer, which never comes after a second Ctrl-C mid-step or a
-    dead worker: a clean close only after a normal end with no call pending (`clean`), else every worker is killed."""
-    base = envs.unwrapped
-    processes = getattr(base, "processes", None)
+    """A clean close only after a normal end with no call pending (`clean`), else every worker killed: gymnasium's waits."""
+    processes = getattr(base := envs.unwrapped, "processes", None)
     if processes is None:  # envs in process: nothing to wait for
         return envs.close()
     interrupted = None
@@ -671,19 +664,15 @@ def close_envs(envs: gym.vector.VectorEnv, clean: bool = True) -> None:
 # --- The run around the loop: folder, progress, episodes, NaN guard, checkpoints, videos ---------------
 def set_torch_threads(args, device: torch.device) -> torch.device:
     """One torch thread on CPU unless asked otherwise: measured 8-12x faster for these small networks on a shared CPU."""
-    if args.torch_threads is None and device.type == "cpu":
-        torch.set_num_threads(1)
-    elif args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
+    if args.torch_threads or (args.torch_threads is None and device.type == "cpu"):
+        torch.set_num_threads(args.torch_threads or 1)
     return device
 
 
 def run_flags(args, evaluate_as_trained: str) -> tuple[object, Optional[dict]]:
     """The run's flags and checkpoint (None: new): --resume's own; `evaluate_as_trained` as trained unless given."""
-    checkpoint = None
-    if args.resume is not None:
-        checkpoint = read_checkpoint(args.resume, type(args))
-        args = resumed_args(args, checkpoint)
+    checkpoint = None if args.resume is None else read_checkpoint(args.resume, type(args))
+    args = args if checkpoint is None else resumed_args(args, checkpoint)
     if args.evaluate is not None:
         checkpoint, default = read_checkpoint(args.evaluate, type(args), "--evaluate"), vars(type(args)())
         for key in evaluate_as_trained.split():
@@ -693,8 +682,7 @@ def run_flags(args, evaluate_as_trained: str) -> tuple[object, Optional[dict]]:
 
 
 class Run:
-    """The run around each script's loop, called at fixed points: seeds, run folder, TensorBoard, W&B, progress, NaN
-    guard, checkpoints, videos, final evaluation; of the script it calls only what hands it data."""
+    """The run around each script's loop: seeds, folder, TensorBoard, W&B, progress, NaN guard, checkpoints, videos."""
 
     def __init__(self, args, checkpoint: Optional[dict] = None):
         self.checkpoint = checkpoint  # of --resume (the run to continue) or --evaluate (the policy to roll out)
@@ -708,20 +696,17 @@ class Run:
                       f"episode end, to extend the run from, and the final networks go to checkpoints/step-"
                       f"{args.total_timesteps}.pt")  # fmt: skip
         self.name = (checkpoint or {}).get("run_name", f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
-        random.seed(args.seed)
-        np.random.seed(args.seed)
-        torch.manual_seed(args.seed)
+        for seed in (random.seed, np.random.seed, torch.manual_seed):
+            seed(args.seed)
         torch.backends.cudnn.deterministic = args.torch_deterministic
         self.device = set_torch_threads(args, torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu"))
         if args.reward == "clip":  # a download that cannot happen fails here, in seconds, before the envs start
             fetch_clip_weights(args)
         self.timing = dict.fromkeys(["env", "render", "reward_model", "reward_wait", "learning"], 0.0)
         self.start_iteration = self.checkpoint["iteration"] if args.resume is not None else 0
-        self.last_iteration = args.total_timesteps // args.num_envs - 1
-        self.iteration = self.start_iteration - 1
+        self.last_iteration, self.iteration = args.total_timesteps // args.num_envs - 1, self.start_iteration - 1
         self.last_save = self.start_iteration * args.num_envs  # the step of the last checkpoint
-        self.stop = {"requested": False}
-        self.stopping = self.periodic = False
+        self.stop, self.stopping, self.periodic = {"requested": False}, False, False
         self.dones = np.ones(args.num_envs, dtype=bool)  # as they stay when no step is left
         self.writer = self.envs = self.scorer = None
 
@@ -743,8 +728,7 @@ class Run:
 
     @contextlib.contextmanager
     def closing(self, envs: gym.vector.VectorEnv, scorer: Optional[ThreadPoolExecutor] = None):
-        """Every exit (an error, a second Ctrl-C, a dead env worker: named) drops `scorer`'s queued chunks, closes
-        TensorBoard and the env processes (they ignore SIGTERM) and frees the run for a --resume."""
+        """Every exit (a dead env worker: named) drops `scorer`'s queue, closes TensorBoard and the envs, frees the run."""
         self.envs, self.scorer, clean = envs, scorer, False
         try:
             yield
@@ -785,21 +769,19 @@ class Run:
             self.name = make_run_folder(self.name)
         lock_run(self.name)
         if args.track:  # as CleanRL: W&B mirrors the TensorBoard logs, with the flags as config and the script's code
-            import wandb
+            import wandb  # its own folder is ./wandb, as CleanRL's: inside runs/<run> it would sync copies of itself
 
             resumed = {"id": self.checkpoint.get("wandb_id"), "resume": "allow"} if self.checkpoint else {}
-            wandb.init(  # W&B's own folder is ./wandb, as CleanRL's: inside runs/<run> it would sync copies of itself
-                project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args),
-                name=self.name, save_code=True, **(resumed if resumed.get("id") else {}),
-            )  # fmt: skip
-        purge_step = self.start_iteration * args.num_envs if self.checkpoint else None  # drops a crash's logs after it
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args),
+                       name=self.name, save_code=True, **(resumed if resumed.get("id") else {}))  # fmt: skip
         from torch.utils.tensorboard import SummaryWriter  # here: half a second to import, which a refused flag needs not
 
         threading.excepthook = lambda hook: (  # a full disk in TensorBoard's writer thread: add_scalar or close says it
             None if type(hook.thread).__name__ == "_AsyncWriterThread" and isinstance(hook.exc_value, OSError)
             else threading.__excepthook__(hook)
         )  # fmt: skip
-        self.writer = SummaryWriter(f"runs/{self.name}", purge_step=purge_step)
+        start_step = self.start_iteration * args.num_envs  # purge_step: drops a crash's logs after it
+        self.writer = SummaryWriter(f"runs/{self.name}", purge_step=start_step if self.checkpoint else None)
         if self.checkpoint is None:
             table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
             self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
@@ -809,7 +791,6 @@ class Run:
         self.sums = {"length": np.zeros(args.num_envs), **(self.checkpoint["episodes"]["sums"] if self.checkpoint else {})}
         self.success = success  # success(episode): an ended episode's charts/gt_success (None: not logged)
         self.finite, self.finite_steps = None, math.inf  # the NaN guard's last finite networks (snapshot)
-        start_step = self.start_iteration * args.num_envs
         self.progress = Progress(args.total_timesteps, start_step, args.reward == "clip", max(10, args.num_envs))
         self.stop = install_stop_handlers()
 
@@ -835,7 +816,6 @@ class Run:
         return envs.reset(options={"reset_mask": np.ones(self.args.num_envs, dtype=bool)})[0]
 
     def iterations(self):
-        """The vector steps left, from a resumed run's own; the progress line after each."""
         for self.iteration in range(self.start_iteration, self.last_iteration + 1):
             yield self.iteration
             self.progress.update((self.iteration + 1) * self.args.num_envs)
@@ -850,9 +830,8 @@ class Run:
         """The NaN guard's first line: a NaN or inf reward stops the run (exit 1) before it poisons the buffer."""
         if not np.all(np.isfinite(rewards)):
             hint = "; on a GPU, --clip-dtype bfloat16 has float32's range" if self.args.reward == "clip" else ""
-            # rows are step-major: env i of step t is row t * num_envs + i, and `step` is the chunk's last step
             n, first = self.args.num_envs, int(np.flatnonzero(~np.isfinite(rewards))[0])
-            at = step - (len(rewards) // n - 1 - first // n) * n
+            at = step - (len(rewards) // n - 1 - first // n) * n  # step-major rows: env i of step t is row t * n + i
             bad = f"{np.sum(~np.isfinite(rewards))} of {len(rewards)} frames, the first at step {at} (env {first % n})"
             self.nonfinite(f"the {self.args.reward} reward is not finite for {bad}", networks(), hint)
 
@@ -889,8 +868,7 @@ class Run:
                 self.writer.add_scalar(tag, value, step)
 
     def log_episodes(self, batch: dict, step: int, rewards: np.ndarray, clip_rewards: np.ndarray, components=()) -> list[dict]:
-        """A scored batch (step-major rows, the last step `step`) added to the per-env sums of the running episodes: the
-        ended ones, each logged at its own step, oldest first."""
+        """A scored batch (step-major rows, last step `step`) added to the episodes' sums: the ended ones, logged in order."""
         args, steps = self.args, len(rewards) // self.args.num_envs
         gt = batch["gt"].reshape(steps, args.num_envs, -1)
         sums = {"return": rewards, "gt_return": gt[..., 0], "clip_return": clip_rewards}
@@ -929,12 +907,11 @@ class Run:
 
     def video(self, evaluation: Callable[[int], list[dict]]) -> None:
         """--capture-video, every --video-frequency steps and at the end: an episode of `evaluation` as MP4, returns logged."""
-        args = self.args
-        step, next_step = self.iteration * args.num_envs, (self.iteration + 1) * args.num_envs
-        new_period = step // args.video_frequency != next_step // args.video_frequency
+        args, step = self.args, (self.iteration + 1) * self.args.num_envs
+        new_period = (step - args.num_envs) // args.video_frequency != step // args.video_frequency
         if not (args.capture_video and (new_period or self.iteration == self.last_iteration)):
             return
-        result, step = evaluation(1)[0], next_step
+        result = evaluation(1)[0]
         save_video(result["frames"], f"videos/{self.name}/step-{step}.mp4", result["fps"])
         self.writer.add_scalar("eval/gt_return", result["gt_return"], step)
         if math.isfinite(result["clip_return"]):
@@ -942,8 +919,7 @@ class Run:
 
     def checkpoint_due(self, dones: np.ndarray) -> bool:
         """A checkpoint after this step? Where episodes end: periodic and last with --save-model, and on a stop signal."""
-        args = self.args
-        self.dones = dones
+        args, self.dones = self.args, dones
         self.stopping = self.stop["requested"]  # read once: a signal arriving later is handled at the next step
         boundary = dones.all() or args.episodes == "stock"
         period = (self.iteration + 1) * args.num_envs // args.checkpoint_frequency
@@ -1014,18 +990,14 @@ class Progress:
         elapsed, self.last = now - self.start, now
         sps = (step - self.start_step) / max(elapsed, 1e-9)
         left = (self.total - step) / sps if sps > 0 and elapsed >= 5 else math.inf  # "?" until a few seconds measured
-        left = format_duration(0 if step >= self.total else left)
         line = f"step {step}/{self.total} ({100 * step / self.total:.0f}%) | {sps:.0f} steps/s"
-        line += f" | elapsed {format_duration(elapsed)} | left {left}"
+        line += f" | elapsed {format_duration(elapsed)} | left {format_duration(0 if step >= self.total else left)}"
         if self.returns:
             gt_return, clip_return = np.mean(self.returns, axis=0)
             line += f" | last {len(self.returns)} episodes: gt_return {gt_return:.1f}"
             line += f", clip_return {clip_return:.2f}" if self.clip else ""
-        if self.tty:  # back to the line start: the next update, or any other message, overwrites it
-            print("\r\x1b[K" + line, end="\n" if final else "\r", flush=True)
-        else:
-            print(line, flush=True)
-            self.printed = step
+        print(("\r\x1b[K" if self.tty else "") + line, end="\r" if self.tty and not final else "\n", flush=True)
+        self.printed = step
 
 
 def format_duration(seconds: float) -> str:
@@ -1039,8 +1011,7 @@ STOP_PIPE: list[int] = []  # (read, write): Python's C signal handler writes a b
 
 
 def install_stop_handlers() -> dict:
-    """First Ctrl-C or SIGTERM: checkpoint after the current episodes, exit cleanly; second: quit at once. Counted on the
-    wakeup fd (two during one C call run the handler once); "wakeup": the fd replaced (Run.closing puts it back)."""
+    """First Ctrl-C or SIGTERM: checkpoint, exit; second: quit. Counted on the wakeup fd (two in one C call: one handler)."""
     if not STOP_PIPE:
         STOP_PIPE.extend(os.pipe())
         for fd in STOP_PIPE:
@@ -1075,8 +1046,8 @@ def make_run_folder(run_name: str) -> str:
 def save_step_checkpoint(run_name: str, step: int, networks: dict, args, clip_return: float, source: dict) -> None:
     """runs/<run>/checkpoints/step-<N>.pt, all kept: the networks and CLIP return (`success_eval.py best` picks one)."""
     os.makedirs(f"runs/{run_name}/checkpoints", exist_ok=True)
-    state = {**networks, "args": asdict(args), "run_name": run_name, "global_step": step, "clip_return": clip_return}
-    save_checkpoint(f"runs/{run_name}/checkpoints/step-{step}.pt", {**state, "script": source})
+    state = {"args": asdict(args), "run_name": run_name, "global_step": step, "clip_return": clip_return, "script": source}
+    save_checkpoint(f"runs/{run_name}/checkpoints/step-{step}.pt", {**networks, **state})
 
 
 def misfit(saved, fresh) -> Optional[str]:
@@ -1095,7 +1066,6 @@ def misfit(saved, fresh) -> Optional[str]:
 
 
 def all_finite(state) -> bool:
-    """True when every floating-point tensor of a (nested) state dict is finite."""
     if isinstance(state, (dict, list, tuple)):
         return all(map(all_finite, state.values() if isinstance(state, dict) else state))
     return not (torch.is_tensor(state) and state.is_floating_point()) or bool(torch.isfinite(state).all())
@@ -1131,6 +1101,7 @@ def save_video(frames: list[np.ndarray], path: str, fps: int) -> None:
         wandb.log({f"videos/{Path(path).stem}": wandb.Video(path, format="mp4")})
 
 
+@torch.no_grad()
 def evaluate(policy: Callable, eval_envs: gym.vector.VectorEnv, reward_model, episodes: int, seed: int) -> list[dict]:
     """Episodes of `policy` in a one-env vector env: frames (checked as training's), frame rate, gt and CLIP returns."""
     results, name = [], eval_envs.envs[0].spec.id if eval_envs.envs[0].spec else type(eval_envs.envs[0].unwrapped).__name__
@@ -1141,24 +1112,19 @@ def evaluate(policy: Callable, eval_envs: gym.vector.VectorEnv, reward_model, ep
             raise RunError(frame_problem(name, frames[0]) + ".")
         gt_return, done = 0.0, False
         while not done:  # fixed length: --episode-length steps; stock: until the env terminates or truncates
-            with torch.no_grad():
-                actions = policy(obs)
-            obs, gt_rewards, terminations, truncations, _ = eval_envs.step(actions)
-            done = bool(terminations[0] or truncations[0])
-            gt_return += float(gt_rewards[0])
+            obs, gt_rewards, terminations, truncations, _ = eval_envs.step(policy(obs))
+            done, gt_return = bool(terminations[0] or truncations[0]), gt_return + float(gt_rewards[0])
             frames.append(eval_envs.call("render")[0])
             if frame_problem(name, frames[-1], frames[0].shape):  # one video, one batch for the reward model: one shape
                 raise RunError(frame_problem(name, frames[-1], frames[0].shape) + ".")
         # the reset frame scores no transition: the reward of step t is the score of frame t + 1
         clip_return = float(reward_model(np.stack(frames[1:])).sum()) if reward_model is not None else math.nan
-        fps = eval_envs.metadata["render_fps"]
-        results.append(dict(frames=frames, gt_return=gt_return, clip_return=clip_return, fps=fps))
+        results.append(dict(frames=frames, gt_return=gt_return, clip_return=clip_return, fps=eval_envs.metadata["render_fps"]))
     return results
 
 
 def save_episodes(results: list[dict], run_name: str) -> None:
-    """--evaluate: each episode as MP4 and PNGs in videos/<run_name>/eval-episode-<i>, replacing an earlier evaluation
-    whole, only once complete (written in a hidden folder first: a failure or Ctrl-C leaves the earlier one)."""
+    """--evaluate: MP4 and PNGs per episode, replacing an earlier evaluation only once complete (hidden folder first)."""
     os.makedirs(f"videos/{run_name}", exist_ok=True)
     partial = tempfile.mkdtemp(prefix=".eval-partial-", dir=f"videos/{run_name}")
     try:
@@ -1181,6 +1147,5 @@ def save_episodes(results: list[dict], run_name: str) -> None:
 
 
 def returns_text(result: dict) -> str:
-    """An evaluation episode's returns; the CLIP return only where there is one (not with --reward gt)."""
     clip = f"clip_return={result['clip_return']:.2f} " if math.isfinite(result["clip_return"]) else ""
     return f"{clip}gt_return={result['gt_return']:.1f}"
