@@ -603,10 +603,13 @@ def check_renderer_args(args) -> None:
         raise UserError(f"--supersample must be between 1 and 8, got {args.supersample}.")
 
 
-def mujoco_warning(message: str, warned: list = []) -> None:  # `warned`: made once, the process's
+MUJOCO_WARNED = []
+
+
+def mujoco_warning(message: str) -> None:
     """MuJoCo's warnings (e.g. a NaN action: "the simulation is unstable"): the first of each process on stdout."""
-    if not warned:
-        warned.append(message)
+    if not MUJOCO_WARNED:
+        MUJOCO_WARNED.append(message)
         print(f"warning: MuJoCo: {message.strip()} (its later warnings in this process are not shown)", flush=True)
 
 
