@@ -590,8 +590,7 @@ class FrameAfterStep(gym.Wrapper):
         start = time.perf_counter()
         frame = self.env.state() if self.drawn_later else self.env.render()
         info["render_s"] = time.perf_counter() - start  # of the round trip the loop times, the rendering
-        name = self.env.spec.id if self.env.spec else type(self.env.unwrapped).__name__
-        problem = None if self.drawn_later else utils.frame_problem(name, frame, self.blank.shape)
+        problem = None if self.drawn_later else utils.frame_problem(self.env, frame, self.blank.shape)
         if problem:  # said by the trainer (utils.FramesInInfo): raised here, gymnasium adds its traceback
             info["bad_frame"], frame = problem, self.blank
         return (obs, frame), reward, terminated, truncated, info

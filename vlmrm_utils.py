@@ -558,8 +558,8 @@ class FrameSpace(gym.spaces.Box):
 gym.vector.utils.batch_space.register(FrameSpace, lambda space, n=1: FrameSpace((n, *space.shape), space.dtype))
 
 
-def frame_problem(name: str, frame, shape: Optional[tuple] = None) -> Optional[str]:
-    """What is wrong with a frame env `name` rendered (not a uint8 (H, W, 3) array of `shape`), or None."""
+def frame_problem(env: gym.Env, frame, shape: Optional[tuple] = None) -> Optional[str]:
+    """What is wrong with a frame `env` rendered (not a uint8 (H, W, 3) array of `shape`), or None: cheap when right."""
     if isinstance(frame, np.ndarray) and frame.dtype == np.uint8 and frame.ndim == 3 and frame.shape[-1] == 3:
         if shape is None or frame.shape == tuple(shape):
             return None
@@ -570,6 +570,7 @@ def frame_problem(name: str, frame, shape: Optional[tuple] = None) -> Optional[s
         what += f" (values {np.nanmin(frame):g} to {np.nanmax(frame):g})" if floats and frame.size else ""
     needed = f"uint8 frames of shape {tuple(shape) if shape else '(height, width, 3)'}"
     hint = ", e.g. (frame * 255).astype(np.uint8)" if floats else ""
+    name = env.spec.id if env.spec else type(env.unwrapped).__name__  # said only when wrong: nothing per step
     return f"{name} rendered {what}, but the reward model needs {needed}; make its render() return those{hint}"
 
 
@@ -1107,19 +1108,19 @@ def save_video(frames: list[np.ndarray], path: str, fps: int) -> None:
 @torch.no_grad()
 def evaluate(policy: Callable, eval_envs: gym.vector.VectorEnv, reward_model, episodes: int, seed: int) -> list[dict]:
     """Episodes of `policy` in a one-env vector env: frames (checked as training's), frame rate, gt and CLIP returns."""
-    results, name = [], eval_envs.envs[0].spec.id if eval_envs.envs[0].spec else type(eval_envs.envs[0].unwrapped).__name__
+    results, env = [], eval_envs.envs[0]
     for episode in range(episodes):
         obs, _ = eval_envs.reset(seed=seed + episode)
         frames = [eval_envs.call("render")[0]]
-        if frame_problem(name, frames[0]):
-            raise RunError(frame_problem(name, frames[0]) + ".")
+        if problem := frame_problem(env, frames[0]):
+            raise RunError(problem + ".")
         gt_return, done = 0.0, False
         while not done:  # fixed length: --episode-length steps; stock: until the env terminates or truncates
             obs, gt_rewards, terminations, truncations, _ = eval_envs.step(policy(obs))
             done, gt_return = bool(terminations[0] or truncations[0]), gt_return + float(gt_rewards[0])
             frames.append(eval_envs.call("render")[0])
-            if frame_problem(name, frames[-1], frames[0].shape):  # one video, one batch for the reward model: one shape
-                raise RunError(frame_problem(name, frames[-1], frames[0].shape) + ".")
+            if problem := frame_problem(env, frames[-1], frames[0].shape):  # one shape: one video, one batch for CLIP
+                raise RunError(problem + ".")
         # the reset frame scores no transition: the reward of step t is the score of frame t + 1
         clip_return = float(reward_model(np.stack(frames[1:])).sum()) if reward_model is not None else math.nan
         results.append(dict(frames=frames, gt_return=gt_return, clip_return=clip_return, fps=eval_envs.metadata["render_fps"]))
