@@ -36,6 +36,7 @@ import psutil
 import torch
 import torch.nn as nn
 import tyro
+from tqdm import tqdm
 
 
 # --- Errors and the entry point ---------------------------------------------------------------
@@ -86,8 +87,9 @@ def check_common_args(args, positive: str, unit_interval: str, network: str) -> 
         rounded = -(-args.total_timesteps // args.num_envs) * args.num_envs
         print(f"note: --total-timesteps {args.total_timesteps} rounded up to {rounded}, a multiple of --num-envs")
         args.total_timesteps = rounded
-    v, unknown = vars(args), [name for name in args.reward_devices if not is_device(name)]
-    known = ["cpu", *(["cuda"] if torch.cuda.is_available() else []), *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    known = ["cpu", "cpu:0", *(["cuda"] if gpus else []), *(f"cuda:{i}" for i in range(gpus))]
+    v, unknown = vars(args), [name for name in args.reward_devices if name not in known]
     projection = args.reward == "clip" and args.alpha > 0  # the prompts matter with the CLIP reward only
     for failed, message in [  # inf passes `> 0` and fails at the first update: finite too
         *((not 0 < v[n] < math.inf, f"--{n.replace('_', '-')} must be positive and finite, got {v[n]}.")
@@ -128,15 +130,6 @@ def check_common_args(args, positive: str, unit_interval: str, network: str) -> 
             offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled")
             if not offline and not wandb.login(prompt=False, verify=False):  # verify=False: no network round trip here
                 raise UserError("--track found no W&B login here; log in with `wandb login`, or set WANDB_MODE=offline.")
-
-
-def is_device(name: str) -> bool:
-    """A device torch accepts that this machine has: cpu, cpu:0, cuda, cuda:N below the GPU count."""
-    try:
-        device, gpus = torch.device(name), torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except (RuntimeError, ValueError):
-        return False
-    return device.type == "cpu" or (device.type == "cuda" and (device.index or 0) < gpus)
 
 
 def check_writable(folder: str, what: str = "", advice: str = "run from another") -> None:
@@ -528,7 +521,7 @@ def say_reward_model_cost(reward_model: nn.Module, args, frame_shape: tuple[int,
     slow = seconds > 0.05 and args.clip_model != "RN50"
     advice = "; use a GPU or --clip-model RN50 --clip-pretrained openai" if slow else ""
     print(f"note: scoring a frame with {Path(args.clip_model).stem} on CPU takes {seconds * 1000:.0f} ms, so this run will "
-          f"spend about {format_duration(seconds * args.total_timesteps)} in the reward model{advice}")  # fmt: skip
+          f"spend about {tqdm.format_interval(seconds * args.total_timesteps)} in the reward model{advice}")  # fmt: skip
 
 
 # --- The envs: frames with the step, workers that end with the run ----------------------------
@@ -890,7 +883,7 @@ class Run:
                     v[i] = 0
         for ep in ended:
             ended_at = step - (steps - 1 - ep["t"]) * args.num_envs
-            self.progress.episode(ep["gt_return"], ep["clip_return"])
+            self.progress.returns.append((ep["gt_return"], ep["clip_return"]))
             if args.log_episodes:
                 print(f"global_step={ended_at}, episodic_return={ep['return']:.2f}, gt_return={ep['gt_return']:.1f}")
             scalars = {"charts/episodic_return": ep["return"], "charts/episodic_length": ep["length"]}
@@ -976,7 +969,8 @@ class Run:
 
 
 class Progress:
-    """One progress line: redrawn in place on a terminal, else printed every `interval` seconds (logs stay small)."""
+    """One progress line in tqdm's format: redrawn in place on a terminal, else printed every `interval` seconds (a tqdm
+    bar redraws with a carriage return in a log file too: a run's log would be one line)."""
 
     def __init__(self, total_steps: int, start_step: int, clip: bool, recent: int, interval: float = 10.0):
         self.total, self.start_step, self.clip, self.tty = total_steps, start_step, clip, sys.stdout.isatty()
@@ -984,31 +978,20 @@ class Progress:
         self.last, self.printed = self.start, None  # printed: the step of the last line in a log, not repeated at the end
         self.returns = deque(maxlen=recent)  # (gt_return, clip_return) of the last episodes
 
-    def episode(self, gt_return: float, clip_return: float) -> None:
-        self.returns.append((gt_return, clip_return))
-
     def update(self, step: int, final: bool = False) -> None:
         now = time.time()
         if (not final and now - self.last < self.interval) or (final and not self.tty and self.printed == step):
             return
-        elapsed, self.last = now - self.start, now
-        sps = (step - self.start_step) / max(elapsed, 1e-9)
-        left = (self.total - step) / sps if sps > 0 and elapsed >= 5 else math.inf  # "?" until a few seconds measured
-        line = f"step {step}/{self.total} ({100 * step / self.total:.0f}%) | {sps:.0f} steps/s"
-        line += f" | elapsed {format_duration(elapsed)} | left {format_duration(0 if step >= self.total else left)}"
+        elapsed, line = now - self.start, "step {n}/{total} ({percentage:.0f}%) | {rate_noinv_fmt} | elapsed {elapsed}"
+        rate = None if elapsed >= 5 or step >= self.total else 0  # 0: "?" until a few seconds measured
+        line = tqdm.format_meter(step, self.total, elapsed, rate=rate, initial=self.start_step, unit=" steps",
+                                 bar_format=line + " | left {remaining}")  # fmt: skip
         if self.returns:
             gt_return, clip_return = np.mean(self.returns, axis=0)
             line += f" | last {len(self.returns)} episodes: gt_return {gt_return:.1f}"
             line += f", clip_return {clip_return:.2f}" if self.clip else ""
         print(("\r\x1b[K" if self.tty else "") + line, end="\r" if self.tty and not final else "\n", flush=True)
-        self.printed = step
-
-
-def format_duration(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    s = int(round(seconds))
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+        self.last, self.printed = now, step
 
 
 STOP_PIPE: list[int] = []  # (read, write): Python's C signal handler writes a byte to it per delivery (made once)

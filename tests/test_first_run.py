@@ -24,7 +24,7 @@ SHORT_RUNS = {  # ground truth, a few seconds: 10 episodes (DQN), 8 episodes (SA
     ).split(),
 }
 PROGRESS = re.compile(
-    r"^step (\d+)/(\d+) \(\d+%\) \| \d+ steps/s \| elapsed \S+ \| left \S+"
+    r"^step (\d+)/(\d+) \(\d+%\) \| +[\d.?]+ steps/s \| elapsed \S+ \| left \S+"
     r" \| last (\d+) episodes: gt_return \S+$"
 )
 
@@ -154,7 +154,7 @@ def test_progress_line_is_redrawn_in_place_on_a_terminal(monkeypatch):
     monkeypatch.setattr(sys, "stdout", out)
     progress = vlmrm_utils.Progress(1000, 0, clip=True, recent=2)
     for gt_return, clip_return in [(10, 1.0), (20, 2.0), (30, 3.0)]:
-        progress.episode(gt_return, clip_return)
+        progress.returns.append((gt_return, clip_return))
     progress.update(500)  # too soon after the start: nothing
     assert out.getvalue() == ""
     progress.last -= 1

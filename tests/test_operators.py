@@ -109,8 +109,9 @@ def test_messages_fit_the_input(in_tmp):
     # RN50 alone: the tags open_clip has for RN50, not the default tag of ViT-bigG-14 that the user never typed
     message = assert_refused(classic, ["--clip-model", "RN50", "--goal", "x"], "needs --clip-pretrained", "openai", "yfcc15m")
     assert "laion2b_s39b_b160k" not in message
-    # cpu:0 is a device torch accepts
-    assert vlmrm_utils.is_device("cpu:0") and vlmrm_utils.is_device("cpu") and not vlmrm_utils.is_device("gpu")
+    # cpu:0 is a device torch accepts; gpu is none
+    vlmrm_utils.check_common_args(classic.Args(reward="gt", reward_devices=("cpu:0", "cpu")), "", "", "q_network")
+    assert_refused(classic, ["--reward", "gt", "--reward-devices", "gpu"], "--reward-devices gpu is not a device", "cpu")
 
 
 def test_the_first_eta_waits_for_measured_speed_and_the_last_is_zero(capsys, monkeypatch):
@@ -127,7 +128,7 @@ def test_the_first_eta_waits_for_measured_speed_and_the_last_is_zero(capsys, mon
     now[0] += 2
     short.update(1000, final=True)  # a run shorter than the wait: done is done
     lines = capsys.readouterr().out.splitlines()
-    assert "left ?" in lines[0] and "left 11s" in lines[1] and "left 0s" in lines[2] and "left 0s" in lines[3], lines
+    assert "left ?" in lines[0] and "left 00:11" in lines[1] and "left 00:00" in lines[2] and "left 00:00" in lines[3], lines
 
 
 def test_evaluate_writes_beside_the_trained_runs_videos_and_replaces_an_earlier_evaluation(in_tmp, capsys):
