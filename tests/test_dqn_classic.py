@@ -333,8 +333,8 @@ def test_prompts_with_the_same_embedding_are_refused_after_encoding(in_tmp):
 @pytest.mark.parametrize(
     "content, words",
     [
-        ("{not json", ["not a readable JSON file"]),
-        ('{"name": "not a model"}', ["not an open_clip model config", "embed_dim"]),
+        ("{not json", ["could not build", "JSONDecodeError", "config file"]),
+        ('{"name": "not a model"}', ["could not build", "config file"]),  # open_clip skips it: no such model
         ('{"embed_dim": 32, "vision_cfg": {"layers": "two"}, "text_cfg": {}}', ["could not build", "config file"]),
     ],
 )
