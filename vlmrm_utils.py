@@ -297,9 +297,6 @@ def read_checkpoint(path: str, args_class: type, flag: str = "--resume") -> dict
         return checkpoint
     if not {"iteration", "rng"} <= set(checkpoint):
         raise UserError(f"--resume {path} holds no resumable training state; pass a checkpoint.pt saved during training.")
-    if missing := [k for k in ("episodes", "global_step", "run_name", "replay_buffer") if k not in checkpoint]:
-        raise UserError(f"--resume {path} was written by an older version of this script (it has no {', '.join(missing)}); "
-                        "start a new run, or resume it with the version that wrote it.")  # fmt: skip
     if os.path.abspath(os.path.dirname(path)) != os.path.abspath(f"runs/{checkpoint['run_name']}"):  # not another run's logs
         raise UserError(f"--resume {path} belongs to runs/{checkpoint['run_name']}/, not to {os.path.dirname(path) or '.'}/; "
                         "resume it from the folder that holds that run (or move the whole run folder there).")  # fmt: skip
@@ -588,13 +585,10 @@ def check_renderer_args(args) -> None:
         raise UserError(f"--supersample must be between 1 and 8, got {args.supersample}.")
 
 
-MUJOCO_WARNED = []
-
-
 def mujoco_warning(message: str) -> None:
     """MuJoCo's warnings (e.g. a NaN action: "the simulation is unstable"): the first of each process on stdout."""
-    if not MUJOCO_WARNED:
-        MUJOCO_WARNED.append(message)
+    if not getattr(mujoco_warning, "said", False):
+        mujoco_warning.said = True
         print(f"warning: MuJoCo: {message.strip()} (its later warnings in this process are not shown)", flush=True)
 
 
@@ -676,13 +670,10 @@ class Run:
         self.checkpoint = checkpoint  # of --resume (the run to continue) or --evaluate (the policy to roll out)
         self.args, self.script = args, os.path.basename(sys.modules[type(args).__module__].__file__)
         self.source = script_record(sys.modules[type(args).__module__].__file__)  # in every checkpoint: who wrote it
-        if args.save_model and args.evaluate is None and args.episodes == "fixed":
-            mid = (args.total_timesteps // args.num_envs) % args.episode_length * args.num_envs
-            if mid:  # fixed-length episodes are all in flight there: no resumable state (see finish)
-                print(f"note: --total-timesteps {args.total_timesteps} ends {mid} steps into an episode (they end every "
-                      f"{args.episode_length * args.num_envs} steps): checkpoint.pt keeps the run state of the last "
-                      f"episode end, to extend the run from, and the final networks go to checkpoints/step-"
-                      f"{args.total_timesteps}.pt")  # fmt: skip
+        mid = (args.total_timesteps // args.num_envs) % args.episode_length * args.num_envs  # fixed: all episodes in flight
+        if mid and args.save_model and args.evaluate is None and args.episodes == "fixed":  # no resumable state (see finish)
+            print(f"note: --total-timesteps {args.total_timesteps} ends {mid} steps into an episode: checkpoint.pt keeps the "
+                  f"last episode end's state; the final networks: checkpoints/step-{args.total_timesteps}.pt")  # fmt: skip
         self.name = (checkpoint or {}).get("run_name", f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}")
         for seed in (random.seed, np.random.seed, torch.manual_seed):
             seed(args.seed)

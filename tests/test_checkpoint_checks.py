@@ -166,7 +166,6 @@ def test_an_older_or_misfitting_checkpoint_is_one_sentence_before_anything_start
     saved = torch.load(path, weights_only=False)
     cases = [  # (what changes, flags refused, words of the sentence)
         (lambda c: c.pop("script"), ["--resume", "--evaluate"], ["older version"]),
-        (lambda c: c.pop("episodes"), ["--resume"], ["older version", "episodes"]),
         (lambda c: c.pop("schedule_steps"), ["--resume"], ["older version", "schedule_steps"]),
         (lambda c: c["q_network"].update({"network.0.weight": torch.zeros(120, 5)}), ["--resume", "--evaluate"],
          ["does not fit", "network.0.weight", "[120, 5]"]),  # torch's load_state_dict says it (torch.Size([120, 5]))
