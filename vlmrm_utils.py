@@ -5,7 +5,6 @@ import contextlib
 import copy
 import ctypes
 import difflib
-import errno
 import functools
 import hashlib
 import io
@@ -121,10 +120,8 @@ def check_common_args(args, positive: str, unit_interval: str, network: str) -> 
     if args.capture_video or args.evaluate is not None:
         check_writable("videos")
     if args.track and args.evaluate is None:  # a login or offline mode: wandb.init's error is a traceback in the run
-        try:
-            import wandb
-        except ImportError:
-            raise UserError("--track needs the wandb package: pip install wandb, or drop --track.") from None
+        import wandb
+
         with contextlib.redirect_stderr(io.StringIO()):  # wandb.init says the same again moments later
             offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled")
             if not offline and not wandb.login(prompt=False, verify=False):  # verify=False: no network round trip here
@@ -137,10 +134,7 @@ def check_writable(folder: str, what: str = "", advice: str = "run from another"
     where = f"{what} {existing}/".lstrip()
     while not os.path.exists(existing):
         if os.path.islink(existing):  # a loop or a dangling link: making folders under it fails with [Errno 17]
-            try:
-                os.stat(existing)
-            except OSError as e:
-                how = "loops" if e.errno == errno.ELOOP else "points to nothing"
+            how = "loops" if os.path.islink(os.path.realpath(existing)) else "points to nothing"  # a loop resolves to a link
             link = f"{existing} is a symbolic link to {os.readlink(existing)}, which {how}"
             raise UserError(f"cannot write to {where} ({link}); {advice}.")
         existing = os.path.dirname(existing)
@@ -377,20 +371,11 @@ def lock_run(run_name: str, keep: bool = True) -> None:
         raise UserError(f"runs/{run_name} is being trained by another process (pid {holder}); wait for it to end.") from None
     if not keep:
         return lock.release()
-    Path(path).write_text(str(os.getpid()))  # who holds it, for the refusal above (unlock_runs empties it)
+    Path(path).write_text(str(os.getpid()))  # who holds it, for the refusal above (emptied when the run ends)
     RUN_LOCKS[path] = lock
     for tmp in Path(f"runs/{run_name}").glob("**/*.pt.*.tmp"):  # save_checkpoint's, of a writer killed mid-write
         tmp.unlink()
         print(f"removed {tmp}, left half-written by a run that was killed")
-
-
-def unlock_runs() -> None:
-    """The run is free for a --resume; its run.lock stays (filelock's choice: a waiter may hold the file open), empty."""
-    for path, lock in RUN_LOCKS.items():
-        with contextlib.suppress(OSError):  # the folder removed meanwhile: nothing to empty
-            os.truncate(path, 0)
-        lock.release()
-    RUN_LOCKS.clear()
 
 
 def resumed_args(args, checkpoint: dict):
@@ -456,8 +441,8 @@ def fetch_clip_weights(args) -> bool:
         hub.HF_HUB_OFFLINE = offline
     params = clip_parameters(args.clip_model)
     size = f" ({params / 1e6:,.0f}M parameters, about {params * 4 / 1e9:.1f} GB as float32)" if params else ""
-    where = cache or "the Hugging Face cache"
-    print(f"fetching the {name}/{args.clip_pretrained} CLIP weights{size} from {hub.ENDPOINT} into {where}", flush=True)
+    print(f"fetching the {name}/{args.clip_pretrained} CLIP weights{size} from {hub.ENDPOINT} into "
+          f"{cache or 'the Hugging Face cache'}", flush=True)  # fmt: skip
     why, reached = "HF_HUB_OFFLINE is set and they are not in the cache", False
     try:  # the hub's own client, once: open_clip's download retries a network that is down for a minute (46 s here)
         if not offline:
@@ -486,30 +471,22 @@ def warn_long_prompts(tokenizer, args) -> None:
                 print(f"note: --{flag} {shown!r} is {tokens} tokens, and CLIP reads its first {read}: the rest is cut")
 
 
-def say_reward_model_cost(reward_model: nn.Module, args, frame_shape: tuple[int, int, int]) -> None:
-    """Measured before training: on CPU the reward model's time per frame (and advice), on a GPU each replica's peak memory."""
-    if reward_model.device.type == "cuda":
-        for device in (devices := [device for _, device in reward_model.replicas]):
-            torch.cuda.reset_peak_memory_stats(device)
-        try:
-            reward_model(np.zeros((args.reward_batch_size * len(devices), *frame_shape), dtype=np.uint8))  # a chunk each
-        except torch.cuda.OutOfMemoryError:  # before the run folder: refused as a flag would be
-            raise UserError(f"the reward model runs out of GPU memory scoring --reward-batch-size {args.reward_batch_size} "
-                            "frames at once on each device; lower --reward-batch-size.") from None  # fmt: skip
-        for device in devices:
-            peak, total = torch.cuda.max_memory_allocated(device), torch.cuda.get_device_properties(device).total_memory
-            print(f"memory: the reward model on {device} peaks at {peak / 2**30:.1f} GiB of {total / 2**30:.0f} GiB while "
-                  f"scoring --reward-batch-size {args.reward_batch_size} frames ({args.clip_dtype} image tower)")  # fmt: skip
+def check_reward_memory(reward_model: nn.Module, args, frame_shape: tuple[int, int, int]) -> None:
+    """On a GPU, measured before training: each replica's peak memory scoring a chunk (on CPU the progress line's time left
+    says the reward model's cost within seconds)."""
+    if reward_model.device.type != "cuda":
         return
-    frames = np.zeros((8, *frame_shape), dtype=np.uint8)
-    reward_model(frames[:1])  # warm-up: the first call pays one-off allocation costs
-    start = time.perf_counter()
-    reward_model(frames)
-    seconds = (time.perf_counter() - start) / len(frames)
-    slow = seconds > 0.05 and args.clip_model != "RN50"
-    advice = "; use a GPU or --clip-model RN50 --clip-pretrained openai" if slow else ""
-    print(f"note: scoring a frame with {Path(args.clip_model).stem} on CPU takes {seconds * 1000:.0f} ms, so this run will "
-          f"spend about {tqdm.format_interval(seconds * args.total_timesteps)} in the reward model{advice}")  # fmt: skip
+    for device in (devices := [device for _, device in reward_model.replicas]):
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        reward_model(np.zeros((args.reward_batch_size * len(devices), *frame_shape), dtype=np.uint8))  # a chunk each
+    except torch.cuda.OutOfMemoryError:  # before the run folder: refused as a flag would be
+        raise UserError(f"the reward model runs out of GPU memory scoring --reward-batch-size {args.reward_batch_size} "
+                        "frames at once on each device; lower --reward-batch-size.") from None  # fmt: skip
+    for device in devices:
+        peak, total = torch.cuda.max_memory_allocated(device), torch.cuda.get_device_properties(device).total_memory
+        print(f"memory: the reward model on {device} peaks at {peak / 2**30:.1f} GiB of {total / 2**30:.0f} GiB while "
+              f"scoring --reward-batch-size {args.reward_batch_size} frames ({args.clip_dtype} image tower)")  # fmt: skip
 
 
 # --- The envs: frames with the step, workers that end with the run ----------------------------
@@ -718,9 +695,8 @@ class Run:
                 time.sleep(0.02)  # the pipe breaks as the worker ends: its exit code follows within moments
             if not dead:
                 raise
-            how = f"exited with code {dead[0].exitcode}"
-            with contextlib.suppress(ValueError):
-                how = f"killed by {signal.Signals(-dead[0].exitcode).name}" if dead[0].exitcode < 0 else how
+            code = dead[0].exitcode
+            how = f"killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else f"exited with code {code}"
             resume = f"runs/{self.name}/checkpoint.pt"
             resume = f"; continue from its last checkpoint with --resume {resume}" if os.path.exists(resume) else ""
             raise RunError(f"env worker {processes.index(dead[0])} (pid {dead[0].pid}) died ({how}){resume}.") from None
@@ -736,14 +712,18 @@ class Run:
                     self.writer.close()  # may fail (a full disk): the envs are closed all the same
             finally:
                 close_envs(envs, clean)
-                unlock_runs()
+                for path, lock in RUN_LOCKS.items():  # free for a --resume; run.lock stays (a waiter may hold it open), empty
+                    with contextlib.suppress(OSError):  # the folder removed meanwhile: nothing to empty
+                        os.truncate(path, 0)
+                    lock.release()
+                RUN_LOCKS.clear()
 
     def start(self, networks: dict, rb, reward_model, frame_shape: tuple, success: Optional[Callable]) -> None:
         """Before the first step: disk and reward model cost said, run folder, W&B, TensorBoard, episodes, progress, signal."""
         args = self.args
         check_checkpoint_disk(args, networks, rb)  # before the run folder: a refused run leaves none
         if reward_model is not None:
-            say_reward_model_cost(reward_model, args, frame_shape)
+            check_reward_memory(reward_model, args, frame_shape)
         if self.checkpoint is None:
             self.name = make_run_folder(self.name)
         lock_run(self.name)
@@ -1024,10 +1004,9 @@ def misfit(saved, fresh) -> Optional[str]:
     if torch.is_tensor(fresh):
         shape = tuple(saved.shape) if torch.is_tensor(saved) else type(saved).__name__
         return None if shape == tuple(fresh.shape) else f"is {shape}, not {tuple(fresh.shape)}"
-    if not isinstance(fresh, (nn.Module, torch.optim.Optimizer)):
-        return None
     try:
-        fresh.load_state_dict(saved)
+        if isinstance(fresh, (nn.Module, torch.optim.Optimizer)):
+            fresh.load_state_dict(saved)
     except Exception as e:  # noqa: BLE001 - whatever torch refuses it for, its first line (a module's: after a header)
         lines = str(e).split(":\n", 1)[-1].strip().splitlines()
         return f"does not load ({type(e).__name__}: {(lines or [''])[0].strip().rstrip('.')[:200]})"

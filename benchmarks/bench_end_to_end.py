@@ -58,7 +58,7 @@ def worker(c: dict) -> dict:
     os.chdir(tempfile.mkdtemp(prefix="bench_e2e_"))
     if c.get("stand_in_ms") is not None:
         ours.make_reward_model = lambda args, device: StandIn(c["stand_in_ms"])
-        for name in ("say_reward_model_cost", "warn_if_slow_on_cpu"):  # the CPU speed note: this version's name
+        for name in ("check_reward_memory", "say_reward_model_cost", "warn_if_slow_on_cpu"):  # its names in each version
             setattr(ours.utils, name, lambda *a: None)
     # --renderer warp: the frames drawn by MuJoCo Warp on the reward's device (passed only when given: older scripts)
     warp = {k: c[k] for k in ("renderer", "supersample") if c.get(k) is not None}

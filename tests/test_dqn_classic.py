@@ -122,7 +122,6 @@ def decoding_forward(self, frames: np.ndarray) -> np.ndarray:
 def test_reward_belongs_to_the_frame_after_the_step_across_autoresets(in_tmp, monkeypatch):
     monkeypatch.setattr(classic.GymnasiumPixels, "render", stamped_render)
     monkeypatch.setattr(classic.CLIPReward, "forward", decoding_forward)
-    monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
     added = []
     original_add = classic.ReplayBuffer.add
 

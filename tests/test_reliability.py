@@ -244,7 +244,6 @@ def test_nan_reward_stops_training_and_saves_the_networks(in_tmp, monkeypatch):
         return np.full(len(frames), np.nan if calls["n"] == 3 else 0.5, dtype=np.float32)
 
     monkeypatch.setattr(classic.CLIPReward, "forward", nan_on_third_batch)
-    monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
     added = []
     monkeypatch.setattr(classic.ReplayBuffer, "add", lambda self, *a: added.append(a[3]))
     with pytest.raises(vlmrm_utils.NonFiniteError, match="not finite .* at step") as error:

@@ -60,7 +60,6 @@ def test_rewards_that_complete_late_are_in_the_buffer_before_anything_uses_them(
     make_reward_model, frames_step, add = script.make_reward_model, vlmrm_utils.FramesInInfo.step, script.ReplayBuffer.add
     original = {"sample": script.ReplayBuffer.sample, "save": vlmrm_utils.Run.save, "finish": vlmrm_utils.Run.finish}
     monkeypatch.setattr(script, "make_reward_model", slow_reward_model)
-    monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
     monkeypatch.setattr(vlmrm_utils.FramesInInfo, "step", timed_step)
     monkeypatch.setattr(script.ReplayBuffer, "add", counted_add)
     monkeypatch.setattr(script.ReplayBuffer, "sample", all_stored("sample"))
@@ -93,7 +92,6 @@ def test_a_failing_reward_model_stops_the_run_with_its_error(name, in_tmp, monke
         return reward_model
 
     monkeypatch.setattr(script, "make_reward_model", failing)
-    monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
     with pytest.raises(RuntimeError, match="out of memory"):
         script.main(script.Args(clip_model=TINY_CLIP, clip_pretrained="none", reward_batch_size=6, **SMALL[name]))
     assert len(list((in_tmp / "runs").iterdir())) == 1
@@ -125,7 +123,6 @@ def test_the_loop_keeps_at_most_two_chunks_with_a_slow_reward_model_and_stores_t
     monkeypatch.setattr(script.CLIPReward, "forward", stamped_forward)
     monkeypatch.setattr(script.ReplayBuffer, "add", lambda self, obs, n, a, rewards, *r: stored.append(rewards) or add(
         self, obs, n, a, rewards, *r))  # fmt: skip
-    monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
     script.main(script.Args(clip_model=TINY_CLIP, clip_pretrained="none", reward_batch_size=6, **SMALL[name]))
     assert len(submitted) == len(stored) > 10
     for frames, rewards in zip(submitted, stored):  # the chunks stored oldest first, each with its own rewards

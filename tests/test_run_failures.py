@@ -74,7 +74,6 @@ def test_a_worker_dead_when_the_trainer_sends_to_it_is_the_same_sentence(in_tmp,
         return step(self, actions)
 
     monkeypatch.setattr(vlmrm_utils.FramesInInfo, "step", kill_then_step)
-    monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
     args = sac.Args(**CAR, clip_model=TINY_CLIP, clip_pretrained="none", total_timesteps=400, save_model=True,
                     checkpoint_frequency=100)  # fmt: skip
     try:
@@ -104,7 +103,6 @@ def test_a_frame_of_the_wrong_dtype_or_shape_is_one_sentence_naming_the_env(in_t
     broadcast traceback: in process (DQN) and in env workers (SAC)."""
     render = classic.GymnasiumPixels.render
     monkeypatch.setattr(classic.GymnasiumPixels, "render", lambda self: frame(render(self)))
-    monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
     expected = f"CartPole-v1 rendered {said}, but the reward model needs uint8 frames of shape (400, 600, 3)"
     with pytest.raises(vlmrm_utils.RunError, match=expected.replace("(", r"\(").replace(")", r"\)")):
         classic.main(classic.Args(clip_model=TINY_CLIP, clip_pretrained="none", total_timesteps=300, learning_starts=100))
@@ -118,7 +116,6 @@ def test_a_wrong_frame_from_an_env_worker_is_one_sentence(in_tmp, monkeypatch):
         return step(self, action)
 
     monkeypatch.setattr(sac.FrameAfterStep, "step", float_frames)
-    monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
     args = sac.Args(**CAR, clip_model=TINY_CLIP, clip_pretrained="none", total_timesteps=200)
     with pytest.raises(vlmrm_utils.RunError, match=r"MountainCarContinuous-v0 rendered a float64 array of shape \(400, 600"):
         sac.main(args)
@@ -139,9 +136,8 @@ def test_cuda_out_of_memory_in_the_scorer_is_one_sentence_naming_the_batch_size(
     def out_of_memory(self, frames):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 20 lines follow)")
 
-    cost = vlmrm_utils.say_reward_model_cost
+    cost = vlmrm_utils.check_reward_memory
     monkeypatch.setattr(classic.CLIPReward, "forward", out_of_memory)
-    monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
     flags = [*TINY_CLIP_FLAGS, *"--total-timesteps 300 --learning-starts 100 --reward-batch-size 64".split()]
     with pytest.raises(SystemExit) as exit:
         vlmrm_utils.cli(classic.main, classic.Args, flags)
@@ -173,7 +169,6 @@ def test_an_interrupt_drops_the_chunks_still_queued_for_the_scorer(in_tmp, monke
 
     monkeypatch.setattr(classic.CLIPReward, "forward", slow)
     monkeypatch.setattr(vlmrm_utils.Run, "checkpoint_due", step_then_ctrl_c)
-    monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
     args = classic.Args(clip_model=TINY_CLIP, clip_pretrained="none", total_timesteps=2000, learning_starts=1000,
                         reward_batch_size=16)  # fmt: skip
     with pytest.raises(KeyboardInterrupt):

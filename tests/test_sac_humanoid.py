@@ -44,7 +44,6 @@ def test_reward_belongs_to_the_frame_after_the_step_across_subprocess_autoresets
     # the env subprocesses are forked after this patch, so they render stamped frames
     monkeypatch.setattr(sac.MujocoRenderer, "render", stamped_render)
     monkeypatch.setattr(sac.CLIPReward, "forward", decoding_forward)
-    monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
     small = dict(num_envs=3, episode_length=20, render_size=32, total_timesteps=300, learning_starts=60, train_frequency=10)
     small.update(gradient_steps=2, batch_size=32, reward_batch_size=16, buffer_size=1000)
     sac.main(sac.Args(clip_model=TINY_CLIP, clip_pretrained="none", **small))

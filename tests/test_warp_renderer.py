@@ -137,7 +137,6 @@ def test_the_frame_scored_is_warps_drawing_of_the_state_after_the_step(in_tmp, m
     monkeypatch.setattr(vlmrm_warp.WarpRenderer, "draw", spy_draw)
     monkeypatch.setattr(sac.CLIPReward, "forward", spy_forward)
     monkeypatch.setattr(sac.ReplayBuffer, "add", spy_add)
-    monkeypatch.setattr(vlmrm_utils, "say_reward_model_cost", lambda *a: None)
     small = dict(num_envs=2, episode_length=7, render_size=32, total_timesteps=30, learning_starts=28)
     sac.main(sac.Args(clip_model=TINY_CLIP, clip_pretrained="none", renderer="warp", reward_batch_size=4, **small))
 
