@@ -5,6 +5,7 @@
 # 32 and 256 worlds, and end to end at the paper's settings) when mujoco_warp imports; the tests that touch the GPU paths.
 #
 #   benchmarks/gpu_check.sh            # on the GPU machine, from the repository root; output in $OUT or gpu_check/
+#   PART=1 benchmarks/gpu_check.sh     # in two calls: scoring, rendering (250 s of step limits); then PART=2, the rest
 #   benchmarks/gpu_check.sh --smoke    # the same steps at toy sizes on any machine (checks this script, measures nothing)
 #
 # A bare GPU machine with PyTorch may lack this project's other packages and the GL loader libraries: bring them along
@@ -51,22 +52,27 @@ if [ "$smoke" = "--smoke" ]; then
   fi
   step tests 300 python3 -m pytest -q -x tests/test_reward_overlap.py -k failing_reward_model
 else
-  step reward_scoring 120 python3 benchmarks/bench_reward_scoring.py --models ViT-bigG-14 --batch-sizes 256 --frame-sizes 480 --repeats 2
-  step render 60 python3 benchmarks/bench_render.py --sizes 224 480 --qualities fast high --num-envs 1 32 --frames 30 --repeats 1
-  step frame_cost 70 python3 benchmarks/bench_frame_cost.py --size 480 --states 24 --repeats 2 --clips ViT-L-14
-  # the paper's settings: ViT-bigG-14, 32 envs, 480 px high, reward batch 256, batch 512, 100 gradient steps every 100
-  # vector steps; learning from the 100th vector step, so that two training phases are timed
-  e2e="--clip-models ViT-bigG-14 --num-envs 32 --total-timesteps 9600 --learning-starts 3200 --train-frequency 100"
-  e2e="$e2e --gradient-steps 100 --batch-size 512 --reward-batch-size 256 --repeats 1"
-  step e2e_paper 140 python3 benchmarks/bench_end_to_end.py $e2e --render-size 480 --render-quality high
-  step e2e_224_fast 90 python3 benchmarks/bench_end_to_end.py $e2e --render-size 224 --render-quality fast
-  if [ "$warp" = yes ]; then
-    # one batch of N worlds per frame on the GPU, at the script's default --supersample; the first worker compiles the
-    # CUDA kernels (once, then Warp's cache in ~/.cache/warp serves every later process, the end-to-end run's too)
-    step render_warp 150 python3 benchmarks/bench_render.py --renderers warp --sizes 224 480 --num-envs 32 256 --frames 10 --repeats 1
-    # the paper's settings (as e2e_paper), the frames drawn by the ray tracer on the reward's GPU
-    step e2e_paper_warp 120 python3 benchmarks/bench_end_to_end.py $e2e --render-size 480 --render-quality high --renderer warp
+  part=${PART:-all}  # PART=1: reward scoring, rendering, frame cost; PART=2: the rest (two shorter calls)
+  if [ "$part" != 2 ]; then
+    step reward_scoring 120 python3 benchmarks/bench_reward_scoring.py --models ViT-bigG-14 --batch-sizes 256 --frame-sizes 480 --repeats 2
+    step render 60 python3 benchmarks/bench_render.py --sizes 224 480 --qualities fast high --num-envs 1 32 --frames 30 --repeats 1
+    step frame_cost 70 python3 benchmarks/bench_frame_cost.py --size 480 --states 24 --repeats 2 --clips ViT-L-14
   fi
-  step tests 80 python3 -m pytest -q -n 8 tests/test_vlm_reward.py tests/test_reward_devices.py tests/test_reward_overlap.py
+  if [ "$part" != 1 ]; then
+    # the paper's settings: ViT-bigG-14, 32 envs, 480 px high, reward batch 256, batch 512, 100 gradient steps every 100
+    # vector steps; learning from the 100th vector step, so that two training phases are timed
+    e2e="--clip-models ViT-bigG-14 --num-envs 32 --total-timesteps 9600 --learning-starts 3200 --train-frequency 100"
+    e2e="$e2e --gradient-steps 100 --batch-size 512 --reward-batch-size 256 --repeats 1"
+    step e2e_paper 140 python3 benchmarks/bench_end_to_end.py $e2e --render-size 480 --render-quality high
+    step e2e_224_fast 90 python3 benchmarks/bench_end_to_end.py $e2e --render-size 224 --render-quality fast
+    if [ "$warp" = yes ]; then
+      # one batch of N worlds per frame on the GPU, at the script's default --supersample; the first worker compiles the
+      # CUDA kernels (once, then Warp's cache in ~/.cache/warp serves every later process, the end-to-end run's too)
+      step render_warp 150 python3 benchmarks/bench_render.py --renderers warp --sizes 224 480 --num-envs 32 256 --frames 10 --repeats 1
+      # the paper's settings (as e2e_paper), the frames drawn by the ray tracer on the reward's GPU
+      step e2e_paper_warp 120 python3 benchmarks/bench_end_to_end.py $e2e --render-size 480 --render-quality high --renderer warp
+    fi
+    step tests 80 python3 -m pytest -q -n 8 tests/test_vlm_reward.py tests/test_reward_devices.py tests/test_reward_overlap.py
+  fi
 fi
 echo "=== done in $((SECONDS - start)) s; outputs in $out/"
