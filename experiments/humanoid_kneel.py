@@ -8,8 +8,8 @@ policy and a random one by the ground truth `humanoid_clip.kneeling` (both knees
 the hips above the knees) in stochastic rollouts: the fraction of steps kneeling (the score) and the episodes kneeling
 at each of their last 20 steps (success), with a curve over the runs' checkpoints.
 
-    python experiments/humanoid_kneel.py --seeds 1 --parallel 2   # one pair first: goal and swapped at once
-    python experiments/humanoid_kneel.py                  # 3 seeds x (goal, swapped), 500k steps each: hours
+    python experiments/humanoid_kneel.py --parallel 2     # 3 seeds x (goal, swapped), 200k steps each, 2 runs at once
+    python experiments/humanoid_kneel.py --seeds 1 --sac-steps 500000 --parallel 2 --out runs/humanoid_kneel_500k
     python experiments/humanoid_kneel.py --clip-only      # the CLIP (266 s of one core), its ranking, the pose probe
     python experiments/humanoid_kneel.py --smoke          # the whole pipeline, tiny: 6 min on 2 cores at load ~8
 
@@ -18,9 +18,9 @@ command is typed again (--resume with the saved replay buffer); finished runs ar
 
 The paper's humanoid schedule, sized for 2 CPU cores (every change): 8 envs instead of 32; 64 px frames instead of 480,
 drawn by MuJoCo Warp's ray tracer on the CPU (`--renderer warp --supersample 1`, no shadows: `--render-quality fast`)
-instead of OpenGL with shadows; 500,000 steps per run instead of 10M; learning from step 10,000 instead of 50,000;
-a 500k replay buffer instead of 1M (no run here is longer: nothing is evicted either way); checkpoints every 50,000
-steps instead of 128,000. Unchanged: 100 env steps (8 envs x --train-frequency 100 = 800 steps) between training
+instead of OpenGL with shadows; 200,000 steps per run instead of 10M (--sac-steps); learning from step 10,000 instead
+of 50,000; a replay buffer of --sac-steps instead of 1M (nothing is evicted either way); checkpoints every tenth of the
+run instead of every 128,000 steps. Unchanged: 100 env steps (8 envs x --train-frequency 100 = 800 steps) between training
 phases of 25 gradient steps (the paper's 1 gradient step per 32 env steps), batch 512, gamma 0.95, tau 0.005, learning
 rates 6e-4, entropy autotuning, fixed 100-step episodes, the paper's camera and look, baseline "a humanoid robot" and
 alpha 0 (the script's humanoid defaults).
@@ -57,7 +57,7 @@ SMOKE = dict(sac_steps=1600, learning_starts=800, clip_frames=300, clip_steps=40
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="SAC seeds, each run with both prompts")
-    p.add_argument("--sac-steps", type=int, default=500_000, help="SAC env steps of each run")
+    p.add_argument("--sac-steps", type=int, default=200_000, help="SAC env steps of each run")
     p.add_argument("--learning-starts", type=int, default=10_000, help="random-action steps before SAC learns")
     p.add_argument("--clip-frames", type=int, default=3000, help="captioned frames the CLIP learns from")
     p.add_argument("--clip-steps", type=int, default=600, help="contrastive training steps of the CLIP")
