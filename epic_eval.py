@@ -73,7 +73,6 @@ from vlmrm_utils import (
     check_clip_args,
     check_intact,
     check_one_word_prompts,
-    check_renderer_args,
     check_writable,
     cli,
     load_clip,
@@ -276,7 +275,6 @@ def check_collect_args(args: Collect) -> Optional[dict]:
         raise UserError("--random-init is for CartPole and MountainCar; Humanoid states come from its own resets.")
     if args.realistic and not args.env_id.startswith("MountainCar"):
         raise UserError("--realistic only changes how MountainCar is drawn.")
-    check_renderer_args(args)
     if args.renderer == "warp":  # imported only with the flag
         import vlmrm_warp
 

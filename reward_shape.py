@@ -73,7 +73,6 @@ from vlmrm_utils import (
     UserError,
     available_memory,
     check_one_word_prompts,
-    check_renderer_args,
     check_writable,
     cli,
     load_clip,
@@ -130,7 +129,6 @@ def check_args(args: Args) -> list[ClipArgs]:
             f"--realistic only changes MountainCar-v0 and MountainCarContinuous-v0 drawings, not {args.env_id}'s; "
             "drop it or use a MountainCar."
         )
-    check_renderer_args(args)
     if args.renderer == "warp":  # imported only with the flag
         import vlmrm_warp
 

@@ -178,7 +178,6 @@ def check_args(args: Args) -> None:
     ]:
         if failed:
             raise utils.UserError(message)
-    utils.check_renderer_args(args)
     if args.renderer == "warp":  # imported only with the flag: the EGL path never loads Warp
         import vlmrm_warp
 

@@ -8,6 +8,7 @@ import difflib
 import functools
 import hashlib
 import io
+import json
 import logging
 import math
 import os
@@ -151,6 +152,12 @@ def check_clip_args(args, model_flag: str = "--clip-model", checkpoint_flag: str
     if args.clip_model.endswith(".json"):
         if not os.path.isfile(args.clip_model):
             raise UserError(f"{model_flag} {args.clip_model}: no such model config file.")
+        config = None  # open_clip skips a config without these keys, silently: a built-in model of its name would load
+        with contextlib.suppress(OSError, ValueError):  # unreadable, not UTF-8, not JSON: refused below
+            config = json.loads(Path(args.clip_model).read_text(encoding="utf-8"))
+        if not isinstance(config, dict) or not {"embed_dim", "vision_cfg", "text_cfg"} <= config.keys():
+            raise UserError(f"{model_flag} {args.clip_model} is not an open_clip model config (a JSON object with "
+                            "embed_dim, vision_cfg and text_cfg, as tests/vlmrm-tiny-test.json).")  # fmt: skip
         if args.clip_checkpoint is None and args.clip_pretrained not in tags and not os.path.isfile(args.clip_pretrained):
             raise UserError(f"{model_flag} {args.clip_model} is a model config, which has no --clip-pretrained "
                             f"{args.clip_pretrained} weights; add --clip-pretrained none (random weights, for tests) or a "
@@ -406,7 +413,7 @@ def load_clip(args, device: torch.device) -> tuple[nn.Module, object]:
     cached = fetch_clip_weights(args)  # says what it fetches; a download that cannot happen fails here, in seconds
     offline, hub.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE or cached  # cached weights: no hub requests
     logging.disable(logging.ERROR)  # open_clip logs multi-line errors: we say it in one sentence
-    try:  # a config that is not JSON, or lacks embed_dim, vision_cfg or text_cfg (open_clip skips it): said below
+    try:  # a config file is checked before (check_clip_args); whatever open_clip still refuses is said below
         if args.clip_model.endswith(".json"):
             open_clip.add_model_config(args.clip_model)
         model = open_clip.create_model(name, pretrained=pretrained, device=device, cache_dir=args.clip_cache_dir)
@@ -556,12 +563,6 @@ class FramesInInfo(gym.vector.VectorWrapper):
         return getattr(self.env, name)
 
 
-def check_renderer_args(args) -> None:
-    """--supersample, of the humanoid's training script and of the tools (--renderer warp's own checks: vlmrm_warp)."""
-    if not 1 <= args.supersample <= 8:
-        raise UserError(f"--supersample must be between 1 and 8, got {args.supersample}.")
-
-
 def mujoco_warning(message: str) -> None:
     """MuJoCo's warnings (e.g. a NaN action: "the simulation is unstable"): the first of each process on stdout."""
     if not getattr(mujoco_warning, "said", False):
@@ -647,7 +648,7 @@ class Run:
         self.checkpoint = checkpoint  # of --resume (the run to continue) or --evaluate (the policy to roll out)
         self.args, self.script = args, os.path.basename(sys.modules[type(args).__module__].__file__)
         self.source = script_record(sys.modules[type(args).__module__].__file__)  # in every checkpoint: who wrote it
-        mid = (args.total_timesteps // args.num_envs) % args.episode_length * args.num_envs  # fixed: all episodes in flight
+        mid = (args.total_timesteps // args.num_envs) % args.episode_length * args.num_envs  # fixed-length: all in flight
         if mid and args.save_model and args.evaluate is None and args.episodes == "fixed":  # no resumable state (see finish)
             print(f"note: --total-timesteps {args.total_timesteps} ends {mid} steps into an episode: checkpoint.pt keeps the "
                   f"last episode end's state; the final networks: checkpoints/step-{args.total_timesteps}.pt")  # fmt: skip
@@ -696,7 +697,7 @@ class Run:
             if not dead:
                 raise
             code = dead[0].exitcode
-            how = f"killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else f"exited with code {code}"
+            how = f"killed by {signal.Signals(-code).name}" if -code in set(signal.Signals) else f"exited with code {code}"
             resume = f"runs/{self.name}/checkpoint.pt"
             resume = f"; continue from its last checkpoint with --resume {resume}" if os.path.exists(resume) else ""
             raise RunError(f"env worker {processes.index(dead[0])} (pid {dead[0].pid}) died ({how}){resume}.") from None
@@ -945,9 +946,9 @@ class Progress:
         if (not final and now - self.last < self.interval) or (final and not self.tty and self.printed == step):
             return
         elapsed, line = now - self.start, "step {n}/{total} ({percentage:.0f}%) | {rate_noinv_fmt} | elapsed {elapsed}"
-        rate = None if elapsed >= 5 or step >= self.total else 0  # 0: "?" until a few seconds measured
+        rate, left = (None, "00:00") if step >= self.total else (None if elapsed >= 5 else 0, "{remaining}")  # 0: "?" for 5 s
         line = tqdm.format_meter(step, self.total, elapsed, rate=rate, initial=self.start_step, unit=" steps",
-                                 bar_format=line + " | left {remaining}")  # fmt: skip
+                                 bar_format=f"{line} | left {left}")  # fmt: skip
         if self.returns:
             gt_return, clip_return = np.mean(self.returns, axis=0)
             line += f" | last {len(self.returns)} episodes: gt_return {gt_return:.1f}"

@@ -34,6 +34,7 @@ def check_available(args, device: Optional[torch.device] = None) -> None:
     for failed, message in [
         (args.env_id != "Humanoid-v5", "--renderer warp draws Humanoid-v5 only; use --renderer egl."),
         (not importlib.util.find_spec("mujoco_warp"), "--renderer warp needs MuJoCo Warp: pip install mujoco-warp."),
+        (not 1 <= args.supersample <= 8, f"--supersample must be between 1 and 8, got {args.supersample}."),
     ]:
         if failed:
             raise UserError(message)

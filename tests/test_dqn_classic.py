@@ -332,8 +332,8 @@ def test_prompts_with_the_same_embedding_are_refused_after_encoding(in_tmp):
 @pytest.mark.parametrize(
     "content, words",
     [
-        ("{not json", ["could not build", "JSONDecodeError", "config file"]),
-        ('{"name": "not a model"}', ["could not build", "config file"]),  # open_clip skips it: no such model
+        ("{not json", ["not an open_clip model config", "embed_dim"]),
+        ('{"name": "not a model"}', ["not an open_clip model config", "embed_dim"]),
         ('{"embed_dim": 32, "vision_cfg": {"layers": "two"}, "text_cfg": {}}', ["could not build", "config file"]),
     ],
 )
@@ -345,6 +345,12 @@ def test_a_bad_model_config_file_is_named_as_such(in_tmp, content, words):
     assert "\n" not in message and "network" not in message, message
     for word in words:
         assert word in message, message
+
+
+def test_a_config_without_model_keys_named_as_a_built_in_model_is_refused_not_replaced_by_it(in_tmp):
+    """open_clip skips a config without embed_dim, vision_cfg and text_cfg silently: RN50.json would load the stock RN50."""
+    (in_tmp / "RN50.json").write_text('{"embed_dims": 1024, "vision_cfg": {}, "text_cfg": {}}')
+    assert_refused(classic, ["--clip-model", "RN50.json", "--clip-pretrained", "openai"], "RN50.json", "not an open_clip")
 
 
 def test_missing_weights_say_what_is_fetched_and_fail_within_seconds(tmp_path):

@@ -24,6 +24,7 @@ CONFIG = str(clip_trainer.CONFIG)
 # the RL prompts, as a user types them: none is a training caption (checked below); both are in-vocabulary paraphrases
 GOAL = "the pole is standing upright on the cart"
 BASELINE = "the pole has fallen over flat"
+PROMPTS = ["--goal", GOAL, "--baseline", BASELINE, "--alphas", "0", "0.5", "1"]  # the tools' prompts and alphas
 ALPHA = "0.5"
 
 
@@ -51,14 +52,7 @@ def test_reward_shape_peaks_upright(cartpole_clip, tmp_path):
         CONFIG,
         "--clip-checkpoint",
         cartpole_clip,
-        "--goal",
-        GOAL,
-        "--baseline",
-        BASELINE,
-        "--alphas",
-        "0",
-        "0.5",
-        "1",
+        *PROMPTS,
         "--num-points",
         "61",
         cwd=tmp_path,
@@ -119,14 +113,7 @@ def test_epic_distance_to_ground_truth_is_clearly_lower_than_a_random_models(car
             "--labels",
             "gt",
             *flags,
-            "--goal",
-            GOAL,
-            "--baseline",
-            BASELINE,
-            "--alphas",
-            "0",
-            "0.5",
-            "1",
+            *PROMPTS,
             "--bootstrap",
             "200",
             cwd=out,

@@ -127,8 +127,12 @@ def test_the_first_eta_waits_for_measured_speed_and_the_last_is_zero(capsys, mon
     short = vlmrm_utils.Progress(1000, 0, clip=False, recent=10, interval=0.0)
     now[0] += 2
     short.update(1000, final=True)  # a run shorter than the wait: done is done
+    done = vlmrm_utils.Progress(1000, 1000, clip=False, recent=10, interval=0.0)  # --resume of a finished run: 0 steps
+    now[0] += 6
+    done.update(1000, final=True)
     lines = capsys.readouterr().out.splitlines()
     assert "left ?" in lines[0] and "left 00:11" in lines[1] and "left 00:00" in lines[2] and "left 00:00" in lines[3], lines
+    assert "left 00:00" in lines[4], lines
 
 
 def test_evaluate_writes_beside_the_trained_runs_videos_and_replaces_an_earlier_evaluation(in_tmp, capsys):
