@@ -31,6 +31,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -208,15 +209,16 @@ def train_runs(args, clip_path: Path) -> dict:
     return runs
 
 
-def rollouts(actor, episodes: int, seed: int, render_size: int = 0) -> tuple[np.ndarray, np.ndarray, list]:
+def rollouts(actor, episodes: int, seed: int, render_size: int = 0) -> tuple[np.ndarray, np.ndarray, list, Counter]:
     """Stochastic episodes (random actions when `actor` is None): per-episode fraction of steps kneeling, success
-    (kneeling at each of the last SUCCESS_STEPS steps), and frames at `render_size` (when > 0) of the first episode."""
+    (kneeling at each of the last SUCCESS_STEPS steps), frames at `render_size` (when > 0) of the first episode, and the
+    steps' postures (`humanoid_clip.kneel_posture`: what the policy does when it does not kneel)."""
     from vlmrm_sac_humanoid import make_env
 
     env = make_env("Humanoid-v5", seed, 0, 100, render_size or 64, "high", True)()
     env.action_space.seed(seed)
     torch.manual_seed(seed)
-    fractions, successes, frames = [], [], []
+    fractions, successes, frames, postures = [], [], [], Counter()
     for episode in range(episodes):
         obs, _ = env.reset(seed=seed + episode)
         kneels, done = [], False
@@ -224,40 +226,43 @@ def rollouts(actor, episodes: int, seed: int, render_size: int = 0) -> tuple[np.
             action = humanoid_clip.rollout_action(actor, env, obs)
             obs, _, terminated, truncated, _ = env.step(action)
             done = terminated or truncated
-            kneels.append(humanoid_clip.kneeling(env.unwrapped.data))
+            posture = humanoid_clip.kneel_posture(env.unwrapped.data)  # "kneeling" exactly when humanoid_clip.kneeling
+            kneels.append(posture == "kneeling")
+            postures[posture] += 1
             if render_size and episode == 0:
                 frames.append(env.render())
         fractions.append(np.mean(kneels))
         successes.append(all(kneels[-humanoid_clip.SUCCESS_STEPS :]))
     env.close()
-    return np.array(fractions), np.array(successes), frames
+    return np.array(fractions), np.array(successes), frames, postures
 
 
 def judge(args, runs: dict) -> None:
     """The ground truth on the final policies (and a random one), per seed, and a curve over checkpoints."""
     n, table, curves, strips = args.eval_episodes, [], {}, {}
-    fractions, successes, strips["random"] = rollouts(None, n, seed=777, render_size=160)
-    table.append(("random", "-", fractions, successes))
+    fractions, successes, strips["random"], postures = rollouts(None, n, seed=777, render_size=160)
+    table.append(("random", "-", fractions, successes, postures))
     for (name, seed), folder in runs.items():
         run = run_dir(folder)
         points = sorted((int(p.stem.split("-")[1]), p) for p in (run / "checkpoints").glob("step-*.pt"))
         curve = [(step, rollouts(humanoid_arms.load_actor(p), args.curve_episodes, seed=777)[0].mean()) for step, p in points]
         curves[(name, seed)] = curve
-        fractions, successes, frames = rollouts(humanoid_arms.load_actor(run / "checkpoint.pt"), n, 777, 160)
-        table.append((name, seed, fractions, successes))
+        fractions, successes, frames, postures = rollouts(humanoid_arms.load_actor(run / "checkpoint.pt"), n, 777, 160)
+        table.append((name, seed, fractions, successes, postures))
         strips.setdefault(name, frames)  # the first seed's
     print(
         f"ground truth: fraction of steps kneeling, and episodes kneeling at each of their last "
         f"{humanoid_clip.SUCCESS_STEPS} steps, {n} stochastic episodes x 100 steps per policy"
     )
-    for name, seed, fractions, successes in table:
+    for name, seed, fractions, successes, postures in table:
         sem = fractions.std(ddof=1) / np.sqrt(len(fractions)) if len(fractions) > 1 else float("nan")
         print(
             f"  {name:8s} seed {seed}: kneeling {fractions.mean():.3f} +- {sem:.3f} (standard error over episodes), "
-            f"success {successes.mean():.2f}"
+            f"success {successes.mean():.2f}; steps: "
+            + ", ".join(f"{posture} {k / postures.total():.2f}" for posture, k in postures.most_common(4))
         )
     for name in ("goal", "swapped"):
-        means = [f.mean() for nm, _, f, _ in table if nm == name]
+        means = [f.mean() for nm, _, f, *_ in table if nm == name]
         spread = np.std(means, ddof=1) / np.sqrt(len(means)) if len(means) > 1 else float("nan")
         print(
             f"  {name:8s} over {len(means)} seed(s): kneeling {np.mean(means):.3f} +- {spread:.3f} (standard error over seeds)"

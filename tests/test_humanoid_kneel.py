@@ -88,8 +88,9 @@ def test_score_and_success_of_rollouts(monkeypatch):
     ):
         steps = iter(pattern)
         monkeypatch.setattr(humanoid_clip, "kneeling", lambda data: bool(next(steps)))
-        fractions, successes, _ = humanoid_kneel.rollouts(None, 1, seed=0)
+        fractions, successes, _, postures = humanoid_kneel.rollouts(None, 1, seed=0)
         assert fractions[0] == pytest.approx(fraction) and successes[0] == success
+        assert postures["kneeling"] == sum(pattern) and postures.total() == 100  # the steps' postures, counted
 
 
 def test_prompts_are_in_vocabulary_paraphrases():
