@@ -117,7 +117,7 @@ def clip_checks(args, model, tokenizer, clip_path: Path) -> None:
     n = 150 if args.smoke else 600
     held_out = humanoid_clip.render_kneel_dataset(n, 12345, *look)  # a third random rollouts, as training draws them
     rollout = humanoid_clip.render_kneel_dataset(n, 54321, *look, set_fraction=0.0)  # the states a random policy visits
-    for name, (frames, kneel, _, _) in (("held-out frames", held_out), ("random-rollout frames", rollout)):
+    for name, (frames, kneel, postures, _) in (("held-out frames", held_out), ("random-rollout frames", rollout)):
         kneel = kneel.astype(bool)
         for prompt in (GOAL, SWAPPED):
             r = rewards(model, tokenizer, frames, prompt)
@@ -125,6 +125,8 @@ def clip_checks(args, model, tokenizer, clip_path: Path) -> None:
                 f"{name} ({kneel.sum()} of {len(kneel)} kneeling), goal {prompt!r}: mean reward kneeling "
                 f"{r[kneel].mean():.4f}, not {r[~kneel].mean():.4f}, AUC(kneeling > not) {auc(r, kneel):.3f}"
             )
+            means = {p: r[np.asarray(postures) == p].mean() for p in sorted(set(postures))}  # which postures it prefers
+            print("  by posture: " + ", ".join(f"{p} {v:+.3f}" for p, v in sorted(means.items(), key=lambda pv: -pv[1])))
     # the pose probe, as a user types it: where does the kneeling pose rank among 13 for the goal, and for the control
     probe = [sys.executable, str(ROOT / "reward_shape.py"), "--env-id", "Humanoid-v5", "--clip-models"]
     probe += [str(humanoid_clip.CONFIG), "--clip-pretrained", "none", "--clip-checkpoint", str(clip_path), "--goal", GOAL]
@@ -239,7 +241,7 @@ def rollouts(actor, episodes: int, seed: int, render_size: int = 0) -> tuple[np.
 
 def judge(args, runs: dict) -> None:
     """The ground truth on the final policies (and a random one), per seed, and a curve over checkpoints."""
-    n, table, curves, strips = args.eval_episodes, [], {}, {}
+    n, table, curves, strips, clip_returns = args.eval_episodes, [], {}, {}, {}
     fractions, successes, strips["random"], postures = rollouts(None, n, seed=777, render_size=160)
     table.append(("random", "-", fractions, successes, postures))
     for (name, seed), folder in runs.items():
@@ -247,6 +249,7 @@ def judge(args, runs: dict) -> None:
         points = sorted((int(p.stem.split("-")[1]), p) for p in (run / "checkpoints").glob("step-*.pt"))
         curve = [(step, rollouts(humanoid_arms.load_actor(p), args.curve_episodes, seed=777)[0].mean()) for step, p in points]
         curves[(name, seed)] = curve
+        clip_returns[(name, seed)] = clip_return_between(run, [0] + [step for step, _ in points])
         fractions, successes, frames, postures = rollouts(humanoid_arms.load_actor(run / "checkpoint.pt"), n, 777, 160)
         table.append((name, seed, fractions, successes, postures))
         strips.setdefault(name, frames)  # the first seed's
@@ -272,12 +275,25 @@ def judge(args, runs: dict) -> None:
             f"  {name} seed {seed} checkpoints (step: kneeling, {args.curve_episodes} episodes): "
             + ", ".join(f"{s}: {f:.2f}" for s, f in curve)
         )
+        print(f"    its CLIP return per episode up to each checkpoint (training): {clip_returns[(name, seed)]}")
     plot(curves, table[0][2].mean(), args.docs / "humanoid_kneel_curve.png")
     humanoid_arms.save_frames(strips, args.docs / "humanoid_kneel_frames.png")
     print(
         f"saved {args.docs / 'humanoid_kneel_curve.png'} and {args.docs / 'humanoid_kneel_frames.png'} "
         f"(rows: {', '.join(strips)}; steps 10, 30, 50, 70, 100 of the first episode)"
     )
+
+
+def clip_return_between(run: Path, steps: list[int]) -> str:
+    """The mean training-episode CLIP return (TensorBoard's charts/clip_return) between consecutive checkpoint steps:
+    does the reward rise while the ground truth does not?"""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    events.Reload()
+    logged = np.array([(e.step, e.value) for e in events.Scalars("charts/clip_return")])
+    means = [logged[(logged[:, 0] > a) & (logged[:, 0] <= b), 1].mean() for a, b in zip(steps, steps[1:])]
+    return ", ".join(f"{b}: {m:.1f}" for b, m in zip(steps[1:], means))
 
 
 def plot(curves: dict, random_level: float, path: Path) -> None:
