@@ -10,7 +10,7 @@ at each of their last 20 steps (success), with a curve over the runs' checkpoint
 
     python experiments/humanoid_kneel.py --parallel 2     # 3 seeds x (goal, swapped), 200k steps each, 2 runs at once
     python experiments/humanoid_kneel.py --seeds 1 --sac-steps 500000 --parallel 2 --out runs/humanoid_kneel_500k
-    python experiments/humanoid_kneel.py --clip-only      # the CLIP (266 s of one core), its ranking, the pose probe
+    python experiments/humanoid_kneel.py --clip-only      # the CLIP (about 4 min of one core), its ranking, the pose probe
     python experiments/humanoid_kneel.py --smoke          # the whole pipeline, tiny: 6 min on 2 cores at load ~8
 
 A run stopped (Ctrl-C, or this command killed) continues bit-exactly where its last checkpoint was when the same
@@ -275,7 +275,7 @@ def judge(args, runs: dict) -> None:
             f"  {name} seed {seed} checkpoints (step: kneeling, {args.curve_episodes} episodes): "
             + ", ".join(f"{s}: {f:.2f}" for s, f in curve)
         )
-        print(f"    its CLIP return per episode up to each checkpoint (training): {clip_returns[(name, seed)]}")
+        print(f"    its training CLIP return per episode since the previous checkpoint: {clip_returns[(name, seed)]}")
     plot(curves, table[0][2].mean(), args.docs / "humanoid_kneel_curve.png")
     humanoid_arms.save_frames(strips, args.docs / "humanoid_kneel_frames.png")
     print(
